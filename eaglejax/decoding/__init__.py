@@ -1,0 +1,1 @@
+"""Compiled decoding loops and their pieces (sampling, stopping)."""

@@ -1,0 +1,70 @@
+"""`load_target`: one entry point for every way a target model can arrive."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from eaglejax.config import ModelConfig
+from eaglejax.errors import LoadError
+from eaglejax.target import Target
+
+GGUF_MAGIC = b"GGUF"
+
+
+def default_dtype() -> jnp.dtype:
+    """float32 on CPU, bfloat16 on GPU/TPU."""
+    return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+
+
+def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = None) -> Target:
+    """Load a target from a built-in name, a GGUF file, an HF directory or an eaglejax checkpoint."""
+    from eaglejax.loading import checkpoint
+    from eaglejax.loading.builtin import resolve_builtin
+
+    resolved = resolve_builtin(str(path_or_name)) if isinstance(path_or_name, str) else None
+    path = Path(resolved or path_or_name).expanduser()
+    if not path.exists():
+        raise LoadError(f"{path}: no such file or directory, and not a built-in model name "
+                        f"(built-in: smollm2-135m-instruct)")
+    dtype = jnp.dtype(dtype) if dtype is not None else None
+    if path.is_dir() and checkpoint.is_checkpoint(path):
+        config, params, tokenizer = checkpoint.load_checkpoint(path, dtype)
+        return Target(config, params, tokenizer, str(path))
+    dtype = dtype or default_dtype()
+    if path.is_dir():
+        return _load_hf_dir(path, dtype)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == GGUF_MAGIC or path.suffix == ".gguf":
+        return _load_gguf(path, dtype)
+    raise LoadError(f"{path}: not a GGUF file, Hugging Face directory or eaglejax checkpoint")
+
+
+def _load_hf_dir(path: Path, dtype: jnp.dtype) -> Target:
+    from eaglejax.loading.hf_dir import HFWeights, read_json
+    from eaglejax.loading.weights import params_from_hf
+
+    config_path = path / "config.json"
+    config = ModelConfig.from_hf_dict(read_json(config_path), str(config_path))
+    weights = HFWeights(path)
+    params = params_from_hf(weights.get, weights.shapes(), config, str(path), dtype)
+    tokenizer = None
+    if (path / "tokenizer.json").exists():
+        from eaglejax.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_hf_dir(path)
+    return Target(config, params, tokenizer, str(path))
+
+
+def _load_gguf(path: Path, dtype: jnp.dtype) -> Target:
+    from eaglejax.loading.gguf_file import read_gguf
+    from eaglejax.loading.weights import params_from_hf
+
+    model = read_gguf(path)
+    config = ModelConfig.from_hf_dict(model.config, str(path))
+    shapes = {name: tuple(t.shape) for name, t in model.tensors.items()}
+    params = params_from_hf(model.tensors.__getitem__, shapes, config, str(path), dtype)
+    return Target(config, params, model.tokenizer, str(path))

@@ -1,0 +1,81 @@
+"""Load a Hugging Face model directory: config.json + safetensors (single or sharded) or .bin."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from eaglejax.errors import LoadError
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a file, or LoadError naming it."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        raise LoadError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise LoadError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise LoadError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+class HFWeights:
+    """Uniform access to the tensors of an HF directory, whatever the file layout."""
+
+    def __init__(self, directory: Path):
+        from eaglejax.loading.safetensors_file import SafetensorsFile
+
+        self.directory = directory
+        self._getters: dict[str, Callable[[], np.ndarray]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+        if single.exists():
+            self._add_safetensors(SafetensorsFile(single))
+        elif index.exists():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise LoadError(f"{index}: missing 'weight_map'")
+            for shard_name in sorted(set(weight_map.values())):
+                shard = directory / shard_name
+                if not shard.exists():
+                    raise LoadError(f"{index}: shard {shard_name!r} is missing from {directory}")
+                self._add_safetensors(SafetensorsFile(shard))
+        elif (directory / "pytorch_model.bin").exists():
+            self._add_torch_bin(directory / "pytorch_model.bin")
+        else:
+            raise LoadError(f"{directory}: no weights found (looked for model.safetensors, "
+                            f"model.safetensors.index.json, pytorch_model.bin)")
+
+    def _add_safetensors(self, st) -> None:
+        for name, shape in st.shapes().items():
+            self._shapes[name] = shape
+            self._getters[name] = lambda st=st, name=name: st.get(name)
+
+    def _add_torch_bin(self, path: Path) -> None:
+        try:
+            import torch
+        except ImportError:
+            raise LoadError(f"{path}: reading pytorch_model.bin needs PyTorch "
+                            f"(pip install torch), or convert it to safetensors") from None
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # torch raises many kinds for corrupt files
+            raise LoadError(f"{path}: cannot read PyTorch checkpoint ({err})") from None
+        for name, tensor in state.items():
+            self._shapes[name] = tuple(tensor.shape)
+            self._getters[name] = lambda t=tensor: t.float().numpy() if t.is_floating_point() \
+                else t.numpy()
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._shapes)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._getters:
+            raise LoadError(f"{self.directory}: no tensor named {name!r}")
+        return np.asarray(self._getters[name]())

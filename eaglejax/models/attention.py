@@ -1,0 +1,33 @@
+"""The single attention interface: every attention call in eaglejax goes through here."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+
+import pallas_kernels
+
+AttentionImpl = Literal["auto", "pallas", "xla"]
+IMPLS = ("auto", "pallas", "xla")
+
+
+def resolve_impl(impl: str) -> str:
+    """`auto` means Pallas on GPU/TPU and the XLA reference on CPU."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+    return impl
+
+
+def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_lengths: jax.Array,
+              k_new: jax.Array, v_new: jax.Array, mask: jax.Array, *,
+              impl: AttentionImpl = "auto") -> jax.Array:
+    """Queries q [B,T,Hq,D] over the cached prefix (lengths [B]) plus new K/V under mask [B,T,T]."""
+    if resolve_impl(impl) == "pallas" and hasattr(pallas_kernels, "tree_attention"):
+        return pallas_kernels.tree_attention(
+            q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
+            interpret=jax.default_backend() == "cpu")
+    return pallas_kernels.tree_attention_reference(
+        q, k_cache, v_cache, cache_lengths, k_new, v_new, mask)

@@ -1,0 +1,79 @@
+"""`Target`: a loaded target model (config, parameters, tokenizer) and its inspection API."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eaglejax.config import ModelConfig
+from eaglejax.errors import InputError
+from eaglejax.models.attention import AttentionImpl
+from eaglejax.models.llama import Params, forward, lm_head
+
+if TYPE_CHECKING:
+    from eaglejax.tokenizer import Tokenizer
+
+
+def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default feature taps: residual streams entering layers 2, L//2 and L-3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tap_layers", "attn_impl", "want_logits"))
+def _score(params: Params, config: ModelConfig, tokens: jax.Array, *, tap_layers: tuple[int, ...],
+           attn_impl: AttentionImpl, want_logits: bool):
+    batch, length = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(length)[None], (batch, length))
+    out = forward(params, config, tokens, positions, None, tap_layers=tap_layers,
+                  attn_impl=attn_impl)
+    return lm_head(params, out.hidden) if want_logits else out.taps
+
+
+@dataclasses.dataclass
+class Target:
+    """A target model ready for decoding. Build it with `eaglejax.load_target`."""
+
+    config: ModelConfig
+    params: Params
+    tokenizer: "Tokenizer | None"
+    source: str
+    attn_impl: AttentionImpl = "auto"
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.params["embed"].dtype
+
+    def _token_array(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> jax.Array:
+        array = np.asarray(token_ids)
+        if array.ndim == 1:
+            array = array[None]
+        if array.ndim != 2 or array.shape[1] == 0 or not np.issubdtype(array.dtype, np.integer):
+            raise InputError(f"token_ids must be a non-empty [batch, length] integer array of "
+                             f"equal-length rows, got shape {array.shape} dtype {array.dtype}")
+        if array.min() < 0 or array.max() >= self.config.vocab_size:
+            raise InputError(f"token_ids must lie in [0, {self.config.vocab_size}), "
+                             f"got values in [{array.min()}, {array.max()}]")
+        return jnp.asarray(array, jnp.int32)
+
+    def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> jax.Array:
+        """Float32 logits [B,T,V] of a full sequence scored causally from position 0."""
+        return _score(self.params, self.config, self._token_array(token_ids), tap_layers=(),
+                      attn_impl=self.attn_impl, want_logits=True)
+
+    def features(self, token_ids: Sequence[Sequence[int]] | np.ndarray,
+                 layer_ids: Sequence[int] | None = None) -> jax.Array:
+        """Residual streams entering `layer_ids` (default `(2, L//2, L-3)`), concatenated:
+        [B,T,len(layer_ids)*H]."""
+        num_layers = self.config.num_layers
+        layers = tuple(layer_ids) if layer_ids is not None else default_tap_layers(num_layers)
+        bad = [i for i in layers if not 0 <= i <= num_layers]
+        if not layers or bad:
+            raise InputError(f"layer_ids must be non-empty and within [0, {num_layers}], "
+                             f"got {layers}")
+        return _score(self.params, self.config, self._token_array(token_ids), tap_layers=layers,
+                      attn_impl=self.attn_impl, want_logits=False)
