@@ -1,0 +1,13 @@
+"""eaglejax: speculative decoding (EAGLE-1/2/3, dynamic trees, parallel drafting) in JAX."""
+
+from eaglejax.config import ModelConfig
+from eaglejax.errors import ConfigError, EaglejaxError, InputError, LoadError
+from eaglejax.generate import Generation, GenerationMetrics, generate
+from eaglejax.loading import load_target
+from eaglejax.target import Target
+
+__all__ = [
+    "ConfigError", "EaglejaxError", "Generation", "GenerationMetrics", "InputError", "LoadError",
+    "ModelConfig", "Target", "generate", "load_target",
+]
+__version__ = "0.1.0"

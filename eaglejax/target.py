@@ -42,6 +42,7 @@ class Target:
     params: Params
     tokenizer: "Tokenizer | None"
     source: str
+    eos_token_ids: tuple[int, ...] = ()
     attn_impl: AttentionImpl = "auto"
 
     @property

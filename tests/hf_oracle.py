@@ -54,6 +54,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     import torch
 
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()

@@ -31,8 +31,8 @@ def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = Non
                         f"(built-in: smollm2-135m-instruct)")
     dtype = jnp.dtype(dtype) if dtype is not None else None
     if path.is_dir() and checkpoint.is_checkpoint(path):
-        config, params, tokenizer = checkpoint.load_checkpoint(path, dtype)
-        return Target(config, params, tokenizer, str(path))
+        config, params, tokenizer, eos_ids = checkpoint.load_checkpoint(path, dtype)
+        return Target(config, params, tokenizer, str(path), eos_ids)
     dtype = dtype or default_dtype()
     if path.is_dir():
         return _load_hf_dir(path, dtype)
@@ -51,12 +51,24 @@ def _load_hf_dir(path: Path, dtype: jnp.dtype) -> Target:
     config = ModelConfig.from_hf_dict(read_json(config_path), str(config_path))
     weights = HFWeights(path)
     params = params_from_hf(weights.get, weights.shapes(), config, str(path), dtype)
-    tokenizer = None
     if (path / "tokenizer.json").exists():
         from eaglejax.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_hf_dir(path)
-    return Target(config, params, tokenizer, str(path))
+        return Target(config, params, tokenizer, str(path), tuple(tokenizer.eos_token_ids))
+    return Target(config, params, None, str(path), _config_eos_ids(path))
+
+
+def _config_eos_ids(path: Path) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, else config.json (an int or a list)."""
+    from eaglejax.loading.hf_dir import read_json
+
+    for name in ("generation_config.json", "config.json"):
+        if (path / name).exists():
+            eos = read_json(path / name).get("eos_token_id")
+            if eos is not None:
+                return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    return ()
 
 
 def _load_gguf(path: Path, dtype: jnp.dtype) -> Target:
@@ -67,4 +79,5 @@ def _load_gguf(path: Path, dtype: jnp.dtype) -> Target:
     config = ModelConfig.from_hf_dict(model.config, str(path))
     shapes = {name: tuple(t.shape) for name, t in model.tensors.items()}
     params = params_from_hf(model.tensors.__getitem__, shapes, config, str(path), dtype)
-    return Target(config, params, model.tokenizer, str(path))
+    return Target(config, params, model.tokenizer, str(path),
+                  tuple(model.tokenizer.eos_token_ids))

@@ -39,13 +39,14 @@ def save_target(target, path: str | Path) -> Path:
     if target.tokenizer is not None:
         target.tokenizer.save(path)
     manifest = {"format": FORMAT, "version": VERSION, "config": target.config.to_hf_dict(),
-                "dtype": jnp.dtype(target.dtype).name, "source": target.source}
+                "dtype": jnp.dtype(target.dtype).name, "source": target.source,
+                "eos_token_ids": list(target.eos_token_ids)}
     (path / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return path
 
 
 def load_checkpoint(path: Path, dtype: jnp.dtype | None):
-    """(config, params, tokenizer or None) from a checkpoint directory."""
+    """(config, params, tokenizer or None, eos ids) from a checkpoint directory."""
     from eaglejax.tokenizer import Tokenizer
 
     manifest = read_json(path / MANIFEST)
@@ -68,4 +69,5 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None):
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
         params = jax.tree.map(lambda a: a.astype(dtype), params)
     tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
-    return config, params, tokenizer
+    eos_ids = tuple(int(i) for i in manifest.get("eos_token_ids", []))
+    return config, params, tokenizer, eos_ids

@@ -1,0 +1,196 @@
+"""`eaglejax.generate()`: prompts in, `Generation` objects out."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eaglejax.decoding import plain
+from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP, StopCriteria
+from eaglejax.errors import ConfigError, InputError
+from eaglejax.target import Target
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+@dataclasses.dataclass
+class GenerationMetrics:
+    """Timings are shared by the rows of one call; tokens/s counts this row's tokens.
+
+    `decode_tokens_per_s` excludes the first new token (it comes from the prefill).
+    """
+
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_tokens_per_s: float
+    target_forwards: int
+    batch_size: int
+
+
+@dataclasses.dataclass
+class Generation:
+    """One prompt's result. `finish_reason` is "eos", "stop" (a stop string) or "length"."""
+
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str
+    metrics: GenerationMetrics
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_target(name: str) -> Target:
+    from eaglejax.loading import load_target
+
+    return load_target(name)
+
+
+def _bucket(n: int, minimum: int) -> int:
+    """Next power of two >= n (at least `minimum`), so shapes and compiles are reused."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _encode_prompts(prompts: str | Sequence[str] | Sequence[Sequence[int]], target: Target,
+                    chat: bool) -> list[list[int]]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise InputError("prompts must be a non-empty list of strings or of token-id lists")
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InputError(f"prompt {i} is empty")
+            if target.tokenizer is None:
+                raise InputError(f"{target.source}: the model has no tokenizer; pass token ids")
+            ids = target.tokenizer.render_prompt(prompt, chat=chat)
+        else:
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise InputError(f"prompt {i} is empty")
+            bad = [t for t in ids if not 0 <= t < target.config.vocab_size]
+            if bad:
+                raise InputError(f"prompt {i}: token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {target.config.vocab_size})")
+        encoded.append(ids)
+    return encoded
+
+
+def _stop_criteria(target: Target, stop: Sequence[str], ignore_eos: bool) -> StopCriteria:
+    sequences = []
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise InputError(f"stop strings must be non-empty strings, got {s!r}")
+        if target.tokenizer is None:
+            raise InputError(f"{target.source}: stop strings need a tokenizer")
+        sequences.append(tuple(target.tokenizer.encode(s)))
+    eos = () if ignore_eos else tuple(sorted(set(target.eos_token_ids)))
+    return StopCriteria(eos, tuple(sorted(set(sequences))))
+
+
+def _cut_at_stop(target: Target, ids: list[int], stop: Sequence[str]) -> tuple[list[int], str | None]:
+    """Exact host-side stop-string check: the shortest token prefix whose text holds a stop
+    string, and the text before it; (ids, None) when no stop string occurs."""
+    decode = target.tokenizer.decode
+    if not any(s in decode(ids) for s in stop):
+        return ids, None
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in decode(ids[:mid]) for s in stop):
+            hi = mid
+        else:
+            lo = mid + 1
+    text = decode(ids[:lo])
+    cut = min(text.find(s) for s in stop if s in text)
+    return ids[:lo], text[:cut]
+
+
+def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
+             target: Target | str | None = None, draft: object | None = None,
+             max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int | Sequence[int] = 0, chat: bool = True,
+             stop: str | Sequence[str] | None = None, ignore_eos: bool = False) -> list[Generation]:
+    """Generate continuations of `prompts` (strings, rendered with the chat template when
+    `chat`, or token-id lists used as given) in one compiled batch.
+
+    temperature 0 is greedy; otherwise temperature, top_k (0 = off) and top_p shape the
+    distribution that is sampled. `seed` may be one int for every row or one per row: a
+    row's tokens depend only on its prompt and its seed, never on its neighbours.
+    Generation stops at an EOS id (unless `ignore_eos`), a stop string (excluded from
+    `.text`), or `max_new_tokens`.
+    """
+    if target is None or isinstance(target, str):
+        target = _cached_target(target or DEFAULT_TARGET)
+    if draft is not None:
+        raise ConfigError("speculative decoding with a draft head is not available in this "
+                          "version of eaglejax; pass draft=None for plain decoding")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    sampling = SamplingParams.make(temperature, top_k, top_p)
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    criteria = _stop_criteria(target, stop, ignore_eos)
+    encoded = _encode_prompts(prompts, target, chat)
+    batch = len(encoded)
+    seeds = [seed] * batch if isinstance(seed, int) else [int(s) for s in seed]
+    if len(seeds) != batch:
+        raise InputError(f"seed: got {len(seeds)} seeds for {batch} prompts")
+
+    lengths = [len(ids) for ids in encoded]
+    limit = target.config.max_position_embeddings
+    if target.config.sliding_window:
+        limit = min(limit, target.config.sliding_window)
+    for i, n in enumerate(lengths):
+        if n + max_new_tokens > limit:
+            raise InputError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} "
+                             f"that exceeds the model's context of {limit} tokens")
+    prompt_len = _bucket(max(lengths), 16)
+    max_tokens = _bucket(max_new_tokens, 16)
+    capacity = -(-(prompt_len + max_tokens) // 128) * 128
+    prompt = np.zeros((batch, prompt_len), np.int32)
+    for i, ids in enumerate(encoded):
+        prompt[i, :len(ids)] = ids
+    row_keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.uint32))
+    greedy = temperature == 0
+    max_new = jnp.int32(max_new_tokens)
+
+    start = time.perf_counter()
+    state = plain.prefill(target.params, target.config, jnp.asarray(prompt),
+                          jnp.asarray(lengths, jnp.int32), row_keys, sampling, max_new,
+                          capacity=capacity, max_tokens=max_tokens, greedy=greedy, stop=criteria,
+                          attn_impl=target.attn_impl)
+    jax.block_until_ready(state)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    state = plain.decode_loop(target.params, target.config, state, sampling, max_new,
+                              greedy=greedy, stop=criteria, attn_impl=target.attn_impl)
+    tokens, counts, finish, forwards = jax.device_get(
+        (state.tokens, state.counts, state.finish, state.forwards))
+    decode_s = time.perf_counter() - start
+
+    results = []
+    for i in range(batch):
+        ids = tokens[i, :counts[i]].tolist()
+        reason = FINISH_REASONS[int(finish[i])]
+        text = None
+        if target.tokenizer is not None:
+            ids, stop_text = _cut_at_stop(target, ids, stop) if stop else (ids, None)
+            if stop_text is not None:
+                reason, text = FINISH_REASONS[FINISH_STOP], stop_text
+            else:
+                text = target.tokenizer.decode(ids)
+        metrics = GenerationMetrics(
+            prompt_tokens=lengths[i], new_tokens=len(ids), prefill_s=prefill_s,
+            decode_s=decode_s,
+            decode_tokens_per_s=(int(counts[i]) - 1) / decode_s if decode_s > 0 else 0.0,
+            target_forwards=int(forwards) + 1, batch_size=batch)
+        results.append(Generation(text, ids, reason, metrics))
+    return results

@@ -1,0 +1,104 @@
+"""Public entry point for tree attention: dispatches to the Pallas GPU (Triton) or TPU kernel."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+_GPU_NAMES = {"gpu", "cuda", "rocm", "triton"}
+_TPU_NAMES = {"tpu", "mosaic"}
+
+
+def _resolve_backend(backend: str | None, interpret: bool) -> str:
+    platform = jax.default_backend()
+    if backend is None:
+        backend = platform
+    backend = backend.lower()
+    if backend == "cpu":
+        if not interpret:
+            raise ValueError(
+                "tree_attention has no compiled CPU kernel: pass interpret=True to run a Pallas "
+                "kernel in interpret mode, or use pallas_kernels.tree_attention_reference on CPU."
+            )
+        return "gpu"  # the GPU kernel body is the portable one; interpret mode runs it anywhere
+    if backend in _GPU_NAMES:
+        kind = "gpu"
+    elif backend in _TPU_NAMES:
+        kind = "tpu"
+    else:
+        raise ValueError(f"unknown backend {backend!r}; expected 'gpu', 'tpu' or None")
+    if not interpret and platform == "cpu":
+        raise ValueError(
+            f"backend={backend!r} needs a {kind.upper()} but JAX's default backend is CPU: pass "
+            "interpret=True, or use pallas_kernels.tree_attention_reference."
+        )
+    return kind
+
+
+def _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, Hq, D], got shape {q.shape}")
+    batch, t_new, n_q_heads, head_dim = q.shape
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache/v_cache must both be [B, S, Hkv, D], got {k_cache.shape} "
+                         f"and {v_cache.shape}")
+    _, s_cache, n_kv_heads, _ = k_cache.shape
+    if k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache {k_cache.shape} does not match q {q.shape} in B or D")
+    if n_q_heads % n_kv_heads:
+        raise ValueError(f"Hq={n_q_heads} is not a multiple of Hkv={n_kv_heads}")
+    expected_new = (batch, t_new, n_kv_heads, head_dim)
+    if k_new.shape != expected_new or v_new.shape != expected_new:
+        raise ValueError(f"k_new/v_new must be {expected_new}, got {k_new.shape}, {v_new.shape}")
+    if cache_lengths.shape != (batch,):
+        raise ValueError(f"cache_lengths must be [B]={batch}, got {cache_lengths.shape}")
+    if mask.shape != (batch, t_new, t_new):
+        raise ValueError(f"mask must be [B, T, T]={(batch, t_new, t_new)}, got {mask.shape}")
+    if s_cache < 1:
+        raise ValueError("the cache needs at least one slot (S >= 1)")
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "interpret", "block_k", "backend", "num_splits")
+)
+def tree_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cache_lengths: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float | None = None,
+    interpret: bool = False,
+    block_k: int | None = None,
+    backend: str | None = None,
+    num_splits: int | None = None,
+) -> jax.Array:
+    """Pallas tree attention; same contract as :func:`tree_attention_reference`.
+
+    q [B,T,Hq,D]; k_cache/v_cache [B,S,Hkv,D]; cache_lengths [B] int32; k_new/v_new
+    [B,T,Hkv,D]; mask [B,T,T] bool. Query t of row b attends to cache positions
+    < cache_lengths[b] and to new position j iff mask[b,t,j]; a query that sees nothing
+    returns zeros. Returns [B,T,Hq,D] in q's dtype, softmax accumulated in float32.
+
+    backend: "gpu" (Pallas Triton), "tpu" (Pallas Mosaic) or None for jax.default_backend().
+    interpret: run the chosen kernel in Pallas interpret mode (any platform, e.g. CPU tests).
+    block_k: cache positions per step (GPU: power of two >= 16; TPU: multiple of 16).
+    num_splits: GPU only, flash-decoding splits of the prefix (None: from the grid size).
+    """
+    _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask)
+    kind = _resolve_backend(backend, interpret)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if kind == "tpu":
+        from pallas_kernels._tree_attention_tpu import tree_attention_tpu
+
+        return tree_attention_tpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
+                                  scale=scale, interpret=interpret, block_k=block_k)
+    from pallas_kernels._tree_attention_gpu import tree_attention_gpu
+
+    return tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
+                              scale=scale, interpret=interpret, block_k=block_k,
+                              num_splits=num_splits)
