@@ -6,11 +6,15 @@ import functools
 
 import jax
 
+from pallas_kernels._tree_attention_gpu import tree_attention_gpu
+from pallas_kernels._tree_attention_tpu import tree_attention_tpu
+
 _GPU_NAMES = {"gpu", "cuda", "rocm", "triton"}
 _TPU_NAMES = {"tpu", "mosaic"}
 
 
 def _resolve_backend(backend: str | None, interpret: bool) -> str:
+    """Kernel family to use. An explicit backend is trusted even on a CPU host (AOT lowering)."""
     platform = jax.default_backend()
     if backend is None:
         backend = platform
@@ -23,17 +27,10 @@ def _resolve_backend(backend: str | None, interpret: bool) -> str:
             )
         return "gpu"  # the GPU kernel body is the portable one; interpret mode runs it anywhere
     if backend in _GPU_NAMES:
-        kind = "gpu"
-    elif backend in _TPU_NAMES:
-        kind = "tpu"
-    else:
-        raise ValueError(f"unknown backend {backend!r}; expected 'gpu', 'tpu' or None")
-    if not interpret and platform == "cpu":
-        raise ValueError(
-            f"backend={backend!r} needs a {kind.upper()} but JAX's default backend is CPU: pass "
-            "interpret=True, or use pallas_kernels.tree_attention_reference."
-        )
-    return kind
+        return "gpu"
+    if backend in _TPU_NAMES:
+        return "tpu"
+    raise ValueError(f"unknown backend {backend!r}; expected 'gpu', 'tpu' or None")
 
 
 def _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask) -> None:
@@ -93,12 +90,8 @@ def tree_attention(
     kind = _resolve_backend(backend, interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if kind == "tpu":
-        from pallas_kernels._tree_attention_tpu import tree_attention_tpu
-
         return tree_attention_tpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
                                   scale=scale, interpret=interpret, block_k=block_k)
-    from pallas_kernels._tree_attention_gpu import tree_attention_gpu
-
     return tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
                               scale=scale, interpret=interpret, block_k=block_k,
                               num_splits=num_splits)

@@ -4,3 +4,36 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from hf_oracle import FAMILIES, make_hf_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_family(tmp_path_factory):
+    """family -> (saved directory, transformers model); each built once per session."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            directory = tmp_path_factory.mktemp(family)
+            built[family] = (directory, make_hf_model(family, directory))
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def target_of(hf_family):
+    """family -> eaglejax Target loaded from the saved Hugging Face directory."""
+    import eaglejax
+
+    loaded = {}
+
+    def get(family: str):
+        if family not in loaded:
+            loaded[family] = eaglejax.load_target(hf_family(family)[0])
+        return loaded[family]
+
+    return get

@@ -89,7 +89,11 @@ def _decode_field(field: Any) -> Any:
         if vtype == GGUFValueType.STRING:
             return bytes(part).decode("utf-8")
         value = part[0].item()
-        return bool(value) if vtype == GGUFValueType.BOOL else value
+        if vtype == GGUFValueType.BOOL:
+            return bool(value)
+        if vtype == GGUFValueType.FLOAT32:  # shortest decimal of the float32: 1e-05, not 9.99e-06
+            return float(str(np.float32(value)))
+        return value
 
     if types[0] == GGUFValueType.ARRAY:
         if len(types) < 2:
@@ -155,6 +159,12 @@ def _need(meta: dict[str, Any], key: str, path: pathlib.Path, kind: type | tuple
     return value
 
 
+def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The decoded metadata of a GGUF file (no tensors are read). Raises LoadError."""
+    path = pathlib.Path(path)
+    return _metadata(_open_reader(path), path)
+
+
 # ------------------------------------------------------------------------------ config
 
 
@@ -183,17 +193,18 @@ def _llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int, path:
     smooth = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)  # = a / wavelen - b
     a, neg_b = np.polyfit(1 / wavelen[mid], smooth, 1)
     b = -neg_b
-    high = 1 + 1 / b if b > 0 else float("nan")
-    orig = a / b if b > 0 else float("nan")
+    if not (np.isfinite(a) and np.isfinite(b) and a > 0 and b > 0):
+        raise LoadError(f"{path}: tensor 'rope_freqs.weight' does not match llama3 RoPE scaling "
+                        "(cannot recover rope_scaling)")
     scaling = {
         "rope_type": "llama3",
         "factor": round(factor, 4),
         "low_freq_factor": 1.0,
-        "high_freq_factor": round(float(high), 3),
-        "original_max_position_embeddings": int(round(float(orig))),
+        "high_freq_factor": round(float(1 + 1 / b), 3),
+        "original_max_position_embeddings": int(round(float(a / b))),
     }
     rebuilt = _llama3_factors(inv_freq, scaling)
-    if not np.isfinite(high) or not np.allclose(rebuilt, f, rtol=2e-3, atol=2e-3):
+    if not np.allclose(rebuilt, f, rtol=2e-3, atol=2e-3):
         raise LoadError(f"{path}: tensor 'rope_freqs.weight' does not match llama3 RoPE scaling "
                         "(cannot recover rope_scaling)")
     return scaling

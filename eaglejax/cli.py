@@ -1,0 +1,105 @@
+"""The `eaglejax` command line: generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Sequence
+
+from eaglejax.errors import EaglejaxError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="built-in name, GGUF file, Hugging Face directory or eaglejax "
+                             f"checkpoint (default: {DEFAULT_MODEL})")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                        help="render prompts with the model's chat template (default: on)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eaglejax", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompts", nargs="+", help="prompt text (several run as one batch)")
+    _add_model_args(gen)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+
+    bench = commands.add_parser("bench", help="decoding speed on MT-bench first turns")
+    _add_model_args(bench)
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--num-prompts", type=int, default=16,
+                       help="first N MT-bench questions (default 16; 80 is all)")
+    bench.add_argument("--questions", default=None,
+                       help="MT-bench question.jsonl (default: ../shared/datasets/mt_bench)")
+    bench.add_argument("--stop-at-eos", action="store_true",
+                       help="stop rows at EOS (default: always decode max-new-tokens)")
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from eaglejax import generate, load_target
+
+    target = load_target(args.model, dtype=args.dtype)
+    results = generate(args.prompts, target=target, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                       seed=args.seed, chat=args.chat, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.json:
+        print(json.dumps([{"text": r.text, "token_ids": r.token_ids,
+                           "finish_reason": r.finish_reason,
+                           "metrics": dataclasses.asdict(r.metrics)} for r in results], indent=2))
+        return
+    for r in results:
+        if len(results) > 1:
+            print("-" * 40)
+        print(r.text)
+        m = r.metrics
+        print(f"[{m.new_tokens} tokens, finish: {r.finish_reason}, prefill {m.prefill_s:.3f} s, "
+              f"decode {m.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from eaglejax import load_target
+    from eaglejax.bench import bench_plain
+    from eaglejax.datasets import mt_bench_questions
+
+    if args.batch_size < 1 or args.num_prompts < 1:
+        raise EaglejaxError("--batch-size and --num-prompts must be >= 1")
+    target = load_target(args.model, dtype=args.dtype)
+    questions = mt_bench_questions(args.questions)[:args.num_prompts]
+    report = bench_plain(target, questions, batch_size=args.batch_size,
+                         max_new_tokens=args.max_new_tokens, chat=args.chat,
+                         ignore_eos=not args.stop_at_eos)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    for key, value in report.items():
+        print(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        {"generate": _generate, "bench": _bench}[args.command](args)
+    except EaglejaxError as err:
+        print(f"eaglejax: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

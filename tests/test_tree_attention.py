@@ -1,0 +1,256 @@
+"""Parity of the Pallas tree-attention kernels (interpret mode on CPU) with the XLA reference."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import tree_attention, tree_attention_reference
+
+F32_TOL = 1e-5
+BF16_TOL = 2e-2
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def tree_mask(rng: np.random.Generator, t_new: int) -> np.ndarray:
+    """Ancestor-or-self mask of a random tree whose nodes are in topological order."""
+    parent = [-1] + [int(rng.integers(0, j)) for j in range(1, t_new)]
+    mask = np.zeros((t_new, t_new), bool)
+    for t in range(t_new):
+        j = t
+        while j >= 0:
+            mask[t, j] = True
+            j = parent[j]
+    return mask
+
+
+def make_mask(rng: np.random.Generator, kind: str, batch: int, t_new: int) -> np.ndarray:
+    if kind == "causal":
+        return np.broadcast_to(np.tril(np.ones((t_new, t_new), bool)), (batch, t_new, t_new))
+    if kind == "tree":
+        return np.stack([tree_mask(rng, t_new) for _ in range(batch)])
+    if kind == "diagonal":
+        return np.broadcast_to(np.eye(t_new, dtype=bool), (batch, t_new, t_new))
+    assert kind == "random"
+    return rng.random((batch, t_new, t_new)) < 0.5
+
+
+def make_inputs(seed: int, batch: int, t_new: int, n_q: int, n_kv: int, head_dim: int,
+                s_cache: int, dtype=jnp.float32, mask_kind: str = "random",
+                lengths: np.ndarray | None = None) -> tuple[jax.Array, ...]:
+    """Random inputs; by default row 0 has an empty prefix and the last row a full cache."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    q = normal(batch, t_new, n_q, head_dim)
+    k_cache, v_cache = normal(batch, s_cache, n_kv, head_dim), normal(batch, s_cache, n_kv, head_dim)
+    k_new, v_new = normal(batch, t_new, n_kv, head_dim), normal(batch, t_new, n_kv, head_dim)
+    if lengths is None:
+        lengths = rng.integers(0, s_cache + 1, size=batch)
+        lengths[0] = 0
+        if batch > 1:
+            lengths[-1] = s_cache
+    mask = make_mask(rng, mask_kind, batch, t_new)
+    return (q, k_cache, v_cache, jnp.asarray(lengths, jnp.int32), k_new, v_new,
+            jnp.asarray(mask))
+
+
+def assert_close(out: jax.Array, ref: jax.Array, dtype) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.all(np.isfinite(out))
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(out, ref, atol=F32_TOL, rtol=0)
+    else:
+        np.testing.assert_allclose(out, ref, atol=BF16_TOL, rtol=BF16_TOL)
+
+
+# ------------------------------------------------------------- the reference vs numpy
+
+
+def numpy_tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, mask, scale=None):
+    """Independent float64 oracle: one explicit softmax per (row, token, query head)."""
+    q, k_cache, v_cache, k_new, v_new = (np.asarray(x, np.float64)
+                                         for x in (q, k_cache, v_cache, k_new, v_new))
+    batch, t_new, n_q, head_dim = q.shape
+    group = n_q // k_cache.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    out = np.zeros_like(q)
+    for b in range(batch):
+        for t in range(t_new):
+            for h in range(n_q):
+                keys = [k_cache[b, s, h // group] for s in range(int(lengths[b]))]
+                vals = [v_cache[b, s, h // group] for s in range(int(lengths[b]))]
+                keys += [k_new[b, j, h // group] for j in range(t_new) if mask[b, t, j]]
+                vals += [v_new[b, j, h // group] for j in range(t_new) if mask[b, t, j]]
+                if not keys:
+                    continue
+                logits = np.array([q[b, t, h] @ k for k in keys]) * scale
+                weights = np.exp(logits - logits.max())
+                out[b, t, h] = (weights / weights.sum()) @ np.array(vals)
+    return out
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "tree", "random"])
+def test_reference_matches_numpy_loop(mask_kind):
+    args = make_inputs(0, batch=3, t_new=4, n_q=4, n_kv=2, head_dim=8, s_cache=6,
+                       mask_kind=mask_kind)
+    args = (*args[:6], args[6].at[0, 1].set(False))  # row 0 token 1 also sees nothing
+    ref = tree_attention_reference(*args, scale=0.3)
+    expected = numpy_tree_attention(*args, scale=0.3)
+    np.testing.assert_allclose(np.asarray(ref), expected, atol=1e-5)
+    assert np.all(np.asarray(ref)[0, 1] == 0.0)
+
+
+# -------------------------------------------------------------------- kernel parity
+
+# (B, T, Hq, Hkv, D, S, dtype, mask, block_k, num_splits); S is never a block multiple.
+GPU_CASES = [
+    (2, 1, 4, 4, 64, 37, jnp.float32, "causal", None, None),
+    (2, 5, 12, 4, 64, 37, jnp.float32, "tree", 16, None),
+    (3, 8, 8, 2, 128, 50, jnp.float32, "random", 16, 3),
+    (2, 64, 4, 1, 64, 20, jnp.float32, "causal", 16, 1),
+    (2, 5, 4, 2, 80, 21, jnp.float32, "tree", None, None),
+    (2, 5, 8, 2, 128, 33, jnp.bfloat16, "tree", None, None),
+    (2, 8, 6, 2, 64, 40, jnp.bfloat16, "random", 16, 2),
+    (2, 64, 3, 1, 64, 24, jnp.bfloat16, "tree", 16, None),
+]
+TPU_CASES = [
+    (2, 5, 12, 4, 64, 37, jnp.float32, "tree", 16),
+    (3, 8, 8, 2, 128, 50, jnp.bfloat16, "causal", 16),
+    (2, 64, 4, 1, 64, 20, jnp.float32, "random", None),
+    (2, 1, 8, 8, 128, 70, jnp.float32, "causal", 32),
+]
+
+
+def _case_id(case) -> str:
+    b, t, hq, hkv, d, s, dtype, mask = case[:8]
+    return f"B{b}-T{t}-Hq{hq}-Hkv{hkv}-D{d}-S{s}-{jnp.dtype(dtype).name}-{mask}"
+
+
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_gpu_kernel_matches_reference(case):
+    b, t, hq, hkv, d, s, dtype, mask_kind, block_k, splits = case
+    args = make_inputs(hash(case[:6]) % 1000, b, t, hq, hkv, d, s, dtype, mask_kind)
+    out = tree_attention(*args, interpret=True, backend="gpu", block_k=block_k,
+                         num_splits=splits)
+    assert_close(out, tree_attention_reference(*args), dtype)
+
+
+@pytest.mark.parametrize("case", TPU_CASES, ids=_case_id)
+def test_tpu_kernel_matches_reference(case):
+    b, t, hq, hkv, d, s, dtype, mask_kind, block_k = case
+    args = make_inputs(hash(case[:6]) % 1000, b, t, hq, hkv, d, s, dtype, mask_kind)
+    out = tree_attention(*args, interpret=True, backend="tpu", block_k=block_k)
+    assert_close(out, tree_attention_reference(*args), dtype)
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_edge_cases(backend):
+    """Empty prefix + diagonal mask gives v_new; blind queries give zeros; full cache works."""
+    b, t, hq, hkv, d, s = 3, 5, 6, 2, 64, 24
+    q, kc, vc, _, kn, vn, _ = make_inputs(7, b, t, hq, hkv, d, s)
+    lengths = jnp.array([0, s, 0], jnp.int32)
+    mask = jnp.asarray(make_mask(np.random.default_rng(0), "diagonal", b, t))
+    mask = mask.at[2].set(False).at[1, 3].set(False)  # row 2: all blind; row 1 token 3: cache only
+    args = (q, kc, vc, lengths, kn, vn, mask)
+    out = tree_attention(*args, interpret=True, backend=backend, block_k=16)
+    assert_close(out, tree_attention_reference(*args), jnp.float32)
+    group = hq // hkv
+    np.testing.assert_allclose(np.asarray(out[0]), np.repeat(np.asarray(vn[0]), group, axis=1),
+                               atol=F32_TOL)
+    assert np.all(np.asarray(out[2]) == 0.0)
+
+
+def test_jit_and_while_loop():
+    args = make_inputs(3, 2, 5, 8, 2, 64, 30, mask_kind="tree")
+    kernel = functools.partial(tree_attention, interpret=True, block_k=16)
+
+    def loop(attn, q, *rest):
+        def body(carry):
+            i, x = carry
+            return i + 1, attn(x, *rest)  # output feeds the next query: a decode-like loop
+        return jax.lax.while_loop(lambda c: c[0] < 2, body, (0, q))[1]
+
+    out = jax.jit(functools.partial(loop, kernel))(*args)
+    ref = jax.jit(functools.partial(loop, tree_attention_reference))(*args)
+    assert_close(out, ref, jnp.float32)
+    assert_close(jax.jit(kernel)(*args), tree_attention_reference(*args), jnp.float32)
+
+
+@settings(max_examples=5, deadline=None, derandomize=True)
+@given(
+    batch=st.integers(1, 2),
+    t_new=st.sampled_from([1, 5, 8]),
+    group=st.sampled_from([1, 3, 4]),
+    n_kv=st.integers(1, 2),
+    head_dim=st.sampled_from([64, 128]),
+    s_cache=st.integers(1, 40),
+    mask_kind=st.sampled_from(["causal", "tree", "random"]),
+    backend=st.sampled_from(["gpu", "tpu"]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes(batch, t_new, group, n_kv, head_dim, s_cache, mask_kind, backend, seed):
+    args = make_inputs(seed, batch, t_new, group * n_kv, n_kv, head_dim, s_cache,
+                       mask_kind=mask_kind)
+    out = tree_attention(*args, interpret=True, backend=backend, block_k=16)
+    assert_close(out, tree_attention_reference(*args), jnp.float32)
+
+
+# ------------------------------------------------------------------- API and lowering
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU-only error path")
+def test_cpu_without_interpret_raises():
+    args = make_inputs(0, 1, 1, 2, 1, 64, 8)
+    with pytest.raises(ValueError, match="interpret=True"):
+        tree_attention(*args)
+
+
+def test_bad_shapes_raise():
+    q, kc, vc, lengths, kn, vn, mask = make_inputs(0, 2, 3, 4, 2, 64, 8)
+    with pytest.raises(ValueError, match="mask"):
+        tree_attention(q, kc, vc, lengths, kn, vn, mask[:, :2], interpret=True)
+    with pytest.raises(ValueError, match="multiple"):
+        tree_attention(q[:, :, :3], kc, vc, lengths, kn, vn, mask, interpret=True)
+
+
+def _abstract_inputs(batch=2, t_new=8, n_q=32, n_kv=8, head_dim=128, s_cache=1000,
+                     dtype=jnp.bfloat16):
+    sds = jax.ShapeDtypeStruct
+    kv = sds((batch, s_cache, n_kv, head_dim), dtype)
+    new = sds((batch, t_new, n_kv, head_dim), dtype)
+    return (sds((batch, t_new, n_q, head_dim), dtype), kv, kv, sds((batch,), jnp.int32), new,
+            new, sds((batch, t_new, t_new), jnp.bool_))
+
+
+@pytest.mark.parametrize(
+    "platform,backend,module",
+    [("cuda", "gpu", "jax._src.lib.triton"), ("tpu", "tpu", "jax._src.tpu_custom_call")],
+)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_kernel_lowers_for_accelerator(platform, backend, module, num_splits):
+    """Cross-lower the compiled (non-interpret) kernels from this host: catches Pallas
+    lowering errors of the Triton / Mosaic paths without the hardware."""
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not available in this jaxlib")
+    if backend == "tpu" and num_splits != 1:
+        pytest.skip("num_splits is GPU-only")
+    fn = functools.partial(tree_attention, backend=backend, num_splits=num_splits)
+    text = jax.jit(fn).trace(*_abstract_inputs()).lower(lowering_platforms=(platform,)).as_text()
+    assert ("triton" if backend == "gpu" else "tpu_custom_call") in text
+
+
+@pytest.mark.skipif(jax.default_backend() not in ("gpu", "tpu"), reason="needs a GPU or TPU")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_compiled_kernel_on_accelerator(dtype):
+    args = make_inputs(5, 4, 8, 32, 8, 128, 1000, dtype, "tree")
+    assert_close(tree_attention(*args), tree_attention_reference(*args), dtype)
