@@ -49,6 +49,12 @@ class Target:
     def dtype(self) -> jnp.dtype:
         return self.params["embed"].dtype
 
+    def save(self, path: str) -> None:
+        """Write an eaglejax checkpoint (loads much faster than re-converting GGUF/HF files)."""
+        from eaglejax.loading.checkpoint import save_target
+
+        save_target(self, path)
+
     def _token_array(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> jax.Array:
         array = np.asarray(token_ids)
         if array.ndim == 1:
