@@ -82,7 +82,8 @@ def make_inputs(batch, prefix, capacity, t_new, n_q, n_kv, head_dim, dtype, seed
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny shapes; runs on CPU in interpret mode")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes; runs on CPU in interpret mode")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prefix", type=int, nargs="+", default=[512, 2048, 8192])
@@ -112,9 +113,9 @@ def main(argv=None) -> None:
     kernel = jax.jit(functools.partial(tree_attention, interpret=on_cpu, block_k=args.block_k))
     reference = jax.jit(tree_attention_reference)
     copy_bw = copy_bandwidth((64 if on_cpu else 1024) << 20, max(3, args.repeats // 2))
+    mode = ("interpret" if on_cpu else "compiled") if run_kernel else "skipped"
     if not args.json:
-        print(f"device: {jax.devices()[0].device_kind} ({platform}); kernel: "
-              f"{'interpret mode' if on_cpu and run_kernel else 'compiled' if run_kernel else 'skipped'}")
+        print(f"device: {jax.devices()[0].device_kind} ({platform}); kernel: {mode}")
         print(f"device-to-device copy: {copy_bw / 1e9:.1f} GB/s (read + write)")
         print(f"{'B':>3} {'prefix':>6} {'T':>3} {'kernel_us':>10} {'ref_us':>10} {'speedup':>7} "
               f"{'kernel_GB/s':>11} {'ref_GB/s':>9} {'kernel/copy':>11}")
@@ -136,7 +137,8 @@ def main(argv=None) -> None:
                     "reference_us": ref_s * 1e6, "reference_gbps": kv_bytes / ref_s / 1e9,
                     "kernel_us": None if ker_s is None else ker_s * 1e6,
                     "kernel_gbps": None if ker_s is None else kv_bytes / ker_s / 1e9,
-                    "kernel_fraction_of_copy": None if ker_s is None else kv_bytes / ker_s / copy_bw,
+                    "kernel_fraction_of_copy":
+                        None if ker_s is None else kv_bytes / ker_s / copy_bw,
                 }
                 results.append(row)
                 if not args.json:
@@ -149,7 +151,7 @@ def main(argv=None) -> None:
     if args.json:
         print(json.dumps({
             "device": jax.devices()[0].device_kind, "platform": platform,
-            "kernel_mode": ("interpret" if on_cpu else "compiled") if run_kernel else "skipped",
+            "kernel_mode": mode,
             "copy_gbps": copy_bw / 1e9, "results": results,
         }, indent=2))
 

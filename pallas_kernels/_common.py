@@ -57,7 +57,7 @@ def pack_inputs(
 ) -> Packed:
     """Regroup queries per KV head, pad rows/new tokens and expand the mask per row."""
     batch, t_new, n_q_heads, head_dim = q.shape
-    n_kv_heads = k_cache.shape[2]
+    n_kv_heads = k_cache.shape[-2]  # k_cache is [..., S, Hkv, D] (optionally layer-stacked)
     group = n_q_heads // n_kv_heads
     rows = t_new * group
     qk_dtype = jnp.result_type(q.dtype, k_cache.dtype)
@@ -70,7 +70,7 @@ def pack_inputs(
     vn = jnp.pad(v_new.astype(v_cache.dtype), pad_t)
     row_mask = jnp.repeat(mask.astype(jnp.int32), group, axis=1)  # [B, M, T]
     row_mask = jnp.pad(row_mask, ((0, 0), (0, m_pad - rows), (0, t_pad - t_new)))
-    lengths = jnp.clip(cache_lengths.astype(jnp.int32), 0, k_cache.shape[1])
+    lengths = jnp.clip(cache_lengths.astype(jnp.int32), 0, k_cache.shape[-3])
     return Packed(qp, kn, vn, row_mask, lengths)
 
 

@@ -44,10 +44,11 @@ def _compiler_params(num_warps: int, num_stages: int):
     return cls(num_warps=num_warps, num_stages=num_stages)
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs,
+def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs,
             scale: float, block_k: int, num_splits: int, s_cache: int):
     split = pl.program_id(3)
     length = len_ref[0]
+    layer = layer_ref[0]
     q = q_ref[...]
     state = init_state(q.shape[0], q.shape[1])
 
@@ -66,8 +67,8 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs,
             start = jnp.minimum(nominal, s_cache - block_k)
         else:
             start = pl.multiple_of(nominal, block_k)
-        k = k_ref[pl.ds(start, block_k), :]
-        v = v_ref[pl.ds(start, block_k), :]
+        k = k_ref[layer, pl.ds(start, block_k), :]
+        v = v_ref[layer, pl.ds(start, block_k), :]
         seen = lambda pos: (pos >= nominal) & (pos < length)  # noqa: E731
         v = jnp.where(seen(start + col_offs), v, jnp.zeros_like(v))  # stale slots may be inf/NaN
         return online_step(st, q, k, v, seen(start + row_offs), scale=scale)
@@ -100,31 +101,38 @@ def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 
 def default_num_splits(batch: int, n_kv_heads: int, row_blocks: int, s_cache: int,
-                       block_k: int) -> int:
-    """Flash-decoding split count: enough programs to fill the GPU, >= 4 cache blocks each."""
+                       block_k: int, block_m: int, itemsize: int) -> int:
+    """Flash-decoding split count: enough programs to fill the GPU, while each split keeps
+    >= 4 cache blocks and the float32 partial states stay under ~1/4 of the K/V bytes."""
     base = batch * n_kv_heads * row_blocks
     wanted = -(-_TARGET_PROGRAMS // base)
-    by_length = max(1, -(-s_cache // block_k) // _MIN_BLOCKS_PER_SPLIT)
-    return int(max(1, min(wanted, by_length, _MAX_SPLITS)))
+    by_length = -(-s_cache // block_k) // _MIN_BLOCKS_PER_SPLIT
+    # per split and row block: block_m * D * 4 bytes written then read back, vs S * D * itemsize
+    by_traffic = (s_cache * itemsize) // (8 * block_m * 4)
+    return int(max(1, min(wanted, by_length, by_traffic, _MAX_SPLITS)))
 
 
-def tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, *,
+def tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, layer, *,
                        scale: float, interpret: bool, block_k: int | None,
                        num_splits: int | None) -> jax.Array:
-    """Pallas/Triton tree attention; shapes as in :func:`pallas_kernels.tree_attention`."""
+    """Pallas/Triton tree attention; shapes as in :func:`pallas_kernels.tree_attention`,
+    except that k_cache/v_cache are the stacked [L, B, S, Hkv, D] caches and ``layer`` is
+    an int32 [1] array selecting one of them inside the kernel."""
     batch, t_new, n_q_heads, head_dim = q.shape
-    s_cache, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    n_layers, _, s_cache, n_kv_heads, _ = k_cache.shape
     rows = t_new * (n_q_heads // n_kv_heads)
 
     # Triton tensors need power-of-two sizes and dots need every dim >= 16.
     d_pad = max(16, next_pow2(head_dim))
     if d_pad != head_dim:  # costs a padded copy of the cache: prefer power-of-two head dims
-        pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, d_pad - head_dim),))  # noqa: E731
+        def pad(x):
+            return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, d_pad - head_dim),))
+
         q, k_cache, v_cache, k_new, v_new = map(pad, (q, k_cache, v_cache, k_new, v_new))
     if s_cache < 16:  # tiny caches only: pad to one 16-row block
-        pad_s = ((0, 0), (0, 16 - s_cache), (0, 0), (0, 0))
+        pad_s = ((0, 0), (0, 0), (0, 16 - s_cache), (0, 0), (0, 0))
         k_cache, v_cache = jnp.pad(k_cache, pad_s), jnp.pad(v_cache, pad_s)
-    s_kernel = k_cache.shape[1]
+    s_kernel = k_cache.shape[2]
 
     block_m = min(128, max(16, next_pow2(rows)))
     m_pad = round_up(rows, block_m)
@@ -137,7 +145,8 @@ def tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, *
         block_k //= 2
     row_blocks = m_pad // block_m
     if num_splits is None:
-        num_splits = default_num_splits(batch, n_kv_heads, row_blocks, s_kernel, block_k)
+        num_splits = default_num_splits(batch, n_kv_heads, row_blocks, s_kernel, block_k,
+                                        block_m, jnp.dtype(k_cache.dtype).itemsize)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
@@ -145,11 +154,16 @@ def tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, *
                          m_pad=m_pad, t_pad=t_pad)
     kernel = functools.partial(_kernel, scale=scale, block_k=block_k, num_splits=num_splits,
                                s_cache=s_kernel)
+    # The whole [L, S, D] cache of (row b, head h) is one ref: the kernel indexes the layer
+    # and the blocks itself, so the stacked cache is never sliced (copied) outside.
+    cache_spec = pl.BlockSpec((n_layers, None, s_kernel, None, d_pad),
+                              lambda b, h, r, s: (0, b, 0, h, 0))
     in_specs = [
         pl.BlockSpec((1,), lambda b, h, r, s: (b,)),
+        pl.BlockSpec((1,), lambda b, h, r, s: (0,)),
         pl.BlockSpec((None, None, block_m, d_pad), lambda b, h, r, s: (b, h, r, 0)),
-        pl.BlockSpec((None, s_kernel, None, d_pad), lambda b, h, r, s: (b, 0, h, 0)),
-        pl.BlockSpec((None, s_kernel, None, d_pad), lambda b, h, r, s: (b, 0, h, 0)),
+        cache_spec,
+        cache_spec,
         pl.BlockSpec((None, t_pad, None, d_pad), lambda b, h, r, s: (b, 0, h, 0)),
         pl.BlockSpec((None, t_pad, None, d_pad), lambda b, h, r, s: (b, 0, h, 0)),
         pl.BlockSpec((None, block_m, t_pad), lambda b, h, r, s: (b, r, 0)),
@@ -176,7 +190,8 @@ def tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, *
         compiler_params=_compiler_params(num_warps=4 if block_m <= 64 else 8, num_stages=2),
         interpret=interpret,
         name="tree_attention_gpu",
-    )(packed.lengths, packed.q, k_cache, v_cache, packed.k_new, packed.v_new, packed.mask)
+    )(packed.lengths, layer, packed.q, k_cache, v_cache, packed.k_new, packed.v_new,
+      packed.mask)
     if num_splits > 1:
         out = _merge_splits(*out)
     out = unpack_output(out, t_new, n_q_heads, q.dtype)

@@ -45,7 +45,7 @@ def heads_per_block(n_kv_heads: int, head_dim: int) -> int:
     return n_kv_heads  # a full-width block is always a legal TPU block
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref,
+def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref,
             acc_sc, m_sc, l_sc, *, scale: float, block_k: int, n_steps: int):
     heads, block_m, head_dim = q_ref.shape
     i = pl.program_id(3)
@@ -84,11 +84,13 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref,
             o_ref[j] = finalize(load(j)).astype(o_ref.dtype)
 
 
-def tree_attention_tpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, *,
+def tree_attention_tpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, layer, *,
                        scale: float, interpret: bool, block_k: int | None) -> jax.Array:
-    """Pallas/Mosaic tree attention; shapes as in :func:`pallas_kernels.tree_attention`."""
+    """Pallas/Mosaic tree attention; shapes as in :func:`pallas_kernels.tree_attention`,
+    except that k_cache/v_cache are the stacked [L, B, S, Hkv, D] caches and ``layer`` is
+    an int32 [1] array selecting one of them (scalar-prefetched into the index maps)."""
     batch, t_new, n_q_heads, head_dim = q.shape
-    s_cache, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    n_layers, _, s_cache, n_kv_heads, _ = k_cache.shape
     rows = t_new * (n_q_heads // n_kv_heads)
     hb = heads_per_block(n_kv_heads, head_dim)
 
@@ -108,21 +110,21 @@ def tree_attention_tpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, *
     packed = pack_inputs(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
                          m_pad=m_pad, t_pad=t_pad)
     width = n_kv_heads * head_dim
-    k_flat = k_cache.reshape(batch, s_cache, width)
-    v_flat = v_cache.reshape(batch, s_cache, width)
+    k_flat = k_cache.reshape(n_layers, batch, s_cache, width)
+    v_flat = v_cache.reshape(n_layers, batch, s_cache, width)
     kn_flat = packed.k_new.reshape(batch, t_pad, width)
     vn_flat = packed.v_new.reshape(batch, t_pad, width)
 
-    def kv_map(b, h, r, i, lens):
+    def kv_map(b, h, r, i, lens, lyr):
         last = jnp.maximum(pl.cdiv(lens[b], block_k) - 1, 0)
-        return b, jnp.minimum(i, last), h
+        return lyr[0], b, jnp.minimum(i, last), h
 
-    q_spec = pl.BlockSpec((None, hb, block_m, head_dim), lambda b, h, r, i, lens: (b, h, r, 0))
-    kv_spec = pl.BlockSpec((None, block_k, hb * head_dim), kv_map)
-    new_spec = pl.BlockSpec((None, t_pad, hb * head_dim), lambda b, h, r, i, lens: (b, 0, h))
-    mask_spec = pl.BlockSpec((None, block_m, t_pad), lambda b, h, r, i, lens: (b, r, 0))
+    q_spec = pl.BlockSpec((None, hb, block_m, head_dim), lambda b, h, r, i, *_: (b, h, r, 0))
+    kv_spec = pl.BlockSpec((None, None, block_k, hb * head_dim), kv_map)
+    new_spec = pl.BlockSpec((None, t_pad, hb * head_dim), lambda b, h, r, i, *_: (b, 0, h))
+    mask_spec = pl.BlockSpec((None, block_m, t_pad), lambda b, h, r, i, *_: (b, r, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
+        num_scalar_prefetch=2,
         grid=(batch, n_kv_heads // hb, m_pad // block_m, n_steps),
         in_specs=[q_spec, kv_spec, kv_spec, new_spec, new_spec, mask_spec],
         out_specs=q_spec,
@@ -140,5 +142,5 @@ def tree_attention_tpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, *
         compiler_params=_compiler_params(),
         interpret=interpret,
         name="tree_attention_tpu",
-    )(packed.lengths, packed.q, k_flat, v_flat, kn_flat, vn_flat, packed.mask)
+    )(packed.lengths, layer, packed.q, k_flat, v_flat, kn_flat, vn_flat, packed.mask)
     return unpack_output(out, t_new, n_q_heads, q.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels._tree_attention_gpu import tree_attention_gpu
 from pallas_kernels._tree_attention_tpu import tree_attention_tpu
@@ -33,15 +34,16 @@ def _resolve_backend(backend: str | None, interpret: bool) -> str:
     raise ValueError(f"unknown backend {backend!r}; expected 'gpu', 'tpu' or None")
 
 
-def _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask) -> None:
+def _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, stacked) -> None:
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, Hq, D], got shape {q.shape}")
     batch, t_new, n_q_heads, head_dim = q.shape
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache/v_cache must both be [B, S, Hkv, D], got {k_cache.shape} "
+    want = "[L, B, S, Hkv, D] (layer is given)" if stacked else "[B, S, Hkv, D]"
+    if k_cache.ndim != 4 + stacked or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache/v_cache must both be {want}, got {k_cache.shape} "
                          f"and {v_cache.shape}")
-    _, s_cache, n_kv_heads, _ = k_cache.shape
-    if k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
+    batch_kv, s_cache, n_kv_heads, head_dim_kv = k_cache.shape[-4:]
+    if batch_kv != batch or head_dim_kv != head_dim:
         raise ValueError(f"k_cache {k_cache.shape} does not match q {q.shape} in B or D")
     if n_q_heads % n_kv_heads:
         raise ValueError(f"Hq={n_q_heads} is not a multiple of Hkv={n_kv_heads}")
@@ -73,6 +75,7 @@ def tree_attention(
     block_k: int | None = None,
     backend: str | None = None,
     num_splits: int | None = None,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Pallas tree attention; same contract as :func:`tree_attention_reference`.
 
@@ -85,13 +88,20 @@ def tree_attention(
     interpret: run the chosen kernel in Pallas interpret mode (any platform, e.g. CPU tests).
     block_k: cache positions per step (GPU: power of two >= 16; TPU: multiple of 16).
     num_splits: GPU only, flash-decoding splits of the prefix (None: from the grid size).
+    layer: optional int32 scalar (may be traced). When given, k_cache/v_cache are the
+        layer-stacked caches [L,B,S,Hkv,D] and the kernel reads layer ``layer`` in place,
+        saving the copy XLA makes when a sliced cache is passed to a custom call.
     """
-    _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask)
+    stacked = layer is not None
+    _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, stacked)
     kind = _resolve_backend(backend, interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if stacked:
+        layer = jnp.clip(jnp.asarray(layer, jnp.int32).reshape(1), 0, k_cache.shape[0] - 1)
+    else:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], jnp.zeros((1,), jnp.int32)
+    args = (q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, layer)
     if kind == "tpu":
-        return tree_attention_tpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
-                                  scale=scale, interpret=interpret, block_k=block_k)
-    return tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
-                              scale=scale, interpret=interpret, block_k=block_k,
+        return tree_attention_tpu(*args, scale=scale, interpret=interpret, block_k=block_k)
+    return tree_attention_gpu(*args, scale=scale, interpret=interpret, block_k=block_k,
                               num_splits=num_splits)

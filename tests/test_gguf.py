@@ -136,6 +136,7 @@ def test_truncated_file(smollm_path, tmp_path, keep):
     path.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(LoadError, match="truncated.gguf"):
         read_gguf(path)
+    path.unlink()  # large: do not keep it in pytest's retained tmp dirs
 
 
 def test_corrupt_magic(smollm_path, tmp_path):
@@ -145,6 +146,7 @@ def test_corrupt_magic(smollm_path, tmp_path):
         f.write(b"GGUX")
     with pytest.raises(LoadError, match=r"corrupt\.gguf.*magic"):
         read_gguf(path)
+    path.unlink()
 
 
 def test_corrupt_header(smollm_path, tmp_path):

@@ -154,7 +154,7 @@ def _need(meta: dict[str, Any], key: str, path: pathlib.Path, kind: type | tuple
     if key not in meta:
         raise LoadError(f"{path}: missing required metadata key {key!r}")
     value = meta[key]
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         raise LoadError(f"{path}: metadata key {key!r} has unexpected value {value!r}")
     return value
 
@@ -375,6 +375,10 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     reader = _open_reader(path)
     meta = _metadata(reader, path)
     arch = _need(meta, "general.architecture", path, str)
+    shards = meta.get("split.count", 1)
+    if isinstance(shards, int) and shards > 1:
+        raise LoadError(f"{path}: split GGUF ({shards} shards, split.count) is not supported; "
+                        "merge it first with `llama-gguf-split --merge`")
     if arch not in _ARCHS:
         raise LoadError(f"{path}: unsupported GGUF architecture {arch!r} "
                         f"(supported: {', '.join(sorted(_ARCHS))})")

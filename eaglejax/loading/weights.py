@@ -12,61 +12,39 @@ from eaglejax.errors import LoadError
 from eaglejax.models.llama import Params, param_shapes
 
 _LAYER = "model.layers.{i}."
-# eaglejax name -> (HF name, converter from the HF tensor to eaglejax's layout)
-def _linear_to_heads(n: int, d: int) -> Callable[[np.ndarray], np.ndarray]:
-    return lambda w: w.T.reshape(w.shape[1], n, d)
+_SAME = lambda w: w  # noqa: E731
 
-
-def _layer_table(c: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:
-    same = lambda w: w  # noqa: E731
-    table = {
-        "attn_norm": ("input_layernorm.weight", same),
-        "mlp_norm": ("post_attention_layernorm.weight", same),
-        "wq": ("self_attn.q_proj.weight", _linear_to_heads(c.num_heads, c.head_dim)),
-        "wk": ("self_attn.k_proj.weight", _linear_to_heads(c.num_kv_heads, c.head_dim)),
-        "wv": ("self_attn.v_proj.weight", _linear_to_heads(c.num_kv_heads, c.head_dim)),
-        "wo": ("self_attn.o_proj.weight", lambda w: w.T.reshape(c.num_heads, c.head_dim, -1)),
-        "w_gate": ("mlp.gate_proj.weight", np.transpose),
-        "w_up": ("mlp.up_proj.weight", np.transpose),
-        "w_down": ("mlp.down_proj.weight", np.transpose),
-    }
-    if c.attention_bias:
-        table["bq"] = ("self_attn.q_proj.bias", lambda b: b.reshape(c.num_heads, c.head_dim))
-        table["bk"] = ("self_attn.k_proj.bias", lambda b: b.reshape(c.num_kv_heads, c.head_dim))
-        table["bv"] = ("self_attn.v_proj.bias", lambda b: b.reshape(c.num_kv_heads, c.head_dim))
-    if c.qk_norm:
-        table["q_norm"] = ("self_attn.q_norm.weight", same)
-        table["k_norm"] = ("self_attn.k_norm.weight", same)
-    return table
+# eaglejax layer key -> (HF tensor name, converter from PyTorch [out,in] to eaglejax [in,out])
+_LAYER_TABLE = {
+    "attn_norm": ("input_layernorm.weight", _SAME),
+    "mlp_norm": ("post_attention_layernorm.weight", _SAME),
+    "wq": ("self_attn.q_proj.weight", np.transpose),
+    "wk": ("self_attn.k_proj.weight", np.transpose),
+    "wv": ("self_attn.v_proj.weight", np.transpose),
+    "wo": ("self_attn.o_proj.weight", np.transpose),
+    "w_gate": ("mlp.gate_proj.weight", np.transpose),
+    "w_up": ("mlp.up_proj.weight", np.transpose),
+    "w_down": ("mlp.down_proj.weight", np.transpose),
+    "bq": ("self_attn.q_proj.bias", _SAME),
+    "bk": ("self_attn.k_proj.bias", _SAME),
+    "bv": ("self_attn.v_proj.bias", _SAME),
+    "q_norm": ("self_attn.q_norm.weight", _SAME),
+    "k_norm": ("self_attn.k_norm.weight", _SAME),
+}
 
 
 def hf_expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name the config implies, with its PyTorch shape."""
     c = config
-    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = {
-        "input_layernorm.weight": (c.hidden_size,),
-        "post_attention_layernorm.weight": (c.hidden_size,),
-        "self_attn.q_proj.weight": (q_out, c.hidden_size),
-        "self_attn.k_proj.weight": (kv_out, c.hidden_size),
-        "self_attn.v_proj.weight": (kv_out, c.hidden_size),
-        "self_attn.o_proj.weight": (c.hidden_size, q_out),
-        "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-        "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-        "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-    }
-    if c.attention_bias:
-        per_layer.update({"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
-                          "self_attn.v_proj.bias": (kv_out,)})
-    if c.qk_norm:
-        per_layer.update({"self_attn.q_norm.weight": (c.head_dim,),
-                          "self_attn.k_norm.weight": (c.head_dim,)})
+    layer_shapes = param_shapes(config)["layers"][0]
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
               "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_layers):
-        shapes.update({_LAYER.format(i=i) + k: s for k, s in per_layer.items()})
+        for key, shape in layer_shapes.items():
+            hf_name, convert = _LAYER_TABLE[key]
+            shapes[_LAYER.format(i=i) + hf_name] = shape[::-1] if convert is np.transpose else shape
     return shapes
 
 
@@ -95,22 +73,14 @@ def params_from_hf(get: Callable[[str], np.ndarray], names_and_shapes: Mapping[s
     """Build the parameter tree from HF tensors fetched one by one with `get(name)`."""
     check_hf_tensors(names_and_shapes, config, source)
     to_dtype = lambda a: jnp.asarray(np.asarray(a, dtype=np.float32), dtype=dtype)  # noqa: E731
-    table = _layer_table(config)
-    layers = {}
-    for key, (hf_name, convert) in table.items():
-        stacked = np.stack([convert(np.asarray(get(_LAYER.format(i=i) + hf_name), np.float32))
-                            for i in range(config.num_layers)])
-        layers[key] = to_dtype(stacked)
+    keys = param_shapes(config)["layers"][0]
+    layers = [{key: to_dtype(_LAYER_TABLE[key][1](np.asarray(
+                   get(_LAYER.format(i=i) + _LAYER_TABLE[key][0]), np.float32)))
+               for key in keys}
+              for i in range(config.num_layers)]
     params: Params = {"embed": to_dtype(get("model.embed_tokens.weight")),
                       "layers": layers,
                       "final_norm": to_dtype(get("model.norm.weight"))}
     if not config.tie_word_embeddings:
         params["lm_head"] = to_dtype(np.asarray(get("lm_head.weight"), np.float32).T)
-    _check_tree_shapes(params, config)
     return params
-
-
-def _check_tree_shapes(params: Params, config: ModelConfig) -> None:
-    expected = param_shapes(config)
-    for key, shape in expected["layers"].items():
-        assert params["layers"][key].shape == shape, (key, params["layers"][key].shape, shape)

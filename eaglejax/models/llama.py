@@ -1,6 +1,6 @@
 """The Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3) as pure functions.
 
-Parameters are a plain dict pytree with the layers stacked on a leading axis (scanned);
+Parameters are a plain dict pytree with one dict per layer;
 `logical_axes(config)` gives the same tree of logical axis names for sharding.
 One `forward` serves prefill, single-token decode and tree verification: it takes any
 number of new tokens per row with explicit positions and an optional mask among them,
@@ -25,43 +25,47 @@ Params = dict[str, Any]
 
 
 class ForwardOutput(NamedTuple):
-    """hidden: final-normed [B,T,H]; k_new/v_new: [L,B,T,kv,D]; taps: [B,T,n*H] or None."""
+    """hidden: final-normed [B,T,H]; k_new/v_new: per layer [B,T,kv,D]; taps: [B,T,n*H] or None."""
 
     hidden: jax.Array
-    k_new: jax.Array
-    v_new: jax.Array
+    k_new: tuple[jax.Array, ...]
+    v_new: tuple[jax.Array, ...]
     taps: jax.Array | None
 
 
 def logical_axes(config: ModelConfig) -> Params:
     """Logical axis names of every parameter, in the same tree structure as the params."""
-    layers = {
-        "attn_norm": ("layers", "norm"),
-        "mlp_norm": ("layers", "norm"),
-        "wq": ("layers", "embed", "heads", "head_dim"),
-        "wk": ("layers", "embed", "kv_heads", "head_dim"),
-        "wv": ("layers", "embed", "kv_heads", "head_dim"),
-        "wo": ("layers", "heads", "head_dim", "embed"),
-        "w_gate": ("layers", "embed", "mlp"),
-        "w_up": ("layers", "embed", "mlp"),
-        "w_down": ("layers", "mlp", "embed"),
+    layer = {
+        "attn_norm": ("norm",),
+        "mlp_norm": ("norm",),
+        "wq": ("embed", "heads"),
+        "wk": ("embed", "kv_heads"),
+        "wv": ("embed", "kv_heads"),
+        "wo": ("heads", "embed"),
+        "w_gate": ("embed", "mlp"),
+        "w_up": ("embed", "mlp"),
+        "w_down": ("mlp", "embed"),
     }
     if config.attention_bias:
-        layers.update(bq=("layers", "heads", "head_dim"), bk=("layers", "kv_heads", "head_dim"),
-                      bv=("layers", "kv_heads", "head_dim"))
+        layer.update(bq=("heads",), bk=("kv_heads",), bv=("kv_heads",))
     if config.qk_norm:
-        layers.update(q_norm=("layers", "head_dim"), k_norm=("layers", "head_dim"))
-    axes: Params = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("norm",)}
+        layer.update(q_norm=("head_dim",), k_norm=("head_dim",))
+    axes: Params = {"embed": ("vocab", "embed"),
+                    "layers": [dict(layer) for _ in range(config.num_layers)],
+                    "final_norm": ("norm",)}
     if not config.tie_word_embeddings:
         axes["lm_head"] = ("embed", "vocab")
     return axes
 
 
 def param_shapes(config: ModelConfig) -> Params:
-    """The shape of every parameter (the contract loaders and converters check against)."""
+    """The shape of every parameter (the contract loaders and converters check against).
+
+    Projections are 2-D `[in, out]`; "heads"/"kv_heads" dims are heads * head_dim wide.
+    """
     c = config
-    sizes = {"layers": c.num_layers, "embed": c.hidden_size, "norm": c.hidden_size,
-             "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+    sizes = {"embed": c.hidden_size, "norm": c.hidden_size, "heads": c.num_heads * c.head_dim,
+             "kv_heads": c.num_kv_heads * c.head_dim, "head_dim": c.head_dim,
              "mlp": c.intermediate_size, "vocab": c.vocab_size}
     return jax.tree.map(lambda axes: tuple(sizes[a] for a in axes), logical_axes(config),
                         is_leaf=lambda x: isinstance(x, tuple))
@@ -70,15 +74,13 @@ def param_shapes(config: ModelConfig) -> Params:
 def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32,
                 scale: float = 0.02) -> Params:
     """Random parameters (normal * scale; norms at 1) for tests and experiments."""
-    shapes = param_shapes(config)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
-    keys = jax.random.split(key, len(leaves))
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(config), is_leaf=is_shape)
+    keys = jax.random.split(key, len(flat))
     arrays = [
-        jnp.ones(shape, dtype) if "norm" in path
+        jnp.ones(shape, dtype) if "norm" in jax.tree_util.keystr(path)
         else (scale * jax.random.normal(k, shape)).astype(dtype)
-        for k, shape, path in zip(keys, leaves, paths)
+        for k, (path, shape) in zip(keys, flat)
     ]
     return jax.tree.unflatten(treedef, arrays)
 
@@ -99,19 +101,21 @@ def causal_mask(batch: int, t_new: int) -> jax.Array:
 def _decoder_layer(config: ModelConfig, inv_freq: np.ndarray, h: jax.Array, layer: Params,
                    k_cache: jax.Array, v_cache: jax.Array, cache_lengths: jax.Array,
                    positions: jax.Array, mask: jax.Array, impl: AttentionImpl):
-    eps = config.rms_norm_eps
+    c, eps = config, config.rms_norm_eps
+    batch, t_new, _ = h.shape
     x = rms_norm(h, layer["attn_norm"], eps)
-    q = jnp.einsum("bth,hnd->btnd", x, layer["wq"])
-    k = jnp.einsum("bth,hnd->btnd", x, layer["wk"])
-    v = jnp.einsum("bth,hnd->btnd", x, layer["wv"])
-    if config.attention_bias:
+    q, k, v = x @ layer["wq"], x @ layer["wk"], x @ layer["wv"]
+    if c.attention_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-    if config.qk_norm:
+    q = q.reshape(batch, t_new, c.num_heads, c.head_dim)
+    k = k.reshape(batch, t_new, c.num_kv_heads, c.head_dim)
+    v = v.reshape(batch, t_new, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
         q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     attn = attention(q, k_cache, v_cache, cache_lengths, k, v, mask, impl=impl)
-    h = h + jnp.einsum("btnd,ndh->bth", attn, layer["wo"])
+    h = h + attn.reshape(batch, t_new, -1) @ layer["wo"]
     x = rms_norm(h, layer["mlp_norm"], eps)
     gated = jax.nn.silu(x @ layer["w_gate"]) * (x @ layer["w_up"])
     return h + gated @ layer["w_down"], k, v
@@ -125,30 +129,29 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     mask [B,T,T] says which new tokens each new token sees (default causal). With
     `tap_layers`, also returns the residual streams entering those layers, concatenated
     in the given order ([B,T,len*H]); layer id L means the final un-normed output.
-    With none asked, no tap is computed.
+    With none asked, no tap is computed. Layers are unrolled (not scanned) so that no
+    weight is ever copied out of a stacked array.
     """
     batch, t_new = tokens.shape
     if mask is None:
         mask = causal_mask(batch, t_new)
     if cache is None:
-        empty = jnp.zeros((config.num_layers, batch, 0, config.num_kv_heads, config.head_dim),
-                          params["embed"].dtype)
-        cache = KVCache(empty, empty, jnp.zeros((batch,), jnp.int32))
+        empty = jnp.zeros((batch, 0, config.num_kv_heads, config.head_dim), params["embed"].dtype)
+        cache = KVCache((empty,) * config.num_layers, (empty,) * config.num_layers,
+                        jnp.zeros((batch,), jnp.int32))
     inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     h = params["embed"][tokens]
-
-    def step(h, xs):
-        layer, k_cache, v_cache = xs
-        h_out, k, v = _decoder_layer(config, inv_freq, h, layer, k_cache, v_cache,
-                                     cache.lengths, positions, mask, attn_impl)
-        return h_out, (k, v, h if tap_layers else None)
-
-    h, (k_new, v_new, entering) = jax.lax.scan(step, h, (params["layers"], cache.k, cache.v))
-    taps = None
-    if tap_layers:
-        streams = [h if i == config.num_layers else entering[i] for i in tap_layers]
-        taps = jnp.concatenate(streams, axis=-1)
-    return ForwardOutput(rms_norm(h, params["final_norm"], config.rms_norm_eps), k_new, v_new, taps)
+    streams, k_new, v_new = [], [], []
+    for layer, k_cache, v_cache in zip(params["layers"], cache.k, cache.v):
+        streams.append(h)
+        h, k, v = _decoder_layer(config, inv_freq, h, layer, k_cache, v_cache, cache.lengths,
+                                 positions, mask, attn_impl)
+        k_new.append(k)
+        v_new.append(v)
+    streams.append(h)
+    taps = jnp.concatenate([streams[i] for i in tap_layers], axis=-1) if tap_layers else None
+    return ForwardOutput(rms_norm(h, params["final_norm"], config.rms_norm_eps),
+                         tuple(k_new), tuple(v_new), taps)
 
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
