@@ -1,4 +1,4 @@
-"""Shared pieces of the tree-attention kernels: layout packing and the online-softmax step.
+"""Shared pieces of the tree-attention kernels: query packing and the online-softmax step.
 
 Both backends see the queries of one KV head as a single matrix of ``M = T * G`` rows
 (``G = Hq // Hkv``), ordered token-major (row ``r`` is token ``r // G``, query head
@@ -16,6 +16,20 @@ from jax import lax
 # Initial running max. Finite, so a row that has seen only masked (-inf) scores keeps
 # exp(-inf - M_INIT) == 0 and exp(M_INIT - M_INIT) == 1 instead of NaN.
 M_INIT = -1e30
+
+
+KV_LAYOUTS = ("bshd", "bhsd")
+
+
+def check_kv_layout(kv_layout: str) -> None:
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be 'bshd' or 'bhsd', got {kv_layout!r}")
+
+
+def cache_seq_axis(kv_layout: str) -> int:
+    """Axis of S in a k_cache/v_cache: [B, S, Hkv, D] ("bshd") or [B, Hkv, S, D] ("bhsd")."""
+    check_kv_layout(kv_layout)
+    return 1 if kv_layout == "bshd" else 2
 
 
 def next_pow2(n: int) -> int:
@@ -45,32 +59,37 @@ class Packed(NamedTuple):
 
 def pack_inputs(
     q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
     cache_lengths: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
     mask: jax.Array,
     *,
+    s_cache: int,
+    k_dtype: jnp.dtype,
+    v_dtype: jnp.dtype,
     m_pad: int,
     t_pad: int,
 ) -> Packed:
-    """Regroup queries per KV head, pad rows/new tokens and expand the mask per row."""
+    """Regroup queries per KV head, pad rows/new tokens and expand the mask per row.
+
+    Independent of the cache layout: only the cache's length ``s_cache`` (to clip the
+    lengths) and its dtypes (the new K/V are cast to them) are needed.
+    """
     batch, t_new, n_q_heads, head_dim = q.shape
-    n_kv_heads = k_cache.shape[-2]  # k_cache is [..., S, Hkv, D] (optionally layer-stacked)
+    n_kv_heads = k_new.shape[2]
     group = n_q_heads // n_kv_heads
     rows = t_new * group
-    qk_dtype = jnp.result_type(q.dtype, k_cache.dtype)
+    qk_dtype = jnp.result_type(q.dtype, k_dtype)
     qp = q.astype(qk_dtype).reshape(batch, t_new, n_kv_heads, group, head_dim)
     qp = qp.transpose(0, 2, 1, 3, 4)
     qp = qp.reshape(batch, n_kv_heads, rows, head_dim)
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, m_pad - rows), (0, 0)))
     pad_t = ((0, 0), (0, t_pad - t_new), (0, 0), (0, 0))
-    kn = jnp.pad(k_new.astype(k_cache.dtype), pad_t)
-    vn = jnp.pad(v_new.astype(v_cache.dtype), pad_t)
+    kn = jnp.pad(k_new.astype(k_dtype), pad_t)
+    vn = jnp.pad(v_new.astype(v_dtype), pad_t)
     row_mask = jnp.repeat(mask.astype(jnp.int32), group, axis=1)  # [B, M, T]
     row_mask = jnp.pad(row_mask, ((0, 0), (0, m_pad - rows), (0, t_pad - t_new)))
-    lengths = jnp.clip(cache_lengths.astype(jnp.int32), 0, k_cache.shape[-3])
+    lengths = jnp.clip(cache_lengths.astype(jnp.int32), 0, s_cache)
     return Packed(qp, kn, vn, row_mask, lengths)
 
 

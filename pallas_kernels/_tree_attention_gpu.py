@@ -2,7 +2,9 @@
 
 Grid ``(B, Hkv, row_blocks, splits)``. Each program owns ``block_m`` query rows of one
 KV head (all its grouped query heads), walks the cache of its batch row in ``block_k``
-steps with an online softmax, stopping at ``cache_lengths[b]`` (a dynamic loop bound),
+steps with an online softmax (the ``[S, D]`` cache of one (row, head) is a single ref, in
+either cache layout: ``[B, S, Hkv, D]`` gives it row stride ``Hkv * D``, the head-major
+``[B, Hkv, S, D]`` a contiguous block), stopping at ``cache_lengths[b]`` (a dynamic loop bound),
 and folds in the masked new-token block. With ``splits > 1`` (flash-decoding) the real
 prefix is cut into ``splits`` dynamic chunks whose partial states are merged in XLA.
 """
@@ -18,6 +20,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (
     SoftmaxState,
+    cache_seq_axis,
     finalize,
     init_state,
     next_pow2,
@@ -44,11 +47,10 @@ def _compiler_params(num_warps: int, num_stages: int):
     return cls(num_warps=num_warps, num_stages=num_stages)
 
 
-def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs,
+def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs,
             scale: float, block_k: int, num_splits: int, s_cache: int):
     split = pl.program_id(3)
     length = len_ref[0]
-    layer = layer_ref[0]
     q = q_ref[...]
     state = init_state(q.shape[0], q.shape[1])
 
@@ -67,8 +69,8 @@ def _kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *
             start = jnp.minimum(nominal, s_cache - block_k)
         else:
             start = pl.multiple_of(nominal, block_k)
-        k = k_ref[layer, pl.ds(start, block_k), :]
-        v = v_ref[layer, pl.ds(start, block_k), :]
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
         seen = lambda pos: (pos >= nominal) & (pos < length)  # noqa: E731
         v = jnp.where(seen(start + col_offs), v, jnp.zeros_like(v))  # stale slots may be inf/NaN
         return online_step(st, q, k, v, seen(start + row_offs), scale=scale)
@@ -112,14 +114,15 @@ def default_num_splits(batch: int, n_kv_heads: int, row_blocks: int, s_cache: in
     return int(max(1, min(wanted, by_length, by_traffic, _MAX_SPLITS)))
 
 
-def tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, layer, *,
+def tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, *,
                        scale: float, interpret: bool, block_k: int | None,
-                       num_splits: int | None) -> jax.Array:
-    """Pallas/Triton tree attention; shapes as in :func:`pallas_kernels.tree_attention`,
-    except that k_cache/v_cache are the stacked [L, B, S, Hkv, D] caches and ``layer`` is
-    an int32 [1] array selecting one of them inside the kernel."""
+                       num_splits: int | None, kv_layout: str = "bshd") -> jax.Array:
+    """Pallas/Triton tree attention; shapes as in :func:`pallas_kernels.tree_attention`
+    (k_cache/v_cache [B, S, Hkv, D] for kv_layout="bshd", [B, Hkv, S, D] for "bhsd")."""
     batch, t_new, n_q_heads, head_dim = q.shape
-    n_layers, _, s_cache, n_kv_heads, _ = k_cache.shape
+    seq_axis = cache_seq_axis(kv_layout)
+    s_cache = k_cache.shape[seq_axis]
+    n_kv_heads = k_new.shape[2]
     rows = t_new * (n_q_heads // n_kv_heads)
 
     # Triton tensors need power-of-two sizes and dots need every dim >= 16.
@@ -130,9 +133,10 @@ def tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, l
 
         q, k_cache, v_cache, k_new, v_new = map(pad, (q, k_cache, v_cache, k_new, v_new))
     if s_cache < 16:  # tiny caches only: pad to one 16-row block
-        pad_s = ((0, 0), (0, 0), (0, 16 - s_cache), (0, 0), (0, 0))
+        pad_s = [(0, 0)] * 4
+        pad_s[seq_axis] = (0, 16 - s_cache)
         k_cache, v_cache = jnp.pad(k_cache, pad_s), jnp.pad(v_cache, pad_s)
-    s_kernel = k_cache.shape[2]
+    s_kernel = k_cache.shape[seq_axis]
 
     block_m = min(128, max(16, next_pow2(rows)))
     m_pad = round_up(rows, block_m)
@@ -150,17 +154,18 @@ def tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, l
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
-    packed = pack_inputs(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
-                         m_pad=m_pad, t_pad=t_pad)
+    packed = pack_inputs(q, cache_lengths, k_new, v_new, mask, s_cache=s_kernel,
+                         k_dtype=k_cache.dtype, v_dtype=v_cache.dtype, m_pad=m_pad, t_pad=t_pad)
     kernel = functools.partial(_kernel, scale=scale, block_k=block_k, num_splits=num_splits,
                                s_cache=s_kernel)
-    # The whole [L, S, D] cache of (row b, head h) is one ref: the kernel indexes the layer
-    # and the blocks itself, so the stacked cache is never sliced (copied) outside.
-    cache_spec = pl.BlockSpec((n_layers, None, s_kernel, None, d_pad),
-                              lambda b, h, r, s: (0, b, 0, h, 0))
+    # The whole [S, D] cache of (row b, head h) is one ref, read in place in either layout;
+    # the kernel slices the blocks itself (dynamic loop bound: no DMA past the length).
+    if kv_layout == "bshd":
+        cache_spec = pl.BlockSpec((None, s_kernel, None, d_pad), lambda b, h, r, s: (b, 0, h, 0))
+    else:
+        cache_spec = pl.BlockSpec((None, None, s_kernel, d_pad), lambda b, h, r, s: (b, h, 0, 0))
     in_specs = [
         pl.BlockSpec((1,), lambda b, h, r, s: (b,)),
-        pl.BlockSpec((1,), lambda b, h, r, s: (0,)),
         pl.BlockSpec((None, None, block_m, d_pad), lambda b, h, r, s: (b, h, r, 0)),
         cache_spec,
         cache_spec,
@@ -190,8 +195,7 @@ def tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, l
         compiler_params=_compiler_params(num_warps=4 if block_m <= 64 else 8, num_stages=2),
         interpret=interpret,
         name="tree_attention_gpu",
-    )(packed.lengths, layer, packed.q, k_cache, v_cache, packed.k_new, packed.v_new,
-      packed.mask)
+    )(packed.lengths, packed.q, k_cache, v_cache, packed.k_new, packed.v_new, packed.mask)
     if num_splits > 1:
         out = _merge_splits(*out)
     out = unpack_output(out, t_new, n_q_heads, q.dtype)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
+
+KVLayout = Literal["bshd", "bhsd"]
 
 
 def tree_attention_reference(
@@ -16,33 +20,50 @@ def tree_attention_reference(
     mask: jax.Array,
     *,
     scale: float | None = None,
+    kv_layout: KVLayout = "bshd",
 ) -> jax.Array:
     """Attention of new queries over a per-row cached prefix plus the masked new tokens.
 
-    q [B,T,Hq,D]; k_cache/v_cache [B,S,Hkv,D]; cache_lengths [B] int32;
-    k_new/v_new [B,T,Hkv,D]; mask [B,T,T] bool. Query t of row b attends to cache
-    positions < cache_lengths[b] and to new position j iff mask[b,t,j].
-    Returns [B,T,Hq,D] in q's dtype; softmax is computed in float32.
+    q [B,T,Hq,D]; k_cache/v_cache [B,S,Hkv,D] (or [B,Hkv,S,D] with kv_layout="bhsd");
+    cache_lengths [B] int32; k_new/v_new [B,T,Hkv,D]; mask [B,T,T] bool. Query t of row b
+    attends to cache positions < cache_lengths[b] and to new position j iff mask[b,t,j].
+    Returns [B,T,Hq,D] in q's dtype; softmax is computed in float32 over both parts
+    jointly, without concatenating the cache and the new keys (no cache copy).
     """
+    if kv_layout not in ("bshd", "bhsd"):
+        raise ValueError(f"kv_layout must be 'bshd' or 'bhsd', got {kv_layout!r}")
     batch, t_new, n_q_heads, head_dim = q.shape
-    s_cache, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    n_kv_heads = k_new.shape[2]
+    s_cache = k_cache.shape[1] if kv_layout == "bshd" else k_cache.shape[2]
+    cache_dims = "bskd" if kv_layout == "bshd" else "bksd"
     group = n_q_heads // n_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
-    qg = q.reshape(batch, t_new, n_kv_heads, group, head_dim)
-    keys = jnp.concatenate([k_cache, k_new.astype(k_cache.dtype)], axis=1)
-    values = jnp.concatenate([v_cache, v_new.astype(v_cache.dtype)], axis=1)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * scale
-    cache_visible = jnp.arange(s_cache)[None, None, :] < cache_lengths[:, None, None]
-    visible = jnp.concatenate(
-        [jnp.broadcast_to(cache_visible, (batch, t_new, s_cache)), mask.astype(bool)], axis=2
-    )
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    f32 = jnp.float32
+    # Queries of one KV head side by side: [B, Hkv, T*G, D] with (t, g) flattened t-major.
+    queries = jnp.swapaxes(q.reshape(batch, t_new, n_kv_heads, group, head_dim), 1, 2)
+    queries = queries.reshape(batch, n_kv_heads, t_new * group, head_dim)
+    # Scores are laid out [B, Hkv, keys, queries] so the keys are the matmul's left operand
+    # in their stored layout (no transposed copy of the cache).
+    scores_cache = jnp.einsum(f"{cache_dims},bkqd->bksq", k_cache, queries,
+                              preferred_element_type=f32) * scale
+    scores_new = jnp.einsum("bskd,bkqd->bksq", k_new.astype(q.dtype), queries,
+                            preferred_element_type=f32) * scale
+    cache_visible = jnp.arange(s_cache)[None, :] < cache_lengths[:, None]
+    scores_cache = jnp.where(cache_visible[:, None, :, None], scores_cache, -jnp.inf)
+    new_visible = jnp.repeat(jnp.swapaxes(mask.astype(bool), 1, 2), group, axis=2)  # [B,key,T*G]
+    scores_new = jnp.where(new_visible[:, None], scores_new, -jnp.inf)
+
+    row_max = jnp.maximum(jnp.max(scores_cache, axis=2, keepdims=True, initial=-jnp.inf),
+                          jnp.max(scores_new, axis=2, keepdims=True, initial=-jnp.inf))
     # A query that sees nothing gets zeros rather than NaN.
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    weights = jnp.exp(scores - row_max)
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = weights / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(values.dtype), values,
-                     preferred_element_type=jnp.float32)
+    weights_cache = jnp.exp(scores_cache - row_max)
+    weights_new = jnp.exp(scores_new - row_max)
+    denom = jnp.sum(weights_cache, axis=2) + jnp.sum(weights_new, axis=2)  # [B,Hkv,T*G]
+    out = (jnp.einsum(f"bksq,{cache_dims}->bkqd", weights_cache.astype(v_cache.dtype), v_cache,
+                      preferred_element_type=f32)
+           + jnp.einsum("bksq,bskd->bkqd", weights_new.astype(v_cache.dtype),
+                        v_new.astype(v_cache.dtype), preferred_element_type=f32))
+    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+    out = jnp.swapaxes(out.reshape(batch, n_kv_heads, t_new, group, head_dim), 1, 2)
     return out.reshape(batch, t_new, n_q_heads, head_dim).astype(q.dtype)

@@ -16,6 +16,10 @@ from pallas_kernels import tree_attention, tree_attention_reference
 
 F32_TOL = 1e-5
 BF16_TOL = 2e-2
+LAYOUTS = ("bshd", "bhsd")  # k/v cache [B,S,Hkv,D] (the default) or head-major [B,Hkv,S,D]
+
+# One compiled program per shape: the eager reference compiles op by op (~1 s per shape).
+reference = jax.jit(tree_attention_reference, static_argnames=("scale", "kv_layout"))
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -64,6 +68,15 @@ def make_inputs(seed: int, batch: int, t_new: int, n_q: int, n_kv: int, head_dim
             jnp.asarray(mask))
 
 
+def to_layout(args: tuple[jax.Array, ...], kv_layout: str) -> tuple[jax.Array, ...]:
+    """make_inputs' [B,S,Hkv,D] caches moved to ``kv_layout`` (a real transposed copy)."""
+    if kv_layout == "bshd":
+        return args
+    q, k_cache, v_cache, *rest = args
+    return (q, jnp.transpose(k_cache, (0, 2, 1, 3)), jnp.transpose(v_cache, (0, 2, 1, 3)),
+            *rest)
+
+
 def assert_close(out: jax.Array, ref: jax.Array, dtype) -> None:
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -100,15 +113,41 @@ def numpy_tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, mask, scale
     return out
 
 
+@pytest.mark.parametrize("kv_layout", LAYOUTS)
 @pytest.mark.parametrize("mask_kind", ["causal", "tree", "random"])
-def test_reference_matches_numpy_loop(mask_kind):
+def test_reference_matches_numpy_loop(mask_kind, kv_layout):
     args = make_inputs(0, batch=3, t_new=4, n_q=4, n_kv=2, head_dim=8, s_cache=6,
                        mask_kind=mask_kind)
     args = (*args[:6], args[6].at[0, 1].set(False))  # row 0 token 1 also sees nothing
-    ref = tree_attention_reference(*args, scale=0.3)
+    ref = reference(*to_layout(args, kv_layout), scale=0.3, kv_layout=kv_layout)
     expected = numpy_tree_attention(*args, scale=0.3)
     np.testing.assert_allclose(np.asarray(ref), expected, atol=1e-5)
     assert np.all(np.asarray(ref)[0, 1] == 0.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_reference_layouts_agree(dtype):
+    """The head-major reference equals the default one (same math, transposed cache), and
+    the eager and jitted references agree."""
+    args = make_inputs(4, batch=3, t_new=6, n_q=8, n_kv=2, head_dim=32, s_cache=19,
+                       dtype=dtype, mask_kind="tree")
+    by_layout = {lay: reference(*to_layout(args, lay), kv_layout=lay) for lay in LAYOUTS}
+    tol = 1e-6 if dtype == jnp.float32 else BF16_TOL
+    assert by_layout["bhsd"].dtype == by_layout["bshd"].dtype == dtype
+    np.testing.assert_allclose(np.asarray(by_layout["bhsd"], np.float32),
+                               np.asarray(by_layout["bshd"], np.float32), atol=tol, rtol=tol)
+    eager = tree_attention_reference(*to_layout(args, "bhsd"), kv_layout="bhsd")
+    np.testing.assert_allclose(np.asarray(eager, np.float32),
+                               np.asarray(by_layout["bhsd"], np.float32), atol=tol, rtol=tol)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(by_layout["bhsd"]), numpy_tree_attention(*args),
+                                   atol=F32_TOL)
+
+
+def test_reference_rejects_unknown_layout():
+    args = make_inputs(0, 1, 2, 2, 1, 8, 4)
+    with pytest.raises(ValueError, match="kv_layout"):
+        tree_attention_reference(*args, kv_layout="sbhd")
 
 
 # -------------------------------------------------------------------- kernel parity
@@ -119,13 +158,14 @@ GPU_CASES = [
     (2, 5, 12, 4, 64, 37, jnp.float32, "tree", 16, None),
     (3, 8, 8, 2, 128, 50, jnp.float32, "random", 16, 3),
     (2, 64, 4, 1, 64, 20, jnp.float32, "causal", 16, 1),
-    (2, 5, 4, 2, 80, 21, jnp.float32, "tree", None, None),
+    (2, 5, 4, 2, 80, 21, jnp.float32, "tree", None, None),  # D padded to 128
+    (2, 3, 4, 2, 64, 9, jnp.float32, "tree", None, None),  # S < 16: padded to one block
     (2, 5, 8, 2, 128, 33, jnp.bfloat16, "tree", None, None),
     (2, 8, 6, 2, 64, 40, jnp.bfloat16, "random", 16, 2),
     (2, 64, 3, 1, 64, 24, jnp.bfloat16, "tree", 16, None),
 ]
 TPU_CASES = [
-    (2, 5, 12, 4, 64, 37, jnp.float32, "tree", 16),
+    (2, 5, 12, 4, 64, 37, jnp.float32, "tree", 16),  # 2 heads per program (D = 64)
     (3, 8, 8, 2, 128, 50, jnp.bfloat16, "causal", 16),
     (2, 64, 4, 1, 64, 20, jnp.float32, "random", None),
     (2, 1, 8, 8, 128, 70, jnp.float32, "causal", 32),
@@ -137,43 +177,64 @@ def _case_id(case) -> str:
     return f"B{b}-T{t}-Hq{hq}-Hkv{hkv}-D{d}-S{s}-{jnp.dtype(dtype).name}-{mask}"
 
 
+def _seed(case) -> int:
+    b, t, hq, hkv, d, s = case[:6]  # stable across runs (hash() of a tuple is too)
+    return (((b * 131 + t) * 131 + hq) * 131 + hkv + d * 7 + s * 13) % 1000
+
+
+@pytest.mark.parametrize("kv_layout", LAYOUTS)
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
-def test_gpu_kernel_matches_reference(case):
+def test_gpu_kernel_matches_reference(case, kv_layout):
     b, t, hq, hkv, d, s, dtype, mask_kind, block_k, splits = case
-    args = make_inputs(hash(case[:6]) % 1000, b, t, hq, hkv, d, s, dtype, mask_kind)
+    args = to_layout(make_inputs(_seed(case), b, t, hq, hkv, d, s, dtype, mask_kind), kv_layout)
     out = tree_attention(*args, interpret=True, backend="gpu", block_k=block_k,
-                         num_splits=splits)
-    assert_close(out, tree_attention_reference(*args), dtype)
+                         num_splits=splits, kv_layout=kv_layout)
+    assert_close(out, reference(*args, kv_layout=kv_layout), dtype)
 
 
+@pytest.mark.parametrize("kv_layout", LAYOUTS)
 @pytest.mark.parametrize("case", TPU_CASES, ids=_case_id)
-def test_tpu_kernel_matches_reference(case):
+def test_tpu_kernel_matches_reference(case, kv_layout):
     b, t, hq, hkv, d, s, dtype, mask_kind, block_k = case
-    args = make_inputs(hash(case[:6]) % 1000, b, t, hq, hkv, d, s, dtype, mask_kind)
-    out = tree_attention(*args, interpret=True, backend="tpu", block_k=block_k)
-    assert_close(out, tree_attention_reference(*args), dtype)
+    args = to_layout(make_inputs(_seed(case), b, t, hq, hkv, d, s, dtype, mask_kind), kv_layout)
+    out = tree_attention(*args, interpret=True, backend="tpu", block_k=block_k,
+                         kv_layout=kv_layout)
+    assert_close(out, reference(*args, kv_layout=kv_layout), dtype)
 
 
+@pytest.mark.parametrize("kv_layout", LAYOUTS)
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
-def test_edge_cases(backend):
-    """Empty prefix + diagonal mask gives v_new; blind queries give zeros; full cache works."""
+def test_edge_cases(backend, kv_layout):
+    """Empty prefix + diagonal mask gives v_new; blind queries give zeros; full cache works;
+    non-finite values in the unused cache slots never leak into the output."""
     b, t, hq, hkv, d, s = 3, 5, 6, 2, 64, 24
     q, kc, vc, _, kn, vn, _ = make_inputs(7, b, t, hq, hkv, d, s)
-    lengths = jnp.array([0, s, 0], jnp.int32)
+    lengths = jnp.array([0, s, 5], jnp.int32)
+    kc = kc.at[0].set(jnp.nan).at[2, 5:].set(jnp.inf)  # stale slots past each row's length
+    vc = vc.at[0].set(jnp.inf).at[2, 5:].set(jnp.nan)
     mask = jnp.asarray(make_mask(np.random.default_rng(0), "diagonal", b, t))
-    mask = mask.at[2].set(False).at[1, 3].set(False)  # row 2: all blind; row 1 token 3: cache only
-    args = (q, kc, vc, lengths, kn, vn, mask)
-    out = tree_attention(*args, interpret=True, backend=backend, block_k=16)
-    assert_close(out, tree_attention_reference(*args), jnp.float32)
+    mask = mask.at[1, 3].set(False)  # row 1 token 3: cache only
+    args = to_layout((q, kc, vc, lengths, kn, vn, mask), kv_layout)
+    out = tree_attention(*args, interpret=True, backend=backend, block_k=16,
+                         kv_layout=kv_layout)
+    clean = to_layout((q, jnp.nan_to_num(kc), jnp.nan_to_num(vc), lengths, kn, vn, mask),
+                      kv_layout)
+    assert_close(out, reference(*clean, kv_layout=kv_layout), jnp.float32)
     group = hq // hkv
     np.testing.assert_allclose(np.asarray(out[0]), np.repeat(np.asarray(vn[0]), group, axis=1),
                                atol=F32_TOL)
-    assert np.all(np.asarray(out[2]) == 0.0)
+    blind = to_layout((q, kc, vc, jnp.zeros_like(lengths), kn, vn, jnp.zeros_like(mask)),
+                      kv_layout)
+    out = tree_attention(*blind, interpret=True, backend=backend, block_k=16,
+                         kv_layout=kv_layout)
+    assert np.all(np.asarray(out) == 0.0)
 
 
-def test_jit_and_while_loop():
-    args = make_inputs(3, 2, 5, 8, 2, 64, 30, mask_kind="tree")
-    kernel = functools.partial(tree_attention, interpret=True, block_k=16)
+@pytest.mark.parametrize("kv_layout", LAYOUTS)
+def test_jit_and_while_loop(kv_layout):
+    args = to_layout(make_inputs(3, 2, 5, 8, 2, 64, 30, mask_kind="tree"), kv_layout)
+    kernel = functools.partial(tree_attention, interpret=True, block_k=16, kv_layout=kv_layout)
+    ref_fn = functools.partial(tree_attention_reference, kv_layout=kv_layout)
 
     def loop(attn, q, *rest):
         def body(carry):
@@ -182,26 +243,12 @@ def test_jit_and_while_loop():
         return jax.lax.while_loop(lambda c: c[0] < 2, body, (0, q))[1]
 
     out = jax.jit(functools.partial(loop, kernel))(*args)
-    ref = jax.jit(functools.partial(loop, tree_attention_reference))(*args)
+    ref = jax.jit(functools.partial(loop, ref_fn))(*args)
     assert_close(out, ref, jnp.float32)
-    assert_close(jax.jit(kernel)(*args), tree_attention_reference(*args), jnp.float32)
+    assert_close(jax.jit(kernel)(*args), reference(*args, kv_layout=kv_layout), jnp.float32)
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
-def test_layer_stacked_cache(backend):
-    """layer= reads one layer of a stacked [L,B,S,Hkv,D] cache in place (layer traced)."""
-    q, kc, vc, lengths, kn, vn, mask = make_inputs(11, 2, 5, 4, 2, 64, 21, mask_kind="tree")
-    rng = np.random.default_rng(1)
-    k_stack = jnp.asarray(rng.normal(size=(3, *kc.shape)), jnp.float32).at[1].set(kc)
-    v_stack = jnp.asarray(rng.normal(size=(3, *vc.shape)), jnp.float32).at[1].set(vc)
-    run = jax.jit(lambda layer: tree_attention(q, k_stack, v_stack, lengths, kn, vn, mask,
-                                               interpret=True, backend=backend, block_k=16,
-                                               layer=layer))
-    assert_close(run(jnp.int32(1)), tree_attention_reference(q, kc, vc, lengths, kn, vn, mask),
-                 jnp.float32)
-
-
-@settings(max_examples=4, deadline=None, derandomize=True)
+@settings(max_examples=6, deadline=None, derandomize=True)
 @given(
     batch=st.integers(1, 2),
     t_new=st.sampled_from([1, 5, 8]),
@@ -211,13 +258,16 @@ def test_layer_stacked_cache(backend):
     s_cache=st.integers(1, 40),
     mask_kind=st.sampled_from(["causal", "tree", "random"]),
     backend=st.sampled_from(["gpu", "tpu"]),
+    kv_layout=st.sampled_from(LAYOUTS),
     seed=st.integers(0, 2**16),
 )
-def test_random_shapes(batch, t_new, group, n_kv, head_dim, s_cache, mask_kind, backend, seed):
-    args = make_inputs(seed, batch, t_new, group * n_kv, n_kv, head_dim, s_cache,
-                       mask_kind=mask_kind)
-    out = tree_attention(*args, interpret=True, backend=backend, block_k=16)
-    assert_close(out, tree_attention_reference(*args), jnp.float32)
+def test_random_shapes(batch, t_new, group, n_kv, head_dim, s_cache, mask_kind, backend,
+                       kv_layout, seed):
+    args = to_layout(make_inputs(seed, batch, t_new, group * n_kv, n_kv, head_dim, s_cache,
+                                 mask_kind=mask_kind), kv_layout)
+    out = tree_attention(*args, interpret=True, backend=backend, block_k=16,
+                         kv_layout=kv_layout)
+    assert_close(out, reference(*args, kv_layout=kv_layout), jnp.float32)
 
 
 # ------------------------------------------------------------------- API and lowering
@@ -236,12 +286,22 @@ def test_bad_shapes_raise():
         tree_attention(q, kc, vc, lengths, kn, vn, mask[:, :2], interpret=True)
     with pytest.raises(ValueError, match="multiple"):
         tree_attention(q[:, :, :3], kc, vc, lengths, kn, vn, mask, interpret=True)
+    with pytest.raises(ValueError, match="kv_layout"):
+        tree_attention(q, kc, vc, lengths, kn, vn, mask, interpret=True, kv_layout="sbhd")
+    # A [B,S,Hkv,D] cache passed as head-major reads S=8 as Hkv: caught, not misread.
+    with pytest.raises(ValueError, match="bhsd"):
+        tree_attention(q, kc, vc, lengths, kn, vn, mask, interpret=True, kv_layout="bhsd")
+    kh, vh = jnp.transpose(kc, (0, 2, 1, 3)), jnp.transpose(vc, (0, 2, 1, 3))
+    with pytest.raises(ValueError, match="bshd"):
+        tree_attention(q, kh, vh, lengths, kn, vn, mask, interpret=True)
 
 
-def _abstract_inputs(stacked: bool, batch=2, t_new=8, n_q=32, n_kv=8, head_dim=128,
+def _abstract_inputs(kv_layout: str, batch=2, t_new=8, n_q=32, n_kv=8, head_dim=128,
                      s_cache=1000, dtype=jnp.bfloat16):
     sds = jax.ShapeDtypeStruct
-    kv = sds((3,) * stacked + (batch, s_cache, n_kv, head_dim), dtype)
+    cache = (batch, s_cache, n_kv, head_dim) if kv_layout == "bshd" else (
+        batch, n_kv, s_cache, head_dim)
+    kv = sds(cache, dtype)
     new = sds((batch, t_new, n_kv, head_dim), dtype)
     return (sds((batch, t_new, n_q, head_dim), dtype), kv, kv, sds((batch,), jnp.int32), new,
             new, sds((batch, t_new, t_new), jnp.bool_))
@@ -251,23 +311,32 @@ def _abstract_inputs(stacked: bool, batch=2, t_new=8, n_q=32, n_kv=8, head_dim=1
     "platform,backend,module",
     [("cuda", "gpu", "jax._src.lib.triton"), ("tpu", "tpu", "jax._src.tpu_custom_call")],
 )
-@pytest.mark.parametrize("stacked", [False, True], ids=["plain", "stacked-split4"])
-def test_kernel_lowers_for_accelerator(platform, backend, module, stacked):
+@pytest.mark.parametrize("kv_layout", LAYOUTS)
+@pytest.mark.parametrize("variant", ["d128", "d64-split4"])
+def test_kernel_lowers_for_accelerator(platform, backend, module, kv_layout, variant):
     """Cross-lower the compiled (non-interpret) kernels from this host: catches Pallas
-    lowering errors of the Triton / Mosaic paths without the hardware."""
+    lowering errors of the Triton / Mosaic paths without the hardware. The cache reaches
+    the kernel as is: no transpose, pad or concatenation of it in the wrapper."""
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not available in this jaxlib")
-    kwargs = {"num_splits": 4, "layer": 1} if stacked else {}
-    fn = functools.partial(tree_attention, backend=backend, **kwargs)
-    text = jax.jit(fn).trace(*_abstract_inputs(stacked)).lower(
-        lowering_platforms=(platform,)).as_text()
+    head_dim = 128 if variant == "d128" else 64  # TPU: d64 packs 2 heads per program
+    kwargs = {"num_splits": 4} if variant == "d64-split4" else {}
+    inputs = _abstract_inputs(kv_layout, head_dim=head_dim)
+    fn = functools.partial(tree_attention, backend=backend, kv_layout=kv_layout, **kwargs)
+    text = jax.jit(fn).trace(*inputs).lower(lowering_platforms=(platform,)).as_text()
     assert ("triton" if backend == "gpu" else "tpu_custom_call") in text
+    cache_type = "tensor<" + "x".join(map(str, inputs[1].shape)) + "xbf16>"
+    for op in ("transpose", "pad", "concatenate", "copy", "dynamic_slice", "gather"):
+        offending = [line for line in text.splitlines()
+                     if f"stablehlo.{op}" in line and cache_type in line]
+        assert not offending, offending
 
 
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "tpu"), reason="needs a GPU or TPU")
+@pytest.mark.parametrize("kv_layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_compiled_kernel_on_accelerator(dtype):
-    args = make_inputs(5, 4, 8, 32, 8, 128, 1000, dtype, "tree")
+def test_compiled_kernel_on_accelerator(dtype, kv_layout):
+    args = to_layout(make_inputs(5, 4, 8, 32, 8, 128, 1000, dtype, "tree"), kv_layout)
     with jax.default_matmul_precision("highest"):  # keep XLA's f32 reference off TF32
-        ref = tree_attention_reference(*args)
-    assert_close(tree_attention(*args), ref, dtype)
+        ref = tree_attention_reference(*args, kv_layout=kv_layout)
+    assert_close(tree_attention(*args, kv_layout=kv_layout), ref, dtype)

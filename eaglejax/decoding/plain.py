@@ -87,7 +87,7 @@ def decode_loop(params: Params, config: ModelConfig, state: DecodeState, samplin
         positions = s.cache.lengths[:, None]
         out = forward(params, config, s.last_token[:, None], positions, s.cache,
                       attn_impl=attn_impl)
-        cache = kv_cache.append(s.cache, out.k_new, out.v_new, is_running.astype(jnp.int32))
+        cache = out.cache._replace(lengths=s.cache.lengths + is_running.astype(jnp.int32))
         token = sample_tokens(lm_head(params, out.hidden[:, 0]), sampling,
                               _row_step_keys(s.row_keys, s.counts), greedy)
         s = s._replace(cache=cache, forwards=s.forwards + 1)

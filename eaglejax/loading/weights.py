@@ -9,43 +9,70 @@ import numpy as np
 
 from eaglejax.config import ModelConfig
 from eaglejax.errors import LoadError
-from eaglejax.models.llama import Params, param_shapes
+from eaglejax.models.llama import Params
 
 _LAYER = "model.layers.{i}."
-_SAME = lambda w: w  # noqa: E731
-
-# eaglejax layer key -> (HF tensor name, converter from PyTorch [out,in] to eaglejax [in,out])
-_LAYER_TABLE = {
-    "attn_norm": ("input_layernorm.weight", _SAME),
-    "mlp_norm": ("post_attention_layernorm.weight", _SAME),
-    "wq": ("self_attn.q_proj.weight", np.transpose),
-    "wk": ("self_attn.k_proj.weight", np.transpose),
-    "wv": ("self_attn.v_proj.weight", np.transpose),
-    "wo": ("self_attn.o_proj.weight", np.transpose),
-    "w_gate": ("mlp.gate_proj.weight", np.transpose),
-    "w_up": ("mlp.up_proj.weight", np.transpose),
-    "w_down": ("mlp.down_proj.weight", np.transpose),
-    "bq": ("self_attn.q_proj.bias", _SAME),
-    "bk": ("self_attn.k_proj.bias", _SAME),
-    "bv": ("self_attn.v_proj.bias", _SAME),
-    "q_norm": ("self_attn.q_norm.weight", _SAME),
-    "k_norm": ("self_attn.k_norm.weight", _SAME),
-}
 
 
 def hf_expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name the config implies, with its PyTorch shape."""
     c = config
-    layer_shapes = param_shapes(config)["layers"][0]
+    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = {
+        "input_layernorm.weight": (c.hidden_size,),
+        "post_attention_layernorm.weight": (c.hidden_size,),
+        "self_attn.q_proj.weight": (q_out, c.hidden_size),
+        "self_attn.k_proj.weight": (kv_out, c.hidden_size),
+        "self_attn.v_proj.weight": (kv_out, c.hidden_size),
+        "self_attn.o_proj.weight": (c.hidden_size, q_out),
+        "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+    }
+    if c.attention_bias:
+        per_layer.update({"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
+                          "self_attn.v_proj.bias": (kv_out,)})
+    if c.qk_norm:
+        per_layer.update({"self_attn.q_norm.weight": (c.head_dim,),
+                          "self_attn.k_norm.weight": (c.head_dim,)})
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
               "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_layers):
-        for key, shape in layer_shapes.items():
-            hf_name, convert = _LAYER_TABLE[key]
-            shapes[_LAYER.format(i=i) + hf_name] = shape[::-1] if convert is np.transpose else shape
+        shapes.update({_LAYER.format(i=i) + k: s for k, s in per_layer.items()})
     return shapes
+
+
+def _group_qkv(config: ModelConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """HF q/k/v (weights [out,in] or biases [out]) -> [in..., kv_heads, kv_group + 2, head_dim]."""
+    c = config
+
+    def split(w: np.ndarray, per_kv: int) -> np.ndarray:
+        w = w.T if w.ndim == 2 else w
+        return w.reshape(*w.shape[:-1], c.num_kv_heads, per_kv, c.head_dim)
+
+    return np.concatenate([split(q, c.kv_group), split(k, 1), split(v, 1)], axis=-2)
+
+
+def _layer_params(config: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
+    """One layer's eaglejax arrays from its HF tensors (`get` takes the name within the layer)."""
+    f32 = lambda name: np.asarray(get(name), np.float32)  # noqa: E731
+    attn = "self_attn.{}_proj.{}"
+    layer = {
+        "attn_norm": f32("input_layernorm.weight"),
+        "mlp_norm": f32("post_attention_layernorm.weight"),
+        "wqkv": _group_qkv(config, *(f32(attn.format(x, "weight")) for x in "qkv")),
+        "wo": f32("self_attn.o_proj.weight").T,
+        "w_gate_up": np.stack([f32("mlp.gate_proj.weight").T, f32("mlp.up_proj.weight").T], 1),
+        "w_down": f32("mlp.down_proj.weight").T,
+    }
+    if config.attention_bias:
+        layer["bqkv"] = _group_qkv(config, *(f32(attn.format(x, "bias")) for x in "qkv"))
+    if config.qk_norm:
+        layer["q_norm"] = f32("self_attn.q_norm.weight")
+        layer["k_norm"] = f32("self_attn.k_norm.weight")
+    return layer
 
 
 def check_hf_tensors(names_and_shapes: Mapping[str, tuple[int, ...]], config: ModelConfig,
@@ -73,11 +100,10 @@ def params_from_hf(get: Callable[[str], np.ndarray], names_and_shapes: Mapping[s
     """Build the parameter tree from HF tensors fetched one by one with `get(name)`."""
     check_hf_tensors(names_and_shapes, config, source)
     to_dtype = lambda a: jnp.asarray(np.asarray(a, dtype=np.float32), dtype=dtype)  # noqa: E731
-    keys = param_shapes(config)["layers"][0]
-    layers = [{key: to_dtype(_LAYER_TABLE[key][1](np.asarray(
-                   get(_LAYER.format(i=i) + _LAYER_TABLE[key][0]), np.float32)))
-               for key in keys}
-              for i in range(config.num_layers)]
+    layers = []
+    for i in range(config.num_layers):
+        layer = _layer_params(config, lambda name, i=i: get(_LAYER.format(i=i) + name))
+        layers.append({key: to_dtype(value) for key, value in layer.items()})
     params: Params = {"embed": to_dtype(get("model.embed_tokens.weight")),
                       "layers": layers,
                       "final_norm": to_dtype(get("model.norm.weight"))}

@@ -24,10 +24,11 @@ def resolve_impl(impl: str) -> str:
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_lengths: jax.Array,
               k_new: jax.Array, v_new: jax.Array, mask: jax.Array, *,
               impl: AttentionImpl = "auto") -> jax.Array:
-    """Queries q [B,T,Hq,D] over the cached prefix (lengths [B]) plus new K/V under mask [B,T,T]."""
-    if resolve_impl(impl) == "pallas" and hasattr(pallas_kernels, "tree_attention"):
+    """Queries q [B,T,Hq,D] over the cached prefix (k/v_cache [B,Hkv,S,D], lengths [B]) plus
+    the new K/V [B,T,Hkv,D] under mask [B,T,T]."""
+    if resolve_impl(impl) == "pallas":
         return pallas_kernels.tree_attention(
-            q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
+            q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, kv_layout="bhsd",
             interpret=jax.default_backend() == "cpu")
     return pallas_kernels.tree_attention_reference(
-        q, k_cache, v_cache, cache_lengths, k_new, v_new, mask)
+        q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, kv_layout="bhsd")

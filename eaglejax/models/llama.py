@@ -14,23 +14,27 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from eaglejax.config import ModelConfig
 from eaglejax.models.attention import AttentionImpl, attention
-from eaglejax.models.kv_cache import KVCache
-from eaglejax.models.rope import apply_rope, inverse_frequencies
+from eaglejax.models.kv_cache import KVCache, write_block
+from eaglejax.models.rope import apply_rope, inverse_frequencies, rope_tables
 
 Params = dict[str, Any]
 
 
 class ForwardOutput(NamedTuple):
-    """hidden: final-normed [B,T,H]; k_new/v_new: per layer [B,T,kv,D]; taps: [B,T,n*H] or None."""
+    """hidden: final-normed [B,T,H]; k_new/v_new: per layer [B,T,kv,D]; taps: [B,T,n*H] or None.
+
+    cache: the input cache with the new rows staged after each row's valid prefix (lengths
+    unchanged: the caller commits what it accepts); None when no cache was given.
+    """
 
     hidden: jax.Array
     k_new: tuple[jax.Array, ...]
     v_new: tuple[jax.Array, ...]
     taps: jax.Array | None
+    cache: KVCache | None
 
 
 def logical_axes(config: ModelConfig) -> Params:
@@ -38,16 +42,13 @@ def logical_axes(config: ModelConfig) -> Params:
     layer = {
         "attn_norm": ("norm",),
         "mlp_norm": ("norm",),
-        "wq": ("embed", "heads"),
-        "wk": ("embed", "kv_heads"),
-        "wv": ("embed", "kv_heads"),
+        "wqkv": ("embed", "kv_heads", "qkv", "head_dim"),
         "wo": ("heads", "embed"),
-        "w_gate": ("embed", "mlp"),
-        "w_up": ("embed", "mlp"),
+        "w_gate_up": ("embed", "gate_up", "mlp"),
         "w_down": ("mlp", "embed"),
     }
     if config.attention_bias:
-        layer.update(bq=("heads",), bk=("kv_heads",), bv=("kv_heads",))
+        layer.update(bqkv=("kv_heads", "qkv", "head_dim"))
     if config.qk_norm:
         layer.update(q_norm=("head_dim",), k_norm=("head_dim",))
     axes: Params = {"embed": ("vocab", "embed"),
@@ -61,12 +62,15 @@ def logical_axes(config: ModelConfig) -> Params:
 def param_shapes(config: ModelConfig) -> Params:
     """The shape of every parameter (the contract loaders and converters check against).
 
-    Projections are 2-D `[in, out]`; "heads"/"kv_heads" dims are heads * head_dim wide.
+    Projections are `[in, out...]`. Queries, keys and values share one matrix grouped by
+    KV head: `wqkv[:, j]` holds the `kv_group` query heads that read KV head j, then its
+    key, then its value, so sharding over "kv_heads" keeps every group on one device.
+    `wo`'s "heads" dim is heads * head_dim wide. Gate and up share `w_gate_up`.
     """
     c = config
     sizes = {"embed": c.hidden_size, "norm": c.hidden_size, "heads": c.num_heads * c.head_dim,
-             "kv_heads": c.num_kv_heads * c.head_dim, "head_dim": c.head_dim,
-             "mlp": c.intermediate_size, "vocab": c.vocab_size}
+             "kv_heads": c.num_kv_heads, "qkv": c.kv_group + 2, "head_dim": c.head_dim,
+             "gate_up": 2, "mlp": c.intermediate_size, "vocab": c.vocab_size}
     return jax.tree.map(lambda axes: tuple(sizes[a] for a in axes), logical_axes(config),
                         is_leaf=lambda x: isinstance(x, tuple))
 
@@ -98,27 +102,31 @@ def causal_mask(batch: int, t_new: int) -> jax.Array:
     return jnp.broadcast_to(tri, (batch, t_new, t_new))
 
 
-def _decoder_layer(config: ModelConfig, inv_freq: np.ndarray, h: jax.Array, layer: Params,
-                   k_cache: jax.Array, v_cache: jax.Array, cache_lengths: jax.Array,
-                   positions: jax.Array, mask: jax.Array, impl: AttentionImpl):
+def _decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
+                   layer: Params, k_cache: jax.Array, v_cache: jax.Array,
+                   cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl):
     c, eps = config, config.rms_norm_eps
     batch, t_new, _ = h.shape
     x = rms_norm(h, layer["attn_norm"], eps)
-    q, k, v = x @ layer["wq"], x @ layer["wk"], x @ layer["wv"]
+    qkv = jnp.einsum("bth,hkgd->btkgd", x, layer["wqkv"])
     if c.attention_bias:
-        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-    q = q.reshape(batch, t_new, c.num_heads, c.head_dim)
-    k = k.reshape(batch, t_new, c.num_kv_heads, c.head_dim)
-    v = v.reshape(batch, t_new, c.num_kv_heads, c.head_dim)
+        qkv = qkv + layer["bqkv"]
+    q = qkv[:, :, :, :-2].reshape(batch, t_new, c.num_heads, c.head_dim)
+    k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
     if c.qk_norm:
         q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    if k_cache.shape[2]:
+        # Stage the new rows first so the attention reads the updated buffer: XLA then
+        # updates the cache in place instead of copying it.
+        k_cache = write_block(k_cache, k, cache_lengths)
+        v_cache = write_block(v_cache, v, cache_lengths)
     attn = attention(q, k_cache, v_cache, cache_lengths, k, v, mask, impl=impl)
     h = h + attn.reshape(batch, t_new, -1) @ layer["wo"]
     x = rms_norm(h, layer["mlp_norm"], eps)
-    gated = jax.nn.silu(x @ layer["w_gate"]) * (x @ layer["w_up"])
-    return h + gated @ layer["w_down"], k, v
+    gate_up = jnp.einsum("bth,hci->btci", x, layer["w_gate_up"])
+    h = h + (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]) @ layer["w_down"]
+    return h, k, v, k_cache, v_cache
 
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -135,23 +143,26 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     batch, t_new = tokens.shape
     if mask is None:
         mask = causal_mask(batch, t_new)
+    given = cache
     if cache is None:
-        empty = jnp.zeros((batch, 0, config.num_kv_heads, config.head_dim), params["embed"].dtype)
+        empty = jnp.zeros((batch, config.num_kv_heads, 0, config.head_dim), params["embed"].dtype)
         cache = KVCache((empty,) * config.num_layers, (empty,) * config.num_layers,
                         jnp.zeros((batch,), jnp.int32))
-    inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+    rope = rope_tables(positions, inverse_frequencies(config.head_dim, config.rope_theta,
+                                                      config.rope_scaling))
     h = params["embed"][tokens]
-    streams, k_new, v_new = [], [], []
+    streams, k_new, v_new, k_bufs, v_bufs = [], [], [], [], []
     for layer, k_cache, v_cache in zip(params["layers"], cache.k, cache.v):
         streams.append(h)
-        h, k, v = _decoder_layer(config, inv_freq, h, layer, k_cache, v_cache, cache.lengths,
-                                 positions, mask, attn_impl)
-        k_new.append(k)
-        v_new.append(v)
+        h, k, v, k_buf, v_buf = _decoder_layer(config, rope, h, layer, k_cache, v_cache,
+                                               cache.lengths, mask, attn_impl)
+        for out, x in ((k_new, k), (v_new, v), (k_bufs, k_buf), (v_bufs, v_buf)):
+            out.append(x)
     streams.append(h)
     taps = jnp.concatenate([streams[i] for i in tap_layers], axis=-1) if tap_layers else None
+    staged = None if given is None else KVCache(tuple(k_bufs), tuple(v_bufs), cache.lengths)
     return ForwardOutput(rms_norm(h, params["final_norm"], config.rms_norm_eps),
-                         tuple(k_new), tuple(v_new), taps)
+                         tuple(k_new), tuple(v_new), taps, staged)
 
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
