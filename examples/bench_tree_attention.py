@@ -2,11 +2,14 @@
 
 Reports the median time per call and the achieved bandwidth (bytes of K/V cache the
 kernel must read, i.e. ``2 * B * prefix * Hkv * D * itemsize``, divided by the time),
-next to a device-to-device copy bandwidth measured on the same device.
+next to a device-to-device copy bandwidth measured on the same device. The cache is in
+the head-major ``[B, Hkv, S, D]`` layout the model keeps (``kv_layout="bhsd"``) unless
+``--kv-layout`` says otherwise.
 
     python examples/bench_tree_attention.py            # Llama-3-8B layer shapes, bf16
     python examples/bench_tree_attention.py --quick    # tiny CPU smoke run (interpret mode)
     python examples/bench_tree_attention.py --json     # machine-readable output
+    python examples/bench_tree_attention.py --kv-layout both   # bhsd and bshd side by side
 
 On CPU there is no compiled kernel: only --quick runs it (in interpret mode, tiny shapes);
 otherwise only the reference is timed.
@@ -65,14 +68,18 @@ def tree_mask(rng: np.random.Generator, batch: int, t_new: int) -> np.ndarray:
     return masks
 
 
-def make_inputs(batch, prefix, capacity, t_new, n_q, n_kv, head_dim, dtype, seed=0):
+def make_inputs(batch, prefix, capacity, t_new, n_q, n_kv, head_dim, dtype, kv_layout="bhsd",
+                seed=0):
+    """Inputs with the cache allocated directly in ``kv_layout`` (no transposed copy)."""
     rng = np.random.default_rng(seed)
     key = jax.random.PRNGKey(seed)
     ks = jax.random.split(key, 5)
     normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(dtype)  # noqa: E731
     q = normal(ks[0], (batch, t_new, n_q, head_dim))
-    k_cache = normal(ks[1], (batch, capacity, n_kv, head_dim))
-    v_cache = normal(ks[2], (batch, capacity, n_kv, head_dim))
+    cache_shape = ((batch, capacity, n_kv, head_dim) if kv_layout == "bshd"
+                   else (batch, n_kv, capacity, head_dim))
+    k_cache = normal(ks[1], cache_shape)
+    v_cache = normal(ks[2], cache_shape)
     k_new = normal(ks[3], (batch, t_new, n_kv, head_dim))
     v_new = normal(ks[4], (batch, t_new, n_kv, head_dim))
     lengths = jnp.full((batch,), prefix, jnp.int32)
@@ -96,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--block-k", type=int, default=None)
+    p.add_argument("--kv-layout", choices=["bhsd", "bshd", "both"], default="bhsd",
+                   help="cache layout: bhsd = [B,Hkv,S,D] (the model's), bshd = [B,S,Hkv,D]")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.prefix, args.new_tokens = [1, 2], [40, 100], [1, 5]
@@ -104,50 +113,66 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def bench_one(args, kernel, reference, kv_layout, batch, prefix, t_new, dtype, run_kernel,
+              copy_bw) -> dict:
+    capacity = max(args.capacity or prefix, prefix)
+    inputs = make_inputs(batch, prefix, capacity, t_new, args.q_heads, args.kv_heads,
+                         args.head_dim, dtype, kv_layout)
+    itemsize = jnp.dtype(dtype).itemsize
+    kv_bytes = 2 * batch * prefix * args.kv_heads * args.head_dim * itemsize
+    ref_s = time_call(reference, inputs, args.repeats)
+    ker_s = time_call(kernel, inputs, args.repeats) if run_kernel else None
+    return {
+        "kv_layout": kv_layout,
+        "batch": batch, "prefix": prefix, "capacity": capacity, "new_tokens": t_new,
+        "q_heads": args.q_heads, "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim, "dtype": args.dtype, "kv_bytes": kv_bytes,
+        "reference_us": ref_s * 1e6, "reference_gbps": kv_bytes / ref_s / 1e9,
+        "kernel_us": None if ker_s is None else ker_s * 1e6,
+        "kernel_gbps": None if ker_s is None else kv_bytes / ker_s / 1e9,
+        "kernel_fraction_of_copy": None if ker_s is None else kv_bytes / ker_s / copy_bw,
+    }
+
+
+def print_row(row: dict, copy_bw: float) -> None:
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    ker_us, ref_us = row["kernel_us"], row["reference_us"]
+    speedup = None if ker_us is None else ref_us / ker_us
+    print(f"{row['kv_layout']:>6} {row['batch']:>3} {row['prefix']:>6} {row['new_tokens']:>3} "
+          f"{fmt(ker_us, '10.1f')} {ref_us:>10.1f} {fmt(speedup, '7.2f')} "
+          f"{fmt(row['kernel_gbps'], '11.1f')} {row['reference_gbps']:>9.1f} "
+          f"{fmt(row['kernel_fraction_of_copy'], '11.2%')}", flush=True)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     platform = jax.default_backend()
     on_cpu = platform == "cpu"
     run_kernel = not on_cpu or args.quick
     dtype = DTYPES[args.dtype]
-    kernel = jax.jit(functools.partial(tree_attention, interpret=on_cpu, block_k=args.block_k))
-    reference = jax.jit(tree_attention_reference)
+    layouts = ["bhsd", "bshd"] if args.kv_layout == "both" else [args.kv_layout]
+    kernels = {lay: jax.jit(functools.partial(tree_attention, interpret=on_cpu,
+                                              block_k=args.block_k, kv_layout=lay))
+               for lay in layouts}
+    references = {lay: jax.jit(functools.partial(tree_attention_reference, kv_layout=lay))
+                  for lay in layouts}
     copy_bw = copy_bandwidth((64 if on_cpu else 1024) << 20, max(3, args.repeats // 2))
     mode = ("interpret" if on_cpu else "compiled") if run_kernel else "skipped"
     if not args.json:
         print(f"device: {jax.devices()[0].device_kind} ({platform}); kernel: {mode}")
         print(f"device-to-device copy: {copy_bw / 1e9:.1f} GB/s (read + write)")
-        print(f"{'B':>3} {'prefix':>6} {'T':>3} {'kernel_us':>10} {'ref_us':>10} {'speedup':>7} "
+        print(f"{'layout':>6} {'B':>3} {'prefix':>6} {'T':>3} {'kernel_us':>10} {'ref_us':>10} {'speedup':>7} "
               f"{'kernel_GB/s':>11} {'ref_GB/s':>9} {'kernel/copy':>11}")
     results = []
-    itemsize = jnp.dtype(dtype).itemsize
     for batch in args.batch:
         for prefix in args.prefix:
             for t_new in args.new_tokens:
-                capacity = max(args.capacity or prefix, prefix)
-                inputs = make_inputs(batch, prefix, capacity, t_new, args.q_heads,
-                                     args.kv_heads, args.head_dim, dtype)
-                kv_bytes = 2 * batch * prefix * args.kv_heads * args.head_dim * itemsize
-                ref_s = time_call(reference, inputs, args.repeats)
-                ker_s = time_call(kernel, inputs, args.repeats) if run_kernel else None
-                row = {
-                    "batch": batch, "prefix": prefix, "capacity": capacity, "new_tokens": t_new,
-                    "q_heads": args.q_heads, "kv_heads": args.kv_heads,
-                    "head_dim": args.head_dim, "dtype": args.dtype, "kv_bytes": kv_bytes,
-                    "reference_us": ref_s * 1e6, "reference_gbps": kv_bytes / ref_s / 1e9,
-                    "kernel_us": None if ker_s is None else ker_s * 1e6,
-                    "kernel_gbps": None if ker_s is None else kv_bytes / ker_s / 1e9,
-                    "kernel_fraction_of_copy":
-                        None if ker_s is None else kv_bytes / ker_s / copy_bw,
-                }
-                results.append(row)
-                if not args.json:
-                    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-                    speedup = None if ker_s is None else ref_s / ker_s
-                    print(f"{batch:>3} {prefix:>6} {t_new:>3} {fmt(row['kernel_us'], '10.1f')} "
-                          f"{ref_s * 1e6:>10.1f} {fmt(speedup, '7.2f')} "
-                          f"{fmt(row['kernel_gbps'], '11.1f')} {row['reference_gbps']:>9.1f} "
-                          f"{fmt(row['kernel_fraction_of_copy'], '11.2%')}", flush=True)
+                for kv_layout in layouts:
+                    row = bench_one(args, kernels[kv_layout], references[kv_layout], kv_layout,
+                                    batch, prefix, t_new, dtype, run_kernel, copy_bw)
+                    results.append(row)
+                    if not args.json:
+                        print_row(row, copy_bw)
     if args.json:
         print(json.dumps({
             "device": jax.devices()[0].device_kind, "platform": platform,

@@ -37,3 +37,24 @@ def target_of(hf_family):
         return loaded[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default real model, loaded by eaglejax from its GGUF."""
+    import eaglejax
+
+    return eaglejax.load_target("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers reading the same GGUF (its own dequantizer and un-permutation): the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    from eaglejax.loading.builtin import resolve_builtin
+
+    path = resolve_builtin("smollm2-135m-instruct")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype="float32")
+    return model.eval()

@@ -1,0 +1,72 @@
+"""The default real model, SmolLM2-135M-Instruct from its GGUF, against transformers."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import eaglejax
+
+pytestmark = pytest.mark.slow
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the ocean.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers greater than 100.",
+]
+
+
+def test_logits_match_transformers(smollm2, smollm2_hf):
+    ids = [smollm2.tokenizer.render_prompt(p, chat=True) for p in CHAT_PROMPTS[:2]]
+    width = min(len(i) for i in ids)
+    batch = np.array([i[:width] for i in ids])
+    with torch.no_grad():
+        want = smollm2_hf(torch.as_tensor(batch)).logits.numpy()
+    got = np.asarray(smollm2.logits(batch))
+    assert np.abs(got - want).max() <= 1e-4  # logits reach about 38 in magnitude
+
+
+def test_greedy_chat_continuations_match_transformers_for_64_tokens(smollm2, smollm2_hf):
+    smollm2_hf.generation_config.eos_token_id = None  # like ignore_eos: decode through EOS
+    results = eaglejax.generate(CHAT_PROMPTS, target=smollm2, max_new_tokens=64, ignore_eos=True)
+    for prompt, result in zip(CHAT_PROMPTS, results):
+        ids = torch.tensor([smollm2.tokenizer.render_prompt(prompt, chat=True)])
+        with torch.no_grad():
+            out = smollm2_hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64,
+                                      do_sample=False, pad_token_id=0)
+        assert result.token_ids == out[0, ids.shape[1]:].tolist(), prompt
+        assert len(result.token_ids) == 64
+
+
+def test_chat_answer_stops_at_end_of_turn(smollm2):
+    result = eaglejax.generate("What is the capital of France?", target=smollm2,
+                               max_new_tokens=64)[0]
+    assert result.finish_reason == "eos"
+    assert "Paris" in result.text
+    assert result.token_ids[-1] in smollm2.eos_token_ids
+
+
+def test_stop_string_cuts_text_and_tokens(smollm2):
+    free = eaglejax.generate(CHAT_PROMPTS[2], target=smollm2, max_new_tokens=48)[0]
+    word = free.text.split()[5]
+    stopped = eaglejax.generate(CHAT_PROMPTS[2], target=smollm2, max_new_tokens=48,
+                                stop=[word])[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[:free.text.index(word)]
+    assert stopped.token_ids == free.token_ids[:len(stopped.token_ids)]
+    assert word in smollm2.tokenizer.decode(stopped.token_ids)
+
+
+def test_cli_generate_json(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "eaglejax.cli", "generate", "Name a color.", "--max-new-tokens",
+         "8", "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    (result,) = json.loads(proc.stdout)
+    assert result["finish_reason"] in ("eos", "length")
+    assert 1 <= len(result["token_ids"]) <= 8
+    assert result["metrics"]["prompt_tokens"] > 5
