@@ -134,7 +134,7 @@ def bench_one(args, kernel, reference, kv_layout, batch, prefix, t_new, dtype, r
     }
 
 
-def print_row(row: dict, copy_bw: float) -> None:
+def print_row(row: dict) -> None:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     ker_us, ref_us = row["kernel_us"], row["reference_us"]
     speedup = None if ker_us is None else ref_us / ker_us
@@ -161,8 +161,8 @@ def main(argv=None) -> None:
     if not args.json:
         print(f"device: {jax.devices()[0].device_kind} ({platform}); kernel: {mode}")
         print(f"device-to-device copy: {copy_bw / 1e9:.1f} GB/s (read + write)")
-        print(f"{'layout':>6} {'B':>3} {'prefix':>6} {'T':>3} {'kernel_us':>10} {'ref_us':>10} {'speedup':>7} "
-              f"{'kernel_GB/s':>11} {'ref_GB/s':>9} {'kernel/copy':>11}")
+        print(f"{'layout':>6} {'B':>3} {'prefix':>6} {'T':>3} {'kernel_us':>10} {'ref_us':>10} "
+              f"{'speedup':>7} {'kernel_GB/s':>11} {'ref_GB/s':>9} {'kernel/copy':>11}")
     results = []
     for batch in args.batch:
         for prefix in args.prefix:
@@ -172,7 +172,7 @@ def main(argv=None) -> None:
                                     batch, prefix, t_new, dtype, run_kernel, copy_bw)
                     results.append(row)
                     if not args.json:
-                        print_row(row, copy_bw)
+                        print_row(row)
     if args.json:
         print(json.dumps({
             "device": jax.devices()[0].device_kind, "platform": platform,

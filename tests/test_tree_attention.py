@@ -134,17 +134,7 @@ def test_reference_matches_numpy_loop(mask_kind, kv_layout):
     assert np.all(np.asarray(ref)[0, 1] == 0.0)
 
 
-# XLA:CPU (jax 0.10.2) fails "Unsupported element type for DotThunk::Execute: BF16 x BF16 =
-# F32" on the reference's weights @ V dot for bf16 inputs with T > 1 (the split two-part
-# softmax lets XLA fold a transpose of the weights into that dot); the pre-split reference ran.
-_BF16_CPU_XFAIL = pytest.mark.xfail(
-    jax.default_backend() == "cpu", raises=jax.errors.JaxRuntimeError, strict=False,
-    reason="XLA:CPU has no BF16xBF16->F32 DotThunk for the reference's transposed P@V dot")
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16,
-                                                             marks=_BF16_CPU_XFAIL)],
-                         ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_reference_layouts_agree(dtype):
     """The head-major reference equals the default one (same math, transposed cache), and
     the eager and jitted references agree."""
