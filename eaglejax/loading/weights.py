@@ -45,14 +45,13 @@ def hf_expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _group_qkv(config: ModelConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """HF q/k/v (weights [out,in] or biases [out]) -> [in..., kv_heads, kv_group + 2, head_dim]."""
+    """HF q/k/v (weights [out,in] or biases [out]) -> [kv_heads, kv_group + 2, head_dim, in...]."""
     c = config
 
     def split(w: np.ndarray, per_kv: int) -> np.ndarray:
-        w = w.T if w.ndim == 2 else w
-        return w.reshape(*w.shape[:-1], c.num_kv_heads, per_kv, c.head_dim)
+        return w.reshape(c.num_kv_heads, per_kv, c.head_dim, *w.shape[1:])
 
-    return np.concatenate([split(q, c.kv_group), split(k, 1), split(v, 1)], axis=-2)
+    return np.concatenate([split(q, c.kv_group), split(k, 1), split(v, 1)], axis=1)
 
 
 def _layer_params(config: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
@@ -63,9 +62,9 @@ def _layer_params(config: ModelConfig, get: Callable[[str], np.ndarray]) -> dict
         "attn_norm": f32("input_layernorm.weight"),
         "mlp_norm": f32("post_attention_layernorm.weight"),
         "wqkv": _group_qkv(config, *(f32(attn.format(x, "weight")) for x in "qkv")),
-        "wo": f32("self_attn.o_proj.weight").T,
-        "w_gate_up": np.stack([f32("mlp.gate_proj.weight").T, f32("mlp.up_proj.weight").T], 1),
-        "w_down": f32("mlp.down_proj.weight").T,
+        "wo": f32("self_attn.o_proj.weight"),
+        "w_gate_up": np.stack([f32("mlp.gate_proj.weight"), f32("mlp.up_proj.weight")]),
+        "w_down": f32("mlp.down_proj.weight"),
     }
     if config.attention_bias:
         layer["bqkv"] = _group_qkv(config, *(f32(attn.format(x, "bias")) for x in "qkv"))
@@ -108,5 +107,5 @@ def params_from_hf(get: Callable[[str], np.ndarray], names_and_shapes: Mapping[s
                       "layers": layers,
                       "final_norm": to_dtype(get("model.norm.weight"))}
     if not config.tie_word_embeddings:
-        params["lm_head"] = to_dtype(np.asarray(get("lm_head.weight"), np.float32).T)
+        params["lm_head"] = to_dtype(get("lm_head.weight"))
     return params

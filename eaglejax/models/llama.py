@@ -42,10 +42,10 @@ def logical_axes(config: ModelConfig) -> Params:
     layer = {
         "attn_norm": ("norm",),
         "mlp_norm": ("norm",),
-        "wqkv": ("embed", "kv_heads", "qkv", "head_dim"),
-        "wo": ("heads", "embed"),
-        "w_gate_up": ("embed", "gate_up", "mlp"),
-        "w_down": ("mlp", "embed"),
+        "wqkv": ("kv_heads", "qkv", "head_dim", "embed"),
+        "wo": ("embed", "heads"),
+        "w_gate_up": ("gate_up", "mlp", "embed"),
+        "w_down": ("embed", "mlp"),
     }
     if config.attention_bias:
         layer.update(bqkv=("kv_heads", "qkv", "head_dim"))
@@ -55,17 +55,18 @@ def logical_axes(config: ModelConfig) -> Params:
                     "layers": [dict(layer) for _ in range(config.num_layers)],
                     "final_norm": ("norm",)}
     if not config.tie_word_embeddings:
-        axes["lm_head"] = ("embed", "vocab")
+        axes["lm_head"] = ("vocab", "embed")
     return axes
 
 
 def param_shapes(config: ModelConfig) -> Params:
     """The shape of every parameter (the contract loaders and converters check against).
 
-    Projections are `[in, out...]`. Queries, keys and values share one matrix grouped by
-    KV head: `wqkv[:, j]` holds the `kv_group` query heads that read KV head j, then its
-    key, then its value, so sharding over "kv_heads" keeps every group on one device.
-    `wo`'s "heads" dim is heads * head_dim wide. Gate and up share `w_gate_up`.
+    Projections are `[out..., in]` like PyTorch's (contracting the last, contiguous dim is
+    the fastest matrix-vector product on CPUs). Queries, keys and values share one matrix
+    grouped by KV head: `wqkv[j]` holds the `kv_group` query heads that read KV head j,
+    then its key, then its value, so sharding over "kv_heads" keeps every group on one
+    device. `wo`'s "heads" dim is heads * head_dim wide. Gate and up share `w_gate_up`.
     """
     c = config
     sizes = {"embed": c.hidden_size, "norm": c.hidden_size, "heads": c.num_heads * c.head_dim,
@@ -102,13 +103,20 @@ def causal_mask(batch: int, t_new: int) -> jax.Array:
     return jnp.broadcast_to(tri, (batch, t_new, t_new))
 
 
+def _linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [..., in] times a PyTorch-layout weight [out, in] (kept 2-D: XLA:CPU then reads it
+    in place, where a higher-rank weight gets a transposed copy every call)."""
+    return jnp.einsum("...i,oi->...o", x, weight)
+
+
 def _decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
                    layer: Params, k_cache: jax.Array, v_cache: jax.Array,
                    cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl):
     c, eps = config, config.rms_norm_eps
     batch, t_new, _ = h.shape
     x = rms_norm(h, layer["attn_norm"], eps)
-    qkv = jnp.einsum("bth,hkgd->btkgd", x, layer["wqkv"])
+    wqkv = layer["wqkv"]
+    qkv = _linear(x, wqkv.reshape(-1, wqkv.shape[-1])).reshape(batch, t_new, *wqkv.shape[:-1])
     if c.attention_bias:
         qkv = qkv + layer["bqkv"]
     q = qkv[:, :, :, :-2].reshape(batch, t_new, c.num_heads, c.head_dim)
@@ -122,10 +130,10 @@ def _decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: ja
         k_cache = write_block(k_cache, k, cache_lengths)
         v_cache = write_block(v_cache, v, cache_lengths)
     attn = attention(q, k_cache, v_cache, cache_lengths, k, v, mask, impl=impl)
-    h = h + attn.reshape(batch, t_new, -1) @ layer["wo"]
+    h = h + _linear(attn.reshape(batch, t_new, -1), layer["wo"])
     x = rms_norm(h, layer["mlp_norm"], eps)
-    gate_up = jnp.einsum("bth,hci->btci", x, layer["w_gate_up"])
-    h = h + (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]) @ layer["w_down"]
+    gate, up = jnp.split(_linear(x, layer["w_gate_up"].reshape(-1, c.hidden_size)), 2, axis=-1)
+    h = h + _linear(jax.nn.silu(gate) * up, layer["w_down"])
     return h, k, v, k_cache, v_cache
 
 
@@ -167,8 +175,4 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
     """Float32 logits over the vocabulary for final-normed hidden states [..., H]."""
-    if "lm_head" in params:
-        logits = hidden @ params["lm_head"]
-    else:
-        logits = jnp.einsum("...h,vh->...v", hidden, params["embed"])
-    return logits.astype(jnp.float32)
+    return _linear(hidden, params.get("lm_head", params["embed"])).astype(jnp.float32)
