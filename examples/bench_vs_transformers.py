@@ -6,7 +6,7 @@ The two systems alternate prompt by prompt so machine noise hits both alike. Als
 eaglejax batch-8 throughput and the time of one jitted single-token forward (the floor).
 
     python examples/bench_vs_transformers.py --num-prompts 8 [--json]
-Needs the test extra (torch, transformers, accelerate).
+Needs the test extra (torch, transformers).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import eaglejax
 from eaglejax.bench import bench_plain, single_forward_ms
 from eaglejax.datasets import mt_bench_questions
 from eaglejax.loading.builtin import resolve_builtin
+from eaglejax.oracles import transformers_model_from_gguf
 
 
 def main() -> None:
@@ -35,11 +36,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_builtin("smollm2-135m-instruct")
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                              dtype=torch.float32).eval()
+    hf = transformers_model_from_gguf(resolve_builtin("smollm2-135m-instruct"))
     hf.generation_config.eos_token_id = None  # decode exactly max_new_tokens, like ignore_eos
     target = eaglejax.load_target("smollm2-135m-instruct")
     questions = mt_bench_questions()[:args.num_prompts]

@@ -49,12 +49,9 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_hf():
-    """transformers reading the same GGUF (its own dequantizer and un-permutation): the oracle."""
-    from transformers import AutoModelForCausalLM
-
+    """transformers' oracle for the same GGUF: its own dequantizer and un-permutation
+    feeding its own dense float32 LlamaForCausalLM."""
     from eaglejax.loading.builtin import resolve_builtin
+    from eaglejax.oracles import transformers_model_from_gguf
 
-    path = resolve_builtin("smollm2-135m-instruct")
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype="float32")
-    return model.eval()
+    return transformers_model_from_gguf(resolve_builtin("smollm2-135m-instruct"))

@@ -14,6 +14,7 @@ from eaglejax.errors import LoadError
 from eaglejax.loading import builtin
 from eaglejax.loading.builtin import resolve_builtin
 from eaglejax.loading.gguf_file import read_gguf, read_gguf_metadata
+from eaglejax.oracles import transformers_gguf_state
 
 # ---------------------------------------------------------------------------- fixtures
 
@@ -32,18 +33,8 @@ def smollm(smollm_path):
 
 
 def _transformers_gguf(path):
-    """(config, state dict) from transformers' GGUF loader (the code from_pretrained uses).
-
-    ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` additionally requires
-    ``accelerate``; calling its loader directly needs only torch + gguf.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    """(config, state dict as numpy) from transformers' own GGUF loader."""
+    config, tensors = transformers_gguf_state(path)
     return config, {k: v.numpy() for k, v in tensors.items()}
 
 

@@ -20,14 +20,20 @@ CHAT_PROMPTS = [
 ]
 
 
-def test_logits_match_transformers(smollm2, smollm2_hf):
-    ids = [smollm2.tokenizer.render_prompt(p, chat=True) for p in CHAT_PROMPTS[:2]]
-    width = min(len(i) for i in ids)
-    batch = np.array([i[:width] for i in ids])
+@pytest.mark.parametrize("prompt", CHAT_PROMPTS)
+def test_logits_match_transformers(prompt, smollm2, smollm2_hf):
+    ids = np.array([smollm2.tokenizer.render_prompt(prompt, chat=True)])
     with torch.no_grad():
-        want = smollm2_hf(torch.as_tensor(batch)).logits.numpy()
-    got = np.asarray(smollm2.logits(batch))
-    assert np.abs(got - want).max() <= 1e-4  # logits reach about 38 in magnitude
+        want = smollm2_hf(torch.as_tensor(ids)).logits.numpy()
+        exact = smollm2_hf.double()(torch.as_tensor(ids)).logits.numpy()
+    smollm2_hf.float()
+    got = np.asarray(smollm2.logits(ids))
+    # Logits reach about 38 and residual streams 25000, so float32 rounding alone moves
+    # logits by about 9e-5 (transformers' float32 vs its float64 forward). Measured here:
+    # 0.9e-4 to 1.13e-4 against transformers' float32. eaglejax must be as close to the
+    # float64 truth as transformers' own float32 forward is.
+    assert np.abs(got - exact).max() <= 1.5 * np.abs(want - exact).max()
+    assert np.abs(got - want).max() <= 1.5e-4
 
 
 def test_greedy_chat_continuations_match_transformers_for_64_tokens(smollm2, smollm2_hf):
