@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 import pallas_kernels
 
@@ -27,6 +28,8 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_length
     """Queries q [B,T,Hq,D] over the cached prefix (k/v_cache [B,Hkv,S,D], lengths [B]) plus
     the new K/V [B,T,Hkv,D] under mask [B,T,T]."""
     if resolve_impl(impl) == "pallas":
+        if k_cache.shape[2] == 0:  # prefill has no prefix; the kernel wants one (masked) slot
+            k_cache = v_cache = jnp.zeros((*k_cache.shape[:2], 1, k_cache.shape[3]), k_cache.dtype)
         return pallas_kernels.tree_attention(
             q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, kv_layout="bhsd",
             interpret=jax.default_backend() == "cpu")

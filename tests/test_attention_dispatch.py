@@ -1,0 +1,32 @@
+"""The model's single attention interface: dispatch, and Pallas (interpret) == XLA end to end."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import eaglejax
+from eaglejax.models.attention import resolve_impl
+
+
+def test_auto_is_xla_on_cpu_and_names_are_checked():
+    assert jax.default_backend() == "cpu"
+    assert resolve_impl("auto") == "xla"
+    assert resolve_impl("pallas") == "pallas"
+    with pytest.raises(ValueError, match="attention impl"):
+        resolve_impl("flash")
+
+
+def test_generation_with_pallas_kernel_matches_xla(target_of):
+    target = target_of("qwen3")  # GQA group 2, head_dim 32
+    pallas = dataclasses.replace(target, attn_impl="pallas")
+    rs = np.random.RandomState(0)
+    prompts = [rs.randint(0, 97, size=n).tolist() for n in (3, 11)]
+    want = eaglejax.generate(prompts, target=dataclasses.replace(target, attn_impl="xla"),
+                             max_new_tokens=6, ignore_eos=True)
+    got = eaglejax.generate(prompts, target=pallas, max_new_tokens=6, ignore_eos=True)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    ids = np.asarray([prompts[1]])
+    np.testing.assert_allclose(np.asarray(pallas.logits(ids)), np.asarray(target.logits(ids)),
+                               atol=1e-5)
