@@ -173,7 +173,7 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     state = plain.decode_loop(target.params, target.config, state, sampling, max_new,
                               greedy=greedy, stop=criteria, attn_impl=target.attn_impl)
     tokens, counts, finish, forwards = jax.device_get(
-        (state.tokens, state.counts, state.finish, state.forwards))
+        (state.out.tokens, state.out.counts, state.out.finish, state.forwards))
     decode_s = time.perf_counter() - start
 
     results = []

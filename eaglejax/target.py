@@ -24,14 +24,15 @@ def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tap_layers", "attn_impl", "want_logits"))
+@functools.partial(jax.jit, static_argnames=("config", "tap_layers", "attn_impl", "want"))
 def _score(params: Params, config: ModelConfig, tokens: jax.Array, *, tap_layers: tuple[int, ...],
-           attn_impl: AttentionImpl, want_logits: bool):
+           attn_impl: AttentionImpl, want: str):
     batch, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length)[None], (batch, length))
     out = forward(params, config, tokens, positions, None, tap_layers=tap_layers,
                   attn_impl=attn_impl)
-    return lm_head(params, out.hidden) if want_logits else out.taps
+    return {"logits": lambda: lm_head(params, out.hidden), "taps": lambda: out.taps,
+            "hidden": lambda: out.hidden}[want]()
 
 
 @dataclasses.dataclass
@@ -70,7 +71,12 @@ class Target:
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> jax.Array:
         """Float32 logits [B,T,V] of a full sequence scored causally from position 0."""
         return _score(self.params, self.config, self._token_array(token_ids), tap_layers=(),
-                      attn_impl=self.attn_impl, want_logits=True)
+                      attn_impl=self.attn_impl, want="logits")
+
+    def final_hidden(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> jax.Array:
+        """The final normed hidden states [B,T,H] (the EAGLE-1/2 feature)."""
+        return _score(self.params, self.config, self._token_array(token_ids), tap_layers=(),
+                      attn_impl=self.attn_impl, want="hidden")
 
     def features(self, token_ids: Sequence[Sequence[int]] | np.ndarray,
                  layer_ids: Sequence[int] | None = None) -> jax.Array:
@@ -83,4 +89,4 @@ class Target:
             raise InputError(f"layer_ids must be non-empty and within [0, {num_layers}], "
                              f"got {layers}")
         return _score(self.params, self.config, self._token_array(token_ids), tap_layers=layers,
-                      attn_impl=self.attn_impl, want_logits=False)
+                      attn_impl=self.attn_impl, want="taps")

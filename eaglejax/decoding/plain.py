@@ -13,41 +13,39 @@ import jax
 import jax.numpy as jnp
 
 from eaglejax.config import ModelConfig
+from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
-from eaglejax.decoding.stopping import FINISH_NONE, StopCriteria, update_finish
+from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import Params, forward, lm_head
 
 
 class DecodeState(NamedTuple):
-    """Everything the loop carries. tokens [B,N] hold the generated ids, counts [B] how many."""
+    """Everything the plain loop carries."""
 
     cache: kv_cache.KVCache
     last_token: jax.Array  # [B] the newest token, already recorded, not yet in the cache
-    tokens: jax.Array  # [B,N] int32
-    counts: jax.Array  # [B] int32
-    finish: jax.Array  # [B] int32 finish code (FINISH_NONE while running)
+    out: Output
     row_keys: jax.Array  # [B] PRNG keys, one per row
     forwards: jax.Array  # int32 scalar: target forwards run by the loop
 
 
-def _row_step_keys(row_keys: jax.Array, counts: jax.Array) -> jax.Array:
-    """A row's key for its n-th token depends only on its own seed and n."""
-    return jax.vmap(jax.random.fold_in)(row_keys, counts)
+def prefill_target(params: Params, config: ModelConfig, prompt: jax.Array,
+                   prompt_lengths: jax.Array, capacity: int, tap_layers: tuple[int, ...] = (),
+                   attn_impl: AttentionImpl = "auto"):
+    """Run right-padded prompts [B,P] into a fresh cache of `capacity` slots.
 
-
-def record(state: DecodeState, new_token: jax.Array, stop: StopCriteria,
-           max_new_tokens: jax.Array) -> DecodeState:
-    """Append new_token [B] to every running row and update finish codes."""
-    running = state.finish == FINISH_NONE
-    batch_idx = jnp.arange(new_token.shape[0])
-    tokens = state.tokens.at[batch_idx, state.counts].set(
-        jnp.where(running, new_token, state.tokens[batch_idx, state.counts]), mode="drop")
-    counts = state.counts + running.astype(jnp.int32)
-    finish = update_finish(state.finish, tokens, counts, new_token, running, stop, max_new_tokens)
-    return state._replace(last_token=jnp.where(running, new_token, state.last_token),
-                          tokens=tokens, counts=counts, finish=finish)
+    Returns (cache, logits at each row's last prompt token [B,V], forward output)."""
+    batch, prompt_len = prompt.shape
+    positions = jnp.broadcast_to(jnp.arange(prompt_len)[None], (batch, prompt_len))
+    out = forward(params, config, prompt, positions, None, tap_layers=tap_layers,
+                  attn_impl=attn_impl)
+    cache = kv_cache.init_cache(config.num_layers, batch, capacity, config.num_kv_heads,
+                                config.head_dim, params["embed"].dtype)
+    cache = kv_cache.append(cache, out.k_new, out.v_new, prompt_lengths)
+    last_hidden = out.hidden[jnp.arange(batch), prompt_lengths - 1]
+    return cache, lm_head(params, last_hidden), out
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "max_tokens", "greedy",
@@ -57,19 +55,13 @@ def prefill(params: Params, config: ModelConfig, prompt: jax.Array, prompt_lengt
             capacity: int, max_tokens: int, greedy: bool, stop: StopCriteria,
             attn_impl: AttentionImpl = "auto") -> DecodeState:
     """Run the right-padded prompts [B,P], fill the cache and record the first new token."""
-    batch, prompt_len = prompt.shape
-    positions = jnp.broadcast_to(jnp.arange(prompt_len)[None], (batch, prompt_len))
-    out = forward(params, config, prompt, positions, None, attn_impl=attn_impl)
-    cache = kv_cache.init_cache(config.num_layers, batch, capacity, config.num_kv_heads,
-                                config.head_dim, params["embed"].dtype)
-    cache = kv_cache.append(cache, out.k_new, out.v_new, prompt_lengths)
-    last_hidden = out.hidden[jnp.arange(batch), prompt_lengths - 1]
-    counts = jnp.zeros((batch,), jnp.int32)
-    first = sample_tokens(lm_head(params, last_hidden), sampling,
-                          _row_step_keys(row_keys, counts), greedy)
-    state = DecodeState(cache, first, jnp.zeros((batch, max_tokens), jnp.int32), counts,
-                        jnp.full((batch,), FINISH_NONE, jnp.int32), row_keys, jnp.int32(0))
-    return record(state, first, stop, max_new_tokens)
+    batch = prompt.shape[0]
+    cache, logits, _ = prefill_target(params, config, prompt, prompt_lengths, capacity,
+                                      attn_impl=attn_impl)
+    out = empty_output(batch, max_tokens)
+    first = sample_tokens(logits, sampling, row_step_keys(row_keys, out.counts), greedy)
+    out = record(out, first, out.running, stop, max_new_tokens)
+    return DecodeState(cache, first, out, row_keys, jnp.int32(0))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "greedy", "stop", "attn_impl"),
@@ -79,18 +71,15 @@ def decode_loop(params: Params, config: ModelConfig, state: DecodeState, samplin
                 attn_impl: AttentionImpl = "auto") -> DecodeState:
     """Decode one token per step until every row has finished."""
 
-    def running(s: DecodeState) -> jax.Array:
-        return jnp.any(s.finish == FINISH_NONE)
-
     def step(s: DecodeState) -> DecodeState:
-        is_running = s.finish == FINISH_NONE
-        positions = s.cache.lengths[:, None]
-        out = forward(params, config, s.last_token[:, None], positions, s.cache,
+        running = s.out.running
+        out = forward(params, config, s.last_token[:, None], s.cache.lengths[:, None], s.cache,
                       attn_impl=attn_impl)
-        cache = out.cache._replace(lengths=s.cache.lengths + is_running.astype(jnp.int32))
+        cache = out.cache._replace(lengths=s.cache.lengths + running.astype(jnp.int32))
         token = sample_tokens(lm_head(params, out.hidden[:, 0]), sampling,
-                              _row_step_keys(s.row_keys, s.counts), greedy)
-        s = s._replace(cache=cache, forwards=s.forwards + 1)
-        return record(s, token, stop, max_new_tokens)
+                              row_step_keys(s.row_keys, s.out.counts), greedy)
+        return DecodeState(cache, jnp.where(running, token, s.last_token),
+                           record(s.out, token, running, stop, max_new_tokens), s.row_keys,
+                           s.forwards + 1)
 
-    return jax.lax.while_loop(running, step, state)
+    return jax.lax.while_loop(lambda s: jnp.any(s.out.running), step, state)

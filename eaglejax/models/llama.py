@@ -103,20 +103,26 @@ def causal_mask(batch: int, t_new: int) -> jax.Array:
     return jnp.broadcast_to(tri, (batch, t_new, t_new))
 
 
-def _linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x [..., in] times a PyTorch-layout weight [out, in] (kept 2-D: XLA:CPU then reads it
     in place, where a higher-rank weight gets a transposed copy every call)."""
     return jnp.einsum("...i,oi->...o", x, weight)
 
 
-def _decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
-                   layer: Params, k_cache: jax.Array, v_cache: jax.Array,
-                   cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl):
+def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
+                  layer: Params, k_cache: jax.Array, v_cache: jax.Array,
+                  cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl,
+                  attn_input: jax.Array | None = None):
+    """One pre-norm decoder layer over residual h [B,T,H]; returns (h, k, v, k_buf, v_buf).
+
+    `attn_input` replaces `attn_norm(h)` as the attention's input (EAGLE heads feed their
+    first layer something else); its width may differ from H.
+    """
     c, eps = config, config.rms_norm_eps
     batch, t_new, _ = h.shape
-    x = rms_norm(h, layer["attn_norm"], eps)
+    x = rms_norm(h, layer["attn_norm"], eps) if attn_input is None else attn_input
     wqkv = layer["wqkv"]
-    qkv = _linear(x, wqkv.reshape(-1, wqkv.shape[-1])).reshape(batch, t_new, *wqkv.shape[:-1])
+    qkv = linear(x, wqkv.reshape(-1, wqkv.shape[-1])).reshape(batch, t_new, *wqkv.shape[:-1])
     if c.attention_bias:
         qkv = qkv + layer["bqkv"]
     q = qkv[:, :, :, :-2].reshape(batch, t_new, c.num_heads, c.head_dim)
@@ -130,11 +136,24 @@ def _decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: ja
         k_cache = write_block(k_cache, k, cache_lengths)
         v_cache = write_block(v_cache, v, cache_lengths)
     attn = attention(q, k_cache, v_cache, cache_lengths, k, v, mask, impl=impl)
-    h = h + _linear(attn.reshape(batch, t_new, -1), layer["wo"])
+    h = h + linear(attn.reshape(batch, t_new, -1), layer["wo"])
     x = rms_norm(h, layer["mlp_norm"], eps)
-    gate, up = jnp.split(_linear(x, layer["w_gate_up"].reshape(-1, c.hidden_size)), 2, axis=-1)
-    h = h + _linear(jax.nn.silu(gate) * up, layer["w_down"])
+    gate, up = jnp.split(linear(x, layer["w_gate_up"].reshape(-1, c.hidden_size)), 2, axis=-1)
+    h = h + linear(jax.nn.silu(gate) * up, layer["w_down"])
     return h, k, v, k_cache, v_cache
+
+
+def rope_for(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The RoPE cos/sin tables of `config` at positions [B,T]."""
+    return rope_tables(positions, inverse_frequencies(config.head_dim, config.rope_theta,
+                                                      config.rope_scaling))
+
+
+def empty_cache(config: ModelConfig, batch: int, dtype: jnp.dtype) -> KVCache:
+    """A zero-capacity cache: attention over the new tokens only (prefill)."""
+    empty = jnp.zeros((batch, config.num_kv_heads, 0, config.head_dim), dtype)
+    return KVCache((empty,) * config.num_layers, (empty,) * config.num_layers,
+                   jnp.zeros((batch,), jnp.int32))
 
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -153,17 +172,14 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
         mask = causal_mask(batch, t_new)
     given = cache
     if cache is None:
-        empty = jnp.zeros((batch, config.num_kv_heads, 0, config.head_dim), params["embed"].dtype)
-        cache = KVCache((empty,) * config.num_layers, (empty,) * config.num_layers,
-                        jnp.zeros((batch,), jnp.int32))
-    rope = rope_tables(positions, inverse_frequencies(config.head_dim, config.rope_theta,
-                                                      config.rope_scaling))
+        cache = empty_cache(config, batch, params["embed"].dtype)
+    rope = rope_for(config, positions)
     h = params["embed"][tokens]
     streams, k_new, v_new, k_bufs, v_bufs = [], [], [], [], []
     for layer, k_cache, v_cache in zip(params["layers"], cache.k, cache.v):
         streams.append(h)
-        h, k, v, k_buf, v_buf = _decoder_layer(config, rope, h, layer, k_cache, v_cache,
-                                               cache.lengths, mask, attn_impl)
+        h, k, v, k_buf, v_buf = decoder_layer(config, rope, h, layer, k_cache, v_cache,
+                                              cache.lengths, mask, attn_impl)
         for out, x in ((k_new, k), (v_new, v), (k_bufs, k_buf), (v_bufs, v_buf)):
             out.append(x)
     streams.append(h)
@@ -175,4 +191,4 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
     """Float32 logits over the vocabulary for final-normed hidden states [..., H]."""
-    return _linear(hidden, params.get("lm_head", params["embed"])).astype(jnp.float32)
+    return linear(hidden, params.get("lm_head", params["embed"])).astype(jnp.float32)

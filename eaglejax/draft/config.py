@@ -1,0 +1,54 @@
+"""Static description of an EAGLE draft head."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from eaglejax.config import ModelConfig
+
+DraftKind = Literal["eagle3", "eagle1"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """A draft head's shape and wiring; hashable, so it can be a jit static argument.
+
+    `decoder` describes the head's decoder layers (its `vocab_size` is the target's V).
+    `tap_layers` are target layers whose ENTERING residual streams are the head's input
+    features (EAGLE-3); EAGLE-1/2 heads read the target's final normed hidden state and
+    have `tap_layers == ()`.
+    """
+
+    kind: DraftKind
+    decoder: ModelConfig
+    draft_vocab_size: int
+    target_hidden_size: int
+    tap_layers: tuple[int, ...] = ()
+    fc_bias: bool = False
+    fc_norm: bool = False  # SpecForge: one RMSNorm per tap before fc
+    input_norm: bool = False  # speculators `norm_before_fc`: one RMSNorm over all taps
+    norm_before_residual: bool = False  # vLLM: the first layer's residual is hidden_norm(x)
+    own_embedding: bool = False  # the head ships embed_tokens instead of sharing the target's
+
+    @property
+    def hidden_size(self) -> int:
+        return self.decoder.hidden_size
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features the head consumes."""
+        return self.target_hidden_size * max(len(self.tap_layers), 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["decoder"] = self.decoder.to_hf_dict()
+        out["tap_layers"] = list(self.tap_layers)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "draft config") -> "DraftConfig":
+        fields = dict(data)
+        fields["decoder"] = ModelConfig.from_hf_dict(fields["decoder"], source)
+        fields["tap_layers"] = tuple(int(i) for i in fields.get("tap_layers", ()))
+        return cls(**fields)

@@ -1,0 +1,67 @@
+"""`Draft`: a loaded draft head bound to its target, and its inspection API."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eaglejax.draft.config import DraftConfig
+from eaglejax.draft.head import draft_forward, to_target_logits
+from eaglejax.errors import InputError
+from eaglejax.models.llama import Params
+
+if TYPE_CHECKING:
+    from eaglejax.target import Target
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attn_impl"))
+def _teacher_forced_logits(params: Params, config: DraftConfig, target_params: Params,
+                           d2t: jax.Array, tokens: jax.Array, features: jax.Array, *,
+                           attn_impl: str) -> jax.Array:
+    batch, length = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(length)[None], (batch, length))
+    out = draft_forward(params, config, target_params, tokens, features, positions,
+                        attn_impl=attn_impl)
+    return to_target_logits(out.logits, d2t, config.decoder.vocab_size)
+
+
+@dataclasses.dataclass
+class Draft:
+    """A draft head ready for speculative decoding. Build it with `eaglejax.load_draft`.
+
+    d2t maps draft-vocabulary index i to target token `i + d2t[i]` (zeros when DV == V).
+    """
+
+    config: DraftConfig
+    params: Params
+    d2t: jax.Array
+    target: "Target"
+    source: str
+
+    def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray,
+               features: np.ndarray | jax.Array) -> jax.Array:
+        """Teacher-forced first-step draft logits [B,T,V] over the TARGET vocabulary
+        (tokens outside the draft vocabulary get -inf). Position t consumes
+        `embed(token_ids[t])` and `features[t]` and predicts the token after
+        `token_ids[t]`: to score a sequence x with target features f pass `x[:, 1:]` and
+        `f[:, :-1]`."""
+        tokens = self.target._token_array(token_ids)
+        features = jnp.asarray(features)
+        want = (*tokens.shape, self.config.feature_size)
+        if features.shape != want:
+            raise InputError(f"features must have shape {want} for this head, "
+                             f"got {features.shape}")
+        return _teacher_forced_logits(self.params, self.config, self.target.params, self.d2t,
+                                      tokens, features.astype(self.target.dtype),
+                                      attn_impl=self.target.attn_impl)
+
+    def target_features(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> jax.Array:
+        """The target features this head consumes, for a full sequence."""
+        if self.config.kind == "eagle1":
+            return self.target.final_hidden(token_ids)
+        return self.target.features(token_ids, self.config.tap_layers)

@@ -1,0 +1,161 @@
+"""EAGLE draft heads as pure functions over a parameter dict.
+
+EAGLE-3: `x = fc(taps)` (or the head's own previous hidden state on later steps); the
+first layer attends over `concat(embed_norm(embed(token)), hidden_norm(x))`; further
+layers are standard; logits = lm_head(final_norm(x)) over the draft vocabulary.
+EAGLE-1/2: `x = fc(concat(embed(token), feature))` with the target's final normed hidden
+state (or the head's own output) as feature, decoder layers whose first has no input
+norm, and the target's lm_head applied to the un-normed output.
+Draft position t consumes token t+1 and the target feature of position t.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from eaglejax.draft.config import DraftConfig
+from eaglejax.models.attention import AttentionImpl
+from eaglejax.models.kv_cache import KVCache
+from eaglejax.models.llama import (
+    Params, causal_mask, decoder_layer, empty_cache, linear, logical_axes as decoder_axes,
+    param_shapes as decoder_shapes, rms_norm, rope_for)
+
+
+class DraftOutput(NamedTuple):
+    """hidden: un-normed [B,T,H] (fed back on chain steps); logits: float32 [B,T,DV]."""
+
+    hidden: jax.Array
+    logits: jax.Array
+    cache: KVCache | None
+
+
+def param_shapes(config: DraftConfig) -> Params:
+    """Shapes of every head parameter (PyTorch [out, in] layout, like the target's)."""
+    d = config.decoder
+    h = d.hidden_size
+    layers = decoder_shapes(d)["layers"]
+    first = dict(layers[0])
+    del first["attn_norm"]
+    q_width = d.kv_group + 2
+    if config.kind == "eagle3":
+        first.update(embed_norm=(h,), hidden_norm=(h,), wqkv=(d.num_kv_heads, q_width,
+                                                                d.head_dim, 2 * h))
+        shapes: Params = {"fc": (h, config.feature_size), "layers": [first, *layers[1:]],
+                          "final_norm": (h,), "lm_head": (config.draft_vocab_size, h)}
+        if config.fc_norm:
+            shapes["fc_norm"] = (len(config.tap_layers), config.target_hidden_size)
+        if config.input_norm:
+            shapes["input_norm"] = (config.feature_size,)
+    else:
+        shapes = {"fc": (h, 2 * h), "layers": [first, *layers[1:]]}
+        if config.fc_bias:
+            shapes["fc_bias"] = (h,)
+    if config.own_embedding:
+        shapes["embed"] = (d.vocab_size, h)
+    return shapes
+
+
+def logical_axes(config: DraftConfig) -> Params:
+    """Logical axis names in the same tree structure as `param_shapes`."""
+    layers = decoder_axes(config.decoder)["layers"]
+    first = {k: v for k, v in layers[0].items() if k != "attn_norm"}
+    if config.kind == "eagle3":
+        first.update(embed_norm=("norm",), hidden_norm=("norm",))
+        first["wqkv"] = ("kv_heads", "qkv", "head_dim", "embed2")
+        axes: Params = {"fc": ("embed", "features"), "layers": [first, *layers[1:]],
+                        "final_norm": ("norm",), "lm_head": ("draft_vocab", "embed")}
+        if config.fc_norm:
+            axes["fc_norm"] = ("taps", "features")
+        if config.input_norm:
+            axes["input_norm"] = ("features",)
+    else:
+        axes = {"fc": ("embed", "embed2"), "layers": [first, *layers[1:]]}
+        if config.fc_bias:
+            axes["fc_bias"] = ("embed",)
+    if config.own_embedding:
+        axes["embed"] = ("vocab", "embed")
+    return axes
+
+
+def init_params(config: DraftConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32,
+                scale: float = 0.02) -> Params:
+    """Random head parameters (normal * scale; norms at 1)."""
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(config), is_leaf=is_shape)
+    keys = jax.random.split(key, len(flat))
+    arrays = [
+        jnp.ones(shape, dtype) if "norm" in jax.tree_util.keystr(path)
+        else (scale * jax.random.normal(k, shape)).astype(dtype)
+        for k, (path, shape) in zip(keys, flat)
+    ]
+    return jax.tree.unflatten(treedef, arrays)
+
+
+def _fc_input(params: Params, config: DraftConfig, features: jax.Array) -> jax.Array:
+    eps = config.decoder.rms_norm_eps
+    if config.fc_norm:
+        taps = features.reshape(*features.shape[:-1], len(config.tap_layers), -1)
+        features = rms_norm(taps, params["fc_norm"], eps).reshape(features.shape)
+    if config.input_norm:
+        features = rms_norm(features, params["input_norm"], eps)
+    return linear(features, params["fc"])
+
+
+def draft_forward(params: Params, config: DraftConfig, target_params: Params, tokens: jax.Array,
+                  inputs: jax.Array, positions: jax.Array, cache: KVCache | None = None, *,
+                  from_features: bool = True, mask: jax.Array | None = None,
+                  attn_impl: AttentionImpl = "auto") -> DraftOutput:
+    """Run the head on tokens [B,T] at positions [B,T].
+
+    inputs: target features [B,T,feature_size] when `from_features`, else the head's own
+    previous hidden states [B,T,H] (chain steps). The new K/V rows are staged in the cache
+    after each row's valid prefix (lengths unchanged), as in the target's forward.
+    """
+    d = config.decoder
+    eps = d.rms_norm_eps
+    batch, t_new = tokens.shape
+    mask = causal_mask(batch, t_new) if mask is None else mask
+    given = cache
+    embed_table = params.get("embed", target_params["embed"])
+    cache = empty_cache(d, batch, embed_table.dtype) if cache is None else cache
+    rope = rope_for(d, positions)
+    embeds = embed_table[tokens]
+    first = params["layers"][0]
+    if config.kind == "eagle3":
+        x = _fc_input(params, config, inputs) if from_features else inputs
+        attn_input = jnp.concatenate([rms_norm(embeds, first["embed_norm"], eps),
+                                      rms_norm(x, first["hidden_norm"], eps)], axis=-1)
+        if config.norm_before_residual:
+            x = rms_norm(x, first["hidden_norm"], eps)
+    else:
+        x = linear(jnp.concatenate([embeds, inputs.astype(embeds.dtype)], axis=-1), params["fc"])
+        if config.fc_bias:
+            x = x + params["fc_bias"]
+        attn_input = x
+    k_bufs, v_bufs = [], []
+    for i, (layer, k_cache, v_cache) in enumerate(zip(params["layers"], cache.k, cache.v)):
+        x, _, _, k_buf, v_buf = decoder_layer(d, rope, x, layer, k_cache, v_cache, cache.lengths,
+                                              mask, attn_impl, attn_input if i == 0 else None)
+        k_bufs.append(k_buf)
+        v_bufs.append(v_buf)
+    if config.kind == "eagle3":
+        logits = linear(rms_norm(x, params["final_norm"], eps), params["lm_head"])
+    else:
+        logits = linear(x, target_params.get("lm_head", target_params["embed"]))
+    staged = None if given is None else KVCache(tuple(k_bufs), tuple(v_bufs), cache.lengths)
+    return DraftOutput(x, logits.astype(jnp.float32), staged)
+
+
+def to_target_ids(draft_ids: jax.Array, d2t: jax.Array) -> jax.Array:
+    """Draft-vocabulary indices -> target token ids (`i + d2t[i]`)."""
+    return draft_ids + d2t[draft_ids]
+
+
+def to_target_logits(draft_logits: jax.Array, d2t: jax.Array, target_vocab: int) -> jax.Array:
+    """Scatter draft logits [..., DV] into target-vocabulary logits [..., V] (-inf elsewhere)."""
+    ids = to_target_ids(jnp.arange(draft_logits.shape[-1]), d2t)
+    full = jnp.full((*draft_logits.shape[:-1], target_vocab), -jnp.inf, draft_logits.dtype)
+    return full.at[..., ids].set(draft_logits)
