@@ -5,17 +5,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.decoding import plain
+from eaglejax.decoding.speculative import SpecConfig, spec_loop, spec_prefill
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP, StopCriteria
 from eaglejax.errors import ConfigError, InputError
 from eaglejax.target import Target
+
+if TYPE_CHECKING:
+    from eaglejax.draft.draft import Draft
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -25,6 +29,10 @@ class GenerationMetrics:
     """Timings are shared by the rows of one call; tokens/s counts this row's tokens.
 
     `decode_tokens_per_s` excludes the first new token (it comes from the prefill).
+    Speculative runs add the acceptance length (AL): mean tokens per verification round
+    INCLUDING the target's bonus token (plain decoding would be 1.0; AL - 1 is the mean of
+    accepted draft tokens), per-position acceptance (share of rounds whose accepted path
+    reached draft depth d = 1..K) and the conditional rate at each depth.
     """
 
     prompt_tokens: int
@@ -34,6 +42,25 @@ class GenerationMetrics:
     decode_tokens_per_s: float
     target_forwards: int
     batch_size: int
+    acceptance_length: float | None = None
+    acceptance_by_position: list[float] | None = None
+    conditional_acceptance: list[float] | None = None
+
+
+def acceptance_metrics(hist: np.ndarray) -> dict[str, object]:
+    """From a row's histogram of accepted draft tokens per round: AL (tokens per verify round,
+    bonus included), the share of rounds reaching each draft depth, and the rate of reaching
+    depth d given d-1 was reached."""
+    rounds = int(hist.sum())
+    if rounds == 0:
+        return {}
+    reached = [float(hist[d:].sum()) for d in range(len(hist))]  # rounds accepting >= d
+    return {
+        "acceptance_length": float((hist * np.arange(1, len(hist) + 1)).sum() / rounds),
+        "acceptance_by_position": [r / rounds for r in reached[1:]],
+        "conditional_acceptance": [reached[d] / reached[d - 1] if reached[d - 1] else 0.0
+                                   for d in range(1, len(hist))],
+    }
 
 
 @dataclasses.dataclass
@@ -115,10 +142,11 @@ def _cut_at_stop(target: Target, ids: list[int], stop: Sequence[str]) -> tuple[l
 
 
 def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
-             target: Target | str | None = None, draft: object | None = None,
+             target: Target | str | None = None, draft: "Draft | None" = None,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | Sequence[int] = 0, chat: bool = True,
-             stop: str | Sequence[str] | None = None, ignore_eos: bool = False) -> list[Generation]:
+             stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
+             speculative: SpecConfig | None = None) -> list[Generation]:
     """Generate continuations of `prompts` (strings, rendered with the chat template when
     `chat`, or token-id lists used as given) in one compiled batch.
 
@@ -126,13 +154,17 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     distribution that is sampled. `seed` may be one int for every row or one per row: a
     row's tokens depend only on its prompt and its seed, never on its neighbours.
     Generation stops at an EOS id (unless `ignore_eos`), a stop string (excluded from
-    `.text`), or `max_new_tokens`.
+    `.text`), or `max_new_tokens`. With a `draft` head (see `eaglejax.load_draft`) decoding
+    is speculative, configured by `speculative`; greedy output is identical to plain.
     """
     if target is None or isinstance(target, str):
         target = _cached_target(target or DEFAULT_TARGET)
-    if draft is not None:
-        raise ConfigError("speculative decoding with a draft head is not available in this "
-                          "version of eaglejax; pass draft=None for plain decoding")
+    if draft is not None and draft.target is not target:
+        raise ConfigError(f"the draft head {draft.source} was loaded for target "
+                          f"{draft.target.source}, not {target.source}; load it with this target")
+    if draft is not None and temperature != 0:
+        raise ConfigError("sampling with a draft head needs lossless speculative sampling, "
+                          "which this version does not have yet; use temperature=0 or draft=None")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     sampling = SamplingParams.make(temperature, top_k, top_p)
@@ -144,6 +176,8 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     if len(seeds) != batch:
         raise InputError(f"seed: got {len(seeds)} seeds for {batch} prompts")
 
+    spec = speculative or SpecConfig()
+    extra = spec.num_draft_tokens + 1 if draft is not None else 0
     lengths = [len(ids) for ids in encoded]
     limit = target.config.max_position_embeddings
     if target.config.sliding_window:
@@ -154,24 +188,36 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
                              f"that exceeds the model's context of {limit} tokens")
     prompt_len = _bucket(max(lengths), 16)
     max_tokens = _bucket(max_new_tokens, 16)
-    capacity = -(-(prompt_len + max_tokens) // 128) * 128
+    capacity = -(-(prompt_len + max_tokens + extra) // 128) * 128
     prompt = np.zeros((batch, prompt_len), np.int32)
     for i, ids in enumerate(encoded):
         prompt[i, :len(ids)] = ids
     row_keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.uint32))
     greedy = temperature == 0
     max_new = jnp.int32(max_new_tokens)
+    common = dict(stop=criteria, attn_impl=target.attn_impl)
+    args = (target.params, target.config)
 
     start = time.perf_counter()
-    state = plain.prefill(target.params, target.config, jnp.asarray(prompt),
-                          jnp.asarray(lengths, jnp.int32), row_keys, sampling, max_new,
-                          capacity=capacity, max_tokens=max_tokens, greedy=greedy, stop=criteria,
-                          attn_impl=target.attn_impl)
+    if draft is None:
+        state = plain.prefill(*args, jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32),
+                              row_keys, sampling, max_new, capacity=capacity,
+                              max_tokens=max_tokens, greedy=greedy, **common)
+    else:
+        draft_args = (draft.params, draft.config)
+        state = spec_prefill(
+            *args, *draft_args, jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32), max_new,
+            capacity=capacity, max_tokens=max_tokens, num_draft=spec.num_draft_tokens, **common)
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    state = plain.decode_loop(target.params, target.config, state, sampling, max_new,
-                              greedy=greedy, stop=criteria, attn_impl=target.attn_impl)
+    if draft is None:
+        state = plain.decode_loop(*args, state, sampling, max_new, greedy=greedy, **common)
+        hist = None
+    else:
+        state = spec_loop(*args, *draft_args, draft.d2t, state, max_new,
+                          num_draft=spec.num_draft_tokens, **common)
+        hist = jax.device_get(state.accept_hist)
     tokens, counts, finish, forwards = jax.device_get(
         (state.out.tokens, state.out.counts, state.out.finish, state.forwards))
     decode_s = time.perf_counter() - start
@@ -191,6 +237,7 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
             prompt_tokens=lengths[i], new_tokens=len(ids), prefill_s=prefill_s,
             decode_s=decode_s,
             decode_tokens_per_s=(int(counts[i]) - 1) / decode_s if decode_s > 0 else 0.0,
-            target_forwards=int(forwards) + 1, batch_size=batch)
+            target_forwards=int(forwards) + 1, batch_size=batch,
+            **(acceptance_metrics(hist[i]) if hist is not None else {}))
         results.append(Generation(text, ids, reason, metrics))
     return results

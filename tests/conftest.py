@@ -55,3 +55,16 @@ def smollm2_hf():
     from eaglejax.oracles import transformers_model_from_gguf
 
     return transformers_model_from_gguf(resolve_builtin("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def selfdraft_target(tmp_path_factory):
+    """A random transformers Llama edited so a head made of its own layers drafts well."""
+    import eaglejax
+    from spec_helpers import make_selfdraftable
+
+    directory = tmp_path_factory.mktemp("selfdraft")
+    model = make_hf_model("llama", directory, seed=11, num_hidden_layers=2)
+    make_selfdraftable(model)
+    model.save_pretrained(directory)
+    return eaglejax.load_target(directory)

@@ -14,27 +14,42 @@ from eaglejax.models.llama import Params
 _LAYER = "model.layers.{i}."
 
 
-def hf_expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name the config implies, with its PyTorch shape."""
+def hf_layer_shapes(config: ModelConfig, in_features: int | None = None,
+                    attn_norm: bool = True) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's HF tensor names (relative to the layer) with their PyTorch shapes.
+
+    `in_features` overrides the q/k/v input width (EAGLE-3 heads feed their first layer 2H);
+    `attn_norm=False` drops `input_layernorm` (EAGLE-1/2's first layer has none).
+    """
     c = config
+    width = c.hidden_size if in_features is None else in_features
     q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = {
+    shapes = {
         "input_layernorm.weight": (c.hidden_size,),
         "post_attention_layernorm.weight": (c.hidden_size,),
-        "self_attn.q_proj.weight": (q_out, c.hidden_size),
-        "self_attn.k_proj.weight": (kv_out, c.hidden_size),
-        "self_attn.v_proj.weight": (kv_out, c.hidden_size),
+        "self_attn.q_proj.weight": (q_out, width),
+        "self_attn.k_proj.weight": (kv_out, width),
+        "self_attn.v_proj.weight": (kv_out, width),
         "self_attn.o_proj.weight": (c.hidden_size, q_out),
         "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
         "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
         "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
     }
+    if not attn_norm:
+        del shapes["input_layernorm.weight"]
     if c.attention_bias:
-        per_layer.update({"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
-                          "self_attn.v_proj.bias": (kv_out,)})
+        shapes.update({"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
+                       "self_attn.v_proj.bias": (kv_out,)})
     if c.qk_norm:
-        per_layer.update({"self_attn.q_norm.weight": (c.head_dim,),
-                          "self_attn.k_norm.weight": (c.head_dim,)})
+        shapes.update({"self_attn.q_norm.weight": (c.head_dim,),
+                       "self_attn.k_norm.weight": (c.head_dim,)})
+    return shapes
+
+
+def hf_expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the config implies, with its PyTorch shape."""
+    c = config
+    per_layer = hf_layer_shapes(c)
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
               "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
@@ -54,24 +69,59 @@ def _group_qkv(config: ModelConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray)
     return np.concatenate([split(q, c.kv_group), split(k, 1), split(v, 1)], axis=1)
 
 
-def _layer_params(config: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
-    """One layer's eaglejax arrays from its HF tensors (`get` takes the name within the layer)."""
+def _ungroup_qkv(config: ModelConfig, grouped: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Inverse of `_group_qkv`: [kv_heads, kv_group + 2, head_dim, in...] -> HF q, k, v."""
+    c = config
+    tail = grouped.shape[3:]
+    q = grouped[:, :c.kv_group].reshape(c.num_heads * c.head_dim, *tail)
+    k = grouped[:, c.kv_group].reshape(c.num_kv_heads * c.head_dim, *tail)
+    v = grouped[:, c.kv_group + 1].reshape(c.num_kv_heads * c.head_dim, *tail)
+    return q, k, v
+
+
+def layer_params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray],
+                         attn_norm: bool = True) -> dict[str, np.ndarray]:
+    """One layer's eaglejax arrays (float32) from its HF tensors (`get` takes the name within
+    the layer); `attn_norm=False` for a layer without `input_layernorm`."""
     f32 = lambda name: np.asarray(get(name), np.float32)  # noqa: E731
     attn = "self_attn.{}_proj.{}"
     layer = {
-        "attn_norm": f32("input_layernorm.weight"),
         "mlp_norm": f32("post_attention_layernorm.weight"),
         "wqkv": _group_qkv(config, *(f32(attn.format(x, "weight")) for x in "qkv")),
         "wo": f32("self_attn.o_proj.weight"),
         "w_gate_up": np.stack([f32("mlp.gate_proj.weight"), f32("mlp.up_proj.weight")]),
         "w_down": f32("mlp.down_proj.weight"),
     }
+    if attn_norm:
+        layer = {"attn_norm": f32("input_layernorm.weight"), **layer}
     if config.attention_bias:
         layer["bqkv"] = _group_qkv(config, *(f32(attn.format(x, "bias")) for x in "qkv"))
     if config.qk_norm:
         layer["q_norm"] = f32("self_attn.q_norm.weight")
         layer["k_norm"] = f32("self_attn.k_norm.weight")
     return layer
+
+
+def layer_params_to_hf(config: ModelConfig, layer: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inverse of `layer_params_from_hf`: HF tensor names (within the layer) -> arrays, in the
+    params' own dtype. Keys of `layer` it does not know (e.g. EAGLE norms) are left out."""
+    out: dict[str, np.ndarray] = {}
+    if "attn_norm" in layer:
+        out["input_layernorm.weight"] = np.asarray(layer["attn_norm"])
+    for name, array in zip("qkv", _ungroup_qkv(config, np.asarray(layer["wqkv"]))):
+        out[f"self_attn.{name}_proj.weight"] = array
+    out["self_attn.o_proj.weight"] = np.asarray(layer["wo"])
+    if config.attention_bias:
+        for name, array in zip("qkv", _ungroup_qkv(config, np.asarray(layer["bqkv"]))):
+            out[f"self_attn.{name}_proj.bias"] = array
+    if config.qk_norm:
+        out["self_attn.q_norm.weight"] = np.asarray(layer["q_norm"])
+        out["self_attn.k_norm.weight"] = np.asarray(layer["k_norm"])
+    gate_up = np.asarray(layer["w_gate_up"])
+    out["mlp.gate_proj.weight"], out["mlp.up_proj.weight"] = gate_up[0], gate_up[1]
+    out["mlp.down_proj.weight"] = np.asarray(layer["w_down"])
+    out["post_attention_layernorm.weight"] = np.asarray(layer["mlp_norm"])
+    return out
 
 
 def check_hf_tensors(names_and_shapes: Mapping[str, tuple[int, ...]], config: ModelConfig,
@@ -101,7 +151,7 @@ def params_from_hf(get: Callable[[str], np.ndarray], names_and_shapes: Mapping[s
     to_dtype = lambda a: jnp.asarray(np.asarray(a, dtype=np.float32), dtype=dtype)  # noqa: E731
     layers = []
     for i in range(config.num_layers):
-        layer = _layer_params(config, lambda name, i=i: get(_LAYER.format(i=i) + name))
+        layer = layer_params_from_hf(config, lambda name, i=i: get(_LAYER.format(i=i) + name))
         layers.append({key: to_dtype(value) for key, value in layer.items()})
     params: Params = {"embed": to_dtype(get("model.embed_tokens.weight")),
                       "layers": layers,

@@ -1,0 +1,91 @@
+"""The EAGLE-3 tensor table shared by the reference/SpecForge (`midlayer.*`) and speculators
+(`layers.0.*`) layouts, and its mapping onto eaglejax's head parameters."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import numpy as np
+
+from eaglejax.draft.config import DraftConfig
+from eaglejax.draft.formats.common import Shapes
+from eaglejax.loading.weights import hf_layer_shapes, layer_params_from_hf, layer_params_to_hf
+from eaglejax.models.llama import Params
+
+REFERENCE_FIRST = "midlayer."
+SPECULATORS_FIRST = "layers.0."
+
+
+def _layer_prefix(first: str, i: int) -> str:
+    return first if i == 0 else f"layers.{i}."
+
+
+def expected_shapes(config: DraftConfig, first: str) -> Shapes:
+    """Every weight tensor the config implies (d2t/t2d excluded), with its PyTorch shape."""
+    d, h = config.decoder, config.hidden_size
+    shapes: Shapes = {"fc.weight": (h, config.feature_size)}
+    for i in range(d.num_layers):
+        layer = hf_layer_shapes(d, in_features=2 * h if i == 0 else None)
+        shapes.update({_layer_prefix(first, i) + k: s for k, s in layer.items()})
+    shapes[first + "hidden_norm.weight"] = (h,)
+    shapes["norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (config.draft_vocab_size, h)
+    if config.fc_norm:
+        shapes.update({f"fc_norm.{k}.weight": (config.target_hidden_size,)
+                       for k in range(len(config.tap_layers))})
+    if config.input_norm:
+        shapes["input_norm.weight"] = (config.feature_size,)
+    if config.own_embedding:
+        shapes["embed_tokens.weight"] = (d.vocab_size, h)
+    return shapes
+
+
+def params_from_tensors(config: DraftConfig, get: Callable[[str], np.ndarray],
+                        first: str) -> Params:
+    """The head's parameter tree (float32 numpy) from tensors already checked by shape."""
+    f32 = lambda name: np.asarray(get(name), np.float32)  # noqa: E731
+    layers = []
+    for i in range(config.decoder.num_layers):
+        prefix = _layer_prefix(first, i)
+        layer = layer_params_from_hf(config.decoder, lambda n, p=prefix: get(p + n))
+        if i == 0:
+            layer["embed_norm"] = layer.pop("attn_norm")
+            layer["hidden_norm"] = f32(first + "hidden_norm.weight")
+        layers.append(layer)
+    params: Params = {"fc": f32("fc.weight"), "layers": layers, "final_norm": f32("norm.weight"),
+                      "lm_head": f32("lm_head.weight")}
+    if config.fc_norm:
+        params["fc_norm"] = np.stack([f32(f"fc_norm.{k}.weight")
+                                      for k in range(len(config.tap_layers))])
+    if config.input_norm:
+        params["input_norm"] = f32("input_norm.weight")
+    if config.own_embedding:
+        params["embed"] = f32("embed_tokens.weight")
+    return params
+
+
+def tensors_from_params(config: DraftConfig, params: Params, first: str) -> dict[str, np.ndarray]:
+    """Inverse of `params_from_tensors`, in the params' own dtype (d2t/t2d excluded)."""
+    arr = np.asarray
+    out: dict[str, np.ndarray] = {"fc.weight": arr(params["fc"])}
+    for i, layer in enumerate(params["layers"]):
+        layer = dict(layer)
+        if i == 0:
+            out[first + "hidden_norm.weight"] = arr(layer.pop("hidden_norm"))
+            layer["attn_norm"] = layer.pop("embed_norm")
+        prefix = _layer_prefix(first, i)
+        out.update({prefix + k: v for k, v in layer_params_to_hf(config.decoder, layer).items()})
+    out["norm.weight"] = arr(params["final_norm"])
+    out["lm_head.weight"] = arr(params["lm_head"])
+    if config.fc_norm:
+        out.update({f"fc_norm.{k}.weight": arr(w) for k, w in enumerate(arr(params["fc_norm"]))})
+    if config.input_norm:
+        out["input_norm.weight"] = arr(params["input_norm"])
+    if config.own_embedding:
+        out["embed_tokens.weight"] = arr(params["embed"])
+    return out
+
+
+def with_vocab_maps(shapes: Mapping[str, tuple[int, ...]], expected: Shapes) -> Shapes:
+    """`expected` plus d2t/t2d when the file has them (their contents are checked apart)."""
+    return {**expected, **{k: tuple(shapes[k]) for k in ("d2t", "t2d") if k in shapes}}
