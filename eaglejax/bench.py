@@ -45,42 +45,90 @@ def single_forward_ms(target: Target, context: int, capacity: int, batch: int = 
     return float(np.median(times) * 1e3)
 
 
+def _run_batches(questions: list[Question], batch_size: int, run) -> dict[str, Any]:
+    """Warm every shape up, then run all batches once; sum timings and tokens."""
+    batches = [[q.prompt for q in questions[i:i + batch_size]]
+               for i in range(0, len(questions), batch_size)]
+    for batch in batches:  # warm-up: compiles every prompt-length bucket
+        run(batch)
+    totals: dict[str, Any] = {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0,
+                              "decode_tokens": 0, "steps": 0, "prompt_tokens": [],
+                              "results": []}
+    for batch in batches:
+        results = run(batch)
+        metrics = results[0].metrics
+        totals["prefill_s"] += metrics.prefill_s
+        totals["decode_s"] += metrics.decode_s
+        totals["steps"] += metrics.target_forwards - 1
+        totals["new_tokens"] += sum(r.metrics.new_tokens for r in results)
+        totals["decode_tokens"] += sum(r.metrics.new_tokens - 1 for r in results)
+        totals["prompt_tokens"] += [r.metrics.prompt_tokens for r in results]
+        totals["results"] += results
+    return totals
+
+
+def _header(target: Target, questions: list[Question], batch_size: int,
+            max_new_tokens: int) -> dict[str, Any]:
+    return {"model": target.source, "dtype": jnp.dtype(target.dtype).name,
+            "backend": jax.default_backend(),
+            "machine": platform.processor() or platform.machine(), "batch_size": batch_size,
+            "prompts": len(questions), "max_new_tokens": max_new_tokens}
+
+
 def bench_plain(target: Target, questions: list[Question], *, batch_size: int = 1,
                 max_new_tokens: int = 128, chat: bool = True,
                 ignore_eos: bool = True) -> dict[str, Any]:
     """Greedy plain decoding over `questions` in batches; a warm-up pass compiles every shape."""
-    batches = [questions[i:i + batch_size] for i in range(0, len(questions), batch_size)]
     run = functools.partial(generate, target=target, max_new_tokens=max_new_tokens, chat=chat,
                             ignore_eos=ignore_eos)
-    warmed: set[int] = set()
-    for batch in batches:  # one warm-up per prompt-length bucket
-        lengths = [len(target.tokenizer.render_prompt(q.prompt, chat=chat)) for q in batch]
-        if _bucket(max(lengths), 16) not in warmed:
-            warmed.add(_bucket(max(lengths), 16))
-            run([q.prompt for q in batch])
-    new_tokens = decode_tokens = 0
-    prefill_s = decode_s = 0.0
-    prompt_tokens = []
-    for batch in batches:
-        results = run([q.prompt for q in batch])
-        prefill_s += results[0].metrics.prefill_s
-        decode_s += results[0].metrics.decode_s
-        new_tokens += sum(r.metrics.new_tokens for r in results)
-        decode_tokens += sum(r.metrics.new_tokens - 1 for r in results)
-        prompt_tokens += [r.metrics.prompt_tokens for r in results]
-    mean_context = int(np.mean(prompt_tokens)) + max_new_tokens // 2
-    capacity = -(-(_bucket(max(prompt_tokens), 16) + _bucket(max_new_tokens, 16)) // 128) * 128
+    t = _run_batches(questions, batch_size, run)
+    mean_context = int(np.mean(t["prompt_tokens"])) + max_new_tokens // 2
+    capacity = -(-(_bucket(max(t["prompt_tokens"]), 16) + _bucket(max_new_tokens, 16)) // 128) * 128
     forward_ms = single_forward_ms(target, mean_context, capacity, batch=batch_size)
-    decode_ms_per_step = 1e3 * decode_s / (decode_tokens / batch_size)
+    decode_ms_per_step = 1e3 * t["decode_s"] / t["steps"]
     return {
-        "mode": "plain", "model": target.source, "dtype": jnp.dtype(target.dtype).name,
-        "backend": jax.default_backend(), "machine": platform.processor() or platform.machine(),
-        "batch_size": batch_size, "prompts": len(questions), "max_new_tokens": max_new_tokens,
-        "new_tokens": new_tokens,
-        "decode_tokens_per_s": decode_tokens / decode_s,
-        "end_to_end_tokens_per_s": new_tokens / (prefill_s + decode_s),
-        "prefill_s_per_batch": prefill_s / len(batches),
+        "mode": "plain", **_header(target, questions, batch_size, max_new_tokens),
+        "new_tokens": t["new_tokens"],
+        "decode_tokens_per_s": t["decode_tokens"] / t["decode_s"],
+        "end_to_end_tokens_per_s": t["new_tokens"] / (t["prefill_s"] + t["decode_s"]),
+        "prefill_s_per_batch": t["prefill_s"] / (len(t["results"]) / batch_size),
         "decode_ms_per_step": decode_ms_per_step,
         "single_forward_ms": forward_ms,
         "step_over_forward": decode_ms_per_step / forward_ms,
+    }
+
+
+def bench_speculative(target: Target, draft, questions: list[Question], *, batch_size: int = 1,
+                      max_new_tokens: int = 128, num_draft_tokens: int = 5, chat: bool = True,
+                      ignore_eos: bool = True) -> dict[str, Any]:
+    """Plain and speculative greedy decoding side by side on the same prompts (plain first,
+    then speculative, each after its own warm-up), with acceptance statistics."""
+    from eaglejax.decoding.speculative import SpecConfig
+
+    common = dict(target=target, max_new_tokens=max_new_tokens, chat=chat,
+                  ignore_eos=ignore_eos)
+    plain = _run_batches(questions, batch_size, functools.partial(generate, **common))
+    spec = _run_batches(questions, batch_size, functools.partial(
+        generate, draft=draft, speculative=SpecConfig(num_draft_tokens), **common))
+    rows = spec["results"]
+    rounds = [r.metrics.target_forwards - 1 for r in rows]
+    al = float(np.average([r.metrics.acceptance_length for r in rows], weights=rounds))
+    by_position = np.average([r.metrics.acceptance_by_position for r in rows], axis=0,
+                             weights=rounds)
+    plain_step_ms = 1e3 * plain["decode_s"] / plain["steps"]
+    spec_step_ms = 1e3 * spec["decode_s"] / spec["steps"]
+    return {
+        "mode": "speculative", **_header(target, questions, batch_size, max_new_tokens),
+        "draft": draft.source, "num_draft_tokens": num_draft_tokens,
+        "plain_decode_tokens_per_s": plain["decode_tokens"] / plain["decode_s"],
+        "spec_decode_tokens_per_s": spec["decode_tokens"] / spec["decode_s"],
+        "speedup": (spec["decode_tokens"] / spec["decode_s"])
+        / (plain["decode_tokens"] / plain["decode_s"]),
+        "acceptance_length": al,
+        "acceptance_by_position": [round(float(x), 4) for x in by_position],
+        "plain_ms_per_step": plain_step_ms,
+        "spec_ms_per_round": spec_step_ms,
+        "round_over_plain_step": spec_step_ms / plain_step_ms,
+        "identical_tokens": all(p.token_ids == s.token_ids
+                                for p, s in zip(plain["results"], rows)),
     }

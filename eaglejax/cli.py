@@ -1,4 +1,4 @@
-"""The `eaglejax` command line: generate, bench."""
+"""The `eaglejax` command line: generate, bench, convert."""
 
 from __future__ import annotations
 
@@ -48,6 +48,18 @@ def _parser() -> argparse.ArgumentParser:
                        help="MT-bench question.jsonl (default: ../shared/datasets/mt_bench)")
     bench.add_argument("--stop-at-eos", action="store_true",
                        help="stop rows at EOS (default: always decode max-new-tokens)")
+
+    convert = commands.add_parser("convert", help="convert a draft head between checkpoint layouts")
+    convert.add_argument("src", help="draft head directory: EAGLE-1/2, EAGLE-3 (reference, "
+                                     "SpecForge, speculators) or eaglejax")
+    convert.add_argument("dst", help="new (or empty) output directory")
+    convert.add_argument("--target", required=True,
+                         help="the head's target model: built-in name, GGUF file, Hugging Face "
+                              "directory or eaglejax checkpoint")
+    convert.add_argument("--to", default="eaglejax", choices=["eaglejax", "reference", "speculators"],
+                         help="output layout (default: eaglejax)")
+    convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                         help="parameter dtype (default: the target's)")
     return parser
 
 
@@ -91,10 +103,23 @@ def _bench(args: argparse.Namespace) -> None:
         print(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}")
 
 
+def _convert(args: argparse.Namespace) -> None:
+    from eaglejax import load_target
+    from eaglejax.draft import load_draft
+    from eaglejax.draft.formats import WRITERS
+
+    target = load_target(args.target, dtype=args.dtype)
+    draft = load_draft(args.src, target=target)
+    out = WRITERS[args.to](draft, args.dst)
+    c = draft.config
+    print(f"wrote {out} ({args.to} layout; {c.kind} head, {c.decoder.num_layers} layer(s), "
+          f"draft vocab {c.draft_vocab_size}, taps {list(c.tap_layers)})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"generate": _generate, "bench": _bench}[args.command](args)
+        {"generate": _generate, "bench": _bench, "convert": _convert}[args.command](args)
     except EaglejaxError as err:
         print(f"eaglejax: error: {err}", file=sys.stderr)
         return 2

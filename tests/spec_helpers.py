@@ -8,25 +8,19 @@ import numpy as np
 
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
-from eaglejax.draft.draft import Draft
-from eaglejax.draft.head import init_params
-from eaglejax.target import Target, default_tap_layers
+from eaglejax.draft.draft import Draft, new_eagle3_draft
+from eaglejax.target import Target
 
 
 def random_eagle3(target: Target, seed: int = 0, draft_vocab: int | None = None,
                   num_layers: int = 1, scale: float = 0.05) -> Draft:
     """A random EAGLE-3 head for `target`; DV < V gets a random sorted draft vocabulary."""
-    c = target.config
-    vocab = draft_vocab or c.vocab_size
-    decoder = ModelConfig("llama", c.vocab_size, c.hidden_size, 2 * c.hidden_size, num_layers,
-                          4, 2, c.hidden_size // 4, c.rms_norm_eps, 10000.0)
-    config = DraftConfig("eagle3", decoder, vocab, c.hidden_size,
-                         default_tap_layers(c.num_layers))
-    rs = np.random.RandomState(seed)
-    used = np.sort(rs.choice(c.vocab_size, vocab, replace=False))
-    d2t = jnp.asarray(used - np.arange(vocab), jnp.int32)
-    params = init_params(config, jax.random.PRNGKey(seed), scale=scale)
-    return Draft(config, params, d2t, target, f"random-eagle3-{seed}")
+    vocab = target.config.vocab_size
+    used = None
+    if draft_vocab:
+        used = np.sort(np.random.RandomState(seed).choice(vocab, draft_vocab, replace=False))
+    return new_eagle3_draft(target, used_tokens=used, num_layers=num_layers, seed=seed,
+                            scale=scale)
 
 
 def self_draft(target: Target) -> Draft:

@@ -65,3 +65,33 @@ class Draft:
         if self.config.kind == "eagle1":
             return self.target.final_hidden(token_ids)
         return self.target.features(token_ids, self.config.tap_layers)
+
+    def save(self, path: str) -> None:
+        """Write the head in eaglejax's own format (a new or empty directory)."""
+        from eaglejax.draft.formats.native import save_draft
+
+        save_draft(self, path)
+
+
+def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
+                     num_layers: int = 1, seed: int = 0, scale: float = 0.02) -> Draft:
+    """A freshly initialised EAGLE-3 head for `target` (the starting point of training).
+
+    Its decoder layers mirror the target's attention shape (heads, KV heads, head dim,
+    MLP width); `used_tokens` (sorted target ids) is the draft vocabulary, all of V if None.
+    """
+    from eaglejax.draft.head import init_params
+    from eaglejax.target import default_tap_layers
+
+    c = target.config
+    used = np.arange(c.vocab_size) if used_tokens is None else np.asarray(used_tokens)
+    if used.ndim != 1 or np.any(np.diff(used) <= 0) or used[0] < 0 or used[-1] >= c.vocab_size:
+        raise InputError(f"used_tokens must be strictly increasing target ids in "
+                         f"[0, {c.vocab_size}), got {used!r:.80}")
+    decoder = dataclasses.replace(c, model_type="llama", num_layers=num_layers,
+                                  tie_word_embeddings=True, attention_bias=False, qk_norm=False)
+    config = DraftConfig("eagle3", decoder, len(used), c.hidden_size,
+                         default_tap_layers(c.num_layers))
+    params = init_params(config, jax.random.PRNGKey(seed), dtype=target.dtype, scale=scale)
+    d2t = jnp.asarray(used - np.arange(len(used)), jnp.int32)
+    return Draft(config, params, d2t, target, f"new-eagle3-seed{seed}")

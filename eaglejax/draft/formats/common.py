@@ -129,7 +129,7 @@ def check_t2d(t2d_shape: tuple[int, ...] | None, vocab: int, source: str) -> Non
 
 
 def validate_config(config: DraftConfig, target: ModelConfig, source: str,
-                    tap_key: str = "tap layers") -> None:
+                    tap_key: str = "tap_layers") -> None:
     """Check a head's config against its target (vocabulary, widths, tap layers)."""
     if config.decoder.vocab_size != target.vocab_size:
         raise ConfigError(f"{source}: vocab_size {config.decoder.vocab_size} does not match the "
@@ -149,8 +149,8 @@ def validate_config(config: DraftConfig, target: ModelConfig, source: str,
             raise ConfigError(f"{source}: an EAGLE-3 head needs at least one tap layer")
         bad = [i for i in config.tap_layers if not 0 <= i <= target.num_layers]
         if bad:
-            raise ConfigError(f"{source}: {tap_key} {list(config.tap_layers)} (as layers entering "
-                              f"the target) are out of range for a target with "
+            raise ConfigError(f"{source}: tap layers {list(config.tap_layers)} (entering-layer ids, "
+                              f"from {tap_key}) are out of range for a target with "
                               f"{target.num_layers} layers (allowed 0..{target.num_layers})")
         if not config.own_embedding and config.hidden_size != target.hidden_size:
             raise LoadError(f"{source}: the head's hidden size {config.hidden_size} differs from "
@@ -159,7 +159,7 @@ def validate_config(config: DraftConfig, target: ModelConfig, source: str,
 
 
 def validate(config: DraftConfig, params: Params, d2t: np.ndarray, target: ModelConfig,
-             source: str, tap_key: str = "tap layers") -> None:
+             source: str, tap_key: str = "tap_layers") -> None:
     """Check a head against its target and its own parameter contract."""
     validate_config(config, target, source, tap_key)
     d2t_from_tensors(d2t, config.draft_vocab_size, target.vocab_size, source)

@@ -1,0 +1,86 @@
+"""eaglejax's own draft-head format, mirroring the target checkpoint.
+
+Layout of a head directory:
+  eaglejax.json  {"format": "eaglejax-draft", "version": 1, "config": DraftConfig.to_dict(),
+                  "dtype", "tap_semantics": "entering", "source"}
+  params/        orbax StandardCheckpointer tree of the head's parameter dict
+  d2t.npy        int32 [DV] draft -> target offsets (target id = i + d2t[i])
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from eaglejax.config import ModelConfig
+from eaglejax.draft.config import DraftConfig
+from eaglejax.draft.formats.common import ReadResult, prepare_output_dir, validate
+from eaglejax.draft.head import param_shapes
+from eaglejax.errors import ConfigError, LoadError
+from eaglejax.loading.hf_dir import read_json
+
+if TYPE_CHECKING:
+    from eaglejax.draft.draft import Draft
+
+MANIFEST = "eaglejax.json"
+FORMAT, VERSION = "eaglejax-draft", 1
+
+
+def manifest_format(path: Path) -> str | None:
+    """The `format` named by an eaglejax manifest in `path`, or None when there is none."""
+    manifest = path / MANIFEST
+    return read_json(manifest).get("format") if manifest.is_file() else None
+
+
+def save_draft(draft: "Draft", path: str | Path) -> Path:
+    """Write `draft` as an eaglejax head directory; refuses to touch a non-empty one."""
+    out = prepare_output_dir(path)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(out / "params", draft.params)
+    np.save(out / "d2t.npy", np.asarray(draft.d2t, np.int32))
+    dtype = jnp.dtype(jax.tree.leaves(draft.params)[0].dtype).name
+    manifest = {"format": FORMAT, "version": VERSION, "config": draft.config.to_dict(),
+                "dtype": dtype, "tap_semantics": "entering", "source": draft.source}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return out
+
+
+def read_native(path: Path, target: ModelConfig, weights: object = None) -> ReadResult:
+    """(config, params in the saved dtype, int32 d2t) of an eaglejax head directory."""
+    manifest_path = path / MANIFEST
+    source = str(manifest_path)
+    manifest = read_json(manifest_path)
+    if manifest.get("format") != FORMAT:
+        raise LoadError(f"{source}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    if manifest.get("version") != VERSION:
+        raise LoadError(f"{source}: version {manifest.get('version')!r} is not supported "
+                        f"(this eaglejax reads version {VERSION})")
+    if manifest.get("tap_semantics", "entering") != "entering":
+        raise ConfigError(f"{source}: tap_semantics {manifest['tap_semantics']!r} is not "
+                          f"supported (expected 'entering')")
+    try:
+        config = DraftConfig.from_dict(manifest["config"], source)
+    except (KeyError, TypeError, ValueError) as err:
+        raise LoadError(f"{source}: malformed 'config' ({type(err).__name__}: {err})") from None
+    saved_dtype = jnp.dtype(manifest.get("dtype", "float32"))
+    abstract = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, saved_dtype),
+                            param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            params = checkpointer.restore(path.absolute() / "params", abstract)
+    except Exception as err:  # orbax raises many kinds for missing or mismatched trees
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise LoadError(f"{path / 'params'}: cannot restore parameters "
+                        f"({type(err).__name__}: {first})") from None
+    try:
+        d2t = np.load(path / "d2t.npy", allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise LoadError(f"{path / 'd2t.npy'}: cannot read ({err})") from None
+    validate(config, params, d2t, target, source)
+    return config, params, d2t.astype(np.int32)

@@ -1,0 +1,121 @@
+"""EAGLE-3 heads in the speculators layout (vllm-project/speculators; what vLLM reads).
+
+`config.json`: `speculators_model_type: "eagle3"`, a nested `transformer_layer_config` (a
+Llama/Qwen3 config whose vocab_size is the TARGET's), `draft_vocab_size`, `target_hidden_size`,
+`norm_before_residual` (true when absent, as in vLLM), `norm_before_fc`, `fc_norm` and
+`eagle_aux_hidden_state_layer_ids` (layers ENTERED, vLLM's semantics, the same as eaglejax's).
+Weights: `layers.0.*` (2H attention input), standard `layers.1..`, `norm`, `lm_head`, d2t, t2d.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from eaglejax.config import ModelConfig
+from eaglejax.draft.config import DraftConfig
+from eaglejax.draft.formats.common import (
+    ReadResult, check_t2d, check_tensors, d2t_from_tensors, dtype_name, flag, layer_ids,
+    legacy_rope, open_weights, parse_decoder, prepare_output_dir, refuse_unsupported, t2d_for,
+    to_numpy, validate, validate_config, weights_source)
+from eaglejax.draft.formats.eagle3_tensors import (
+    SPECULATORS_FIRST, expected_shapes, params_from_tensors, tensors_from_params, with_vocab_maps)
+from eaglejax.errors import ConfigError
+from eaglejax.loading.hf_dir import read_json
+from eaglejax.loading.safetensors_file import save_safetensors
+from eaglejax.target import default_tap_layers
+
+if TYPE_CHECKING:
+    from eaglejax.draft.draft import Draft
+    from eaglejax.loading.hf_dir import HFWeights
+
+TAPS_KEY = "eagle_aux_hidden_state_layer_ids"
+
+
+def is_speculators(cfg: dict) -> bool:
+    return "speculators_model_type" in cfg or "Eagle3Speculator" in (cfg.get("architectures") or [])
+
+
+def read_speculators(path: Path, target: ModelConfig, weights: "HFWeights | None" = None
+                     ) -> ReadResult:
+    """(config, float32 params, int32 d2t) of a speculators EAGLE-3 head directory."""
+    config_path = path / "config.json"
+    source = str(config_path)
+    cfg = read_json(config_path)
+    kind = cfg.get("speculators_model_type")
+    if kind != "eagle3":
+        raise ConfigError(f"{source}: speculators_model_type {kind!r} is not supported "
+                          f"(supported: 'eagle3')")
+    refuse_unsupported(cfg, source)
+    layer_cfg = cfg.get("transformer_layer_config")
+    if not isinstance(layer_cfg, dict):
+        raise ConfigError(f"{source}: missing 'transformer_layer_config' object")
+    decoder = parse_decoder(layer_cfg, f"{source} (transformer_layer_config)")
+    taps = layer_ids(cfg.get(TAPS_KEY), source, TAPS_KEY)
+    tap_key = TAPS_KEY if taps is not None else "the default (2, L//2, L-3)"
+    weights = open_weights(path, weights)
+    shapes = weights.shapes()
+    config = DraftConfig(
+        kind="eagle3", decoder=decoder,
+        draft_vocab_size=int(cfg.get("draft_vocab_size") or decoder.vocab_size),
+        target_hidden_size=int(cfg.get("target_hidden_size") or decoder.hidden_size),
+        tap_layers=taps or default_tap_layers(target.num_layers),
+        fc_norm=flag(cfg, "fc_norm", False, source),
+        input_norm=flag(cfg, "norm_before_fc", False, source),
+        norm_before_residual=flag(cfg, "norm_before_residual", True, source),
+        own_embedding="embed_tokens.weight" in shapes)
+    validate_config(config, target, source, tap_key)
+    wsource = weights_source(path)
+    check_tensors(shapes, with_vocab_maps(shapes, expected_shapes(config, SPECULATORS_FIRST)),
+                  wsource)
+    check_t2d(shapes.get("t2d"), target.vocab_size, wsource)
+    d2t = d2t_from_tensors(weights.get("d2t") if "d2t" in shapes else None,
+                           config.draft_vocab_size, decoder.vocab_size, wsource)
+    params = params_from_tensors(config, weights.get, SPECULATORS_FIRST)
+    validate(config, params, d2t, target, source, tap_key)
+    return config, params, d2t
+
+
+def export_speculators(draft: "Draft", path: str | Path, speculative_tokens: int = 3) -> Path:
+    """Write `draft` in the speculators layout as vLLM reads it (config.json with
+    `speculators_config`, model.safetensors with d2t int64 and t2d bool)."""
+    c = draft.config
+    if c.kind != "eagle3":
+        raise ConfigError(f"cannot export {draft.source} in the speculators layout: it is an "
+                          f"{c.kind} head (the speculators eagle3 layout holds EAGLE-3 heads only)")
+    out = prepare_output_dir(path)
+    params = to_numpy(draft.params)
+    tensors = tensors_from_params(c, params, SPECULATORS_FIRST)
+    d2t = np.asarray(draft.d2t).astype(np.int64)
+    tensors["d2t"], tensors["t2d"] = d2t, t2d_for(d2t, c.decoder.vocab_size)
+    save_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
+    layer_config = legacy_rope(c.decoder.to_hf_dict())
+    if layer_config["model_type"] == "mistral":  # the same decoder; vLLM maps llama/qwen3 only
+        layer_config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    target = draft.target
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        TAPS_KEY: list(c.tap_layers),
+        "norm_before_residual": c.norm_before_residual,
+        "norm_before_fc": c.input_norm,
+        "fc_norm": c.fc_norm,
+        "transformer_layer_config": layer_config,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy",
+                                  "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": target.source,
+                         "architectures": target.config.to_hf_dict()["architectures"]},
+        },
+        "torch_dtype": dtype_name(params),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

@@ -1,0 +1,72 @@
+"""`load_draft`: one entry point for every draft-head layout eaglejax reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from eaglejax.draft.draft import Draft
+from eaglejax.errors import LoadError
+
+if TYPE_CHECKING:
+    from eaglejax.loading.hf_dir import HFWeights
+    from eaglejax.target import Target
+
+_EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+_EAGLE1_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
+
+
+def detect_format(path: Path) -> tuple[str, "HFWeights | None"]:
+    """The layout of a head directory ("eaglejax", "speculators", "eagle3" or "eagle1"), and
+    its opened weights when they had to be looked at."""
+    from eaglejax.draft.formats.native import FORMAT, manifest_format
+    from eaglejax.draft.formats.speculators import is_speculators
+    from eaglejax.loading.hf_dir import HFWeights, read_json
+
+    found = manifest_format(path)
+    if found == FORMAT:
+        return "eaglejax", None
+    if found is not None:
+        raise LoadError(f"{path / 'eaglejax.json'}: format {found!r} is not a draft head "
+                        f"(expected {FORMAT!r}); load targets with load_target")
+    cfg = read_json(path / "config.json")
+    archs = cfg.get("architectures") or []
+    if is_speculators(cfg):
+        return "speculators", None
+    if "draft_vocab_size" in cfg or any(a in _EAGLE3_ARCHS for a in archs):
+        return "eagle3", None
+    if any(a in _EAGLE1_ARCHS for a in archs):
+        return "eagle1", None
+    weights = HFWeights(path)
+    names = weights.shapes()
+    if any(n.startswith("midlayer.") for n in names):
+        return "eagle3", weights
+    if "fc.weight" in names and any(n.startswith("layers.") for n in names):
+        return "eagle1", weights
+    raise LoadError(f"{path}: not a draft head eaglejax recognises (EAGLE-1/2, EAGLE-3 "
+                    f"reference/SpecForge, speculators or eaglejax format)")
+
+
+def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | None = None
+               ) -> Draft:
+    """Load a draft head for `target`, auto-detecting its layout (eaglejax directory,
+    speculators, SpecForge/reference EAGLE-3, EAGLE-1/2) and checking it against the target.
+
+    Parameters are cast to `dtype`, by default the target's.
+    """
+    from eaglejax.draft.formats import READERS
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise LoadError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise LoadError(f"{path}: a draft head is a directory (config.json + weights, or an "
+                        f"eaglejax head directory)")
+    layout, weights = detect_format(path)
+    config, params, d2t = READERS[layout](path, target.config, weights)
+    dtype = jnp.dtype(dtype) if dtype is not None else target.dtype
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    return Draft(config, params, jnp.asarray(d2t, jnp.int32), target, str(path))
