@@ -56,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--target", required=True,
                          help="the head's target model: built-in name, GGUF file, Hugging Face "
                               "directory or eaglejax checkpoint")
-    convert.add_argument("--to", default="eaglejax", choices=["eaglejax", "reference", "speculators"],
+    convert.add_argument("--to", default="eaglejax",
+                         choices=["eaglejax", "reference", "speculators"],
                          help="output layout (default: eaglejax)")
     convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                          help="parameter dtype (default: the target's)")

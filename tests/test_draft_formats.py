@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from eaglejax.cli import main as cli_main
 from eaglejax.draft import (Draft, export_reference, export_speculators, load_draft,
@@ -172,7 +172,7 @@ def _rest_and_mlp(h, sd, s: Spec, first_prefix):
 def eagle3_oracle(sd, s: Spec, tokens, features, target_embed, first="midlayer.",
                   fc_norm=False, input_norm=False, norm_before_residual=False):
     """Target-vocabulary logits [B, T, V] of the first EAGLE-3 step (-inf outside the draft)."""
-    f = torch.as_tensor(np.asarray(features), dtype=torch.float64)
+    f = torch.tensor(np.asarray(features), dtype=torch.float64)
     if fc_norm:
         f = torch.cat([_rms(c, sd[f"fc_norm.{k}.weight"])
                        for k, c in enumerate(f.split(HT, dim=-1))], dim=-1)
@@ -192,7 +192,7 @@ def eagle3_oracle(sd, s: Spec, tokens, features, target_embed, first="midlayer."
 
 
 def eagle1_oracle(sd, s: Spec, tokens, features, target_embed, target_lm_head):
-    f = torch.as_tensor(np.asarray(features), dtype=torch.float64)
+    f = torch.tensor(np.asarray(features), dtype=torch.float64)
     e = target_embed[torch.as_tensor(tokens)]
     x = torch.cat([e, f], dim=-1) @ sd["fc.weight"].double().T
     if "fc.bias" in sd:
@@ -236,6 +236,15 @@ def _first_step(draft: Draft, tokens):
     """Aligned inputs of the first draft step: tokens x[1:], features f[:-1]."""
     feats = draft.target_features(tokens)
     return tokens[:, 1:], np.asarray(feats)[:, :-1]
+
+
+def _assert_same_tensors(exported: Path, source: dict):
+    """The exported file holds exactly the source checkpoint's tensors (t2d rebuilt from d2t)."""
+    got = load_file(exported / "model.safetensors")
+    assert set(got) == set(source)
+    for name, tensor in source.items():
+        assert got[name].dtype == tensor.dtype, name
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
 
 
 def _assert_same_head(a: Draft, b: Draft):
@@ -287,6 +296,7 @@ def test_reference_layout_matches_oracle(tmp_path, name, target, target_weights,
     for writer in (export_reference, export_speculators, save_draft):
         _assert_same_head(draft, load_draft(writer(draft, tmp_path / writer.__name__),
                                             target=target))
+    _assert_same_tensors(tmp_path / "export_reference", sd)
 
 
 def test_reference_defaults(tmp_path, target):
@@ -345,6 +355,7 @@ def test_speculators_layout_matches_oracle(tmp_path, name, target, target_weight
     for writer in (export_speculators, save_draft):
         _assert_same_head(draft, load_draft(writer(draft, tmp_path / writer.__name__),
                                             target=target))
+    _assert_same_tensors(tmp_path / "export_speculators", sd)
     if s.layers > 1:
         with pytest.raises(ConfigError, match="2 decoder layers"):
             export_reference(draft, tmp_path / "ref")

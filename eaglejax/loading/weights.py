@@ -102,7 +102,8 @@ def layer_params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray],
     return layer
 
 
-def layer_params_to_hf(config: ModelConfig, layer: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def layer_params_to_hf(config: ModelConfig,
+                       layer: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Inverse of `layer_params_from_hf`: HF tensor names (within the layer) -> arrays, in the
     params' own dtype. Keys of `layer` it does not know (e.g. EAGLE norms) are left out."""
     out: dict[str, np.ndarray] = {}

@@ -149,8 +149,8 @@ def validate_config(config: DraftConfig, target: ModelConfig, source: str,
             raise ConfigError(f"{source}: an EAGLE-3 head needs at least one tap layer")
         bad = [i for i in config.tap_layers if not 0 <= i <= target.num_layers]
         if bad:
-            raise ConfigError(f"{source}: tap layers {list(config.tap_layers)} (entering-layer ids, "
-                              f"from {tap_key}) are out of range for a target with "
+            raise ConfigError(f"{source}: tap layers {list(config.tap_layers)} (entering-layer "
+                              f"ids, from {tap_key}) are out of range for a target with "
                               f"{target.num_layers} layers (allowed 0..{target.num_layers})")
         if not config.own_embedding and config.hidden_size != target.hidden_size:
             raise LoadError(f"{source}: the head's hidden size {config.hidden_size} differs from "

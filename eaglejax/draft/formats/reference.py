@@ -82,7 +82,8 @@ def read_reference(path: Path, target: ModelConfig, weights: "HFWeights | None" 
         own_embedding="embed_tokens.weight" in shapes)
     validate_config(config, target, source, tap_key)
     wsource = weights_source(path)
-    check_tensors(shapes, with_vocab_maps(shapes, expected_shapes(config, REFERENCE_FIRST)), wsource)
+    check_tensors(shapes, with_vocab_maps(shapes, expected_shapes(config, REFERENCE_FIRST)),
+                  wsource)
     check_t2d(shapes.get("t2d"), target.vocab_size, wsource)
     d2t = d2t_from_tensors(weights.get("d2t") if "d2t" in shapes else None,
                            config.draft_vocab_size, decoder.vocab_size, wsource)
