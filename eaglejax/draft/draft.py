@@ -89,7 +89,7 @@ def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
         raise InputError(f"used_tokens must be strictly increasing target ids in "
                          f"[0, {c.vocab_size}), got {used!r:.80}")
     decoder = dataclasses.replace(c, model_type="llama", num_layers=num_layers,
-                                  tie_word_embeddings=True, attention_bias=False, qk_norm=False)
+                                  tie_word_embeddings=False, attention_bias=False, qk_norm=False)
     config = DraftConfig("eagle3", decoder, len(used), c.hidden_size,
                          default_tap_layers(c.num_layers))
     params = init_params(config, jax.random.PRNGKey(seed), dtype=target.dtype, scale=scale)
