@@ -1,13 +1,15 @@
 """eaglejax: speculative decoding (EAGLE-1/2/3, dynamic trees, parallel drafting) in JAX."""
 
 from eaglejax.config import ModelConfig
+from eaglejax.decoding.speculative import SpecConfig
+from eaglejax.draft import Draft, load_draft
 from eaglejax.errors import ConfigError, EaglejaxError, InputError, LoadError
 from eaglejax.generate import Generation, GenerationMetrics, generate
 from eaglejax.loading import load_target
 from eaglejax.target import Target
 
 __all__ = [
-    "ConfigError", "EaglejaxError", "Generation", "GenerationMetrics", "InputError", "LoadError",
-    "ModelConfig", "Target", "generate", "load_target",
+    "ConfigError", "Draft", "EaglejaxError", "Generation", "GenerationMetrics", "InputError",
+    "LoadError", "ModelConfig", "SpecConfig", "Target", "generate", "load_draft", "load_target",
 ]
 __version__ = "0.1.0"

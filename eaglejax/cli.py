@@ -22,6 +22,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="render prompts with the model's chat template (default: on)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft", default=None,
+                        help="draft head for speculative decoding (any layout load_draft reads)")
+    parser.add_argument("--num-draft-tokens", type=int, default=5,
+                        help="draft tokens per speculative round (default 5)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
@@ -67,10 +71,14 @@ def _parser() -> argparse.ArgumentParser:
 def _generate(args: argparse.Namespace) -> None:
     from eaglejax import generate, load_target
 
+    from eaglejax.decoding.speculative import SpecConfig
+
     target = load_target(args.model, dtype=args.dtype)
-    results = generate(args.prompts, target=target, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                       seed=args.seed, chat=args.chat, stop=args.stop, ignore_eos=args.ignore_eos)
+    results = generate(args.prompts, target=target, draft=_load_draft(args, target),
+                       speculative=SpecConfig(args.num_draft_tokens),
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=args.chat,
+                       stop=args.stop, ignore_eos=args.ignore_eos)
     if args.json:
         print(json.dumps([{"text": r.text, "token_ids": r.token_ids,
                            "finish_reason": r.finish_reason,
@@ -81,27 +89,46 @@ def _generate(args: argparse.Namespace) -> None:
             print("-" * 40)
         print(r.text)
         m = r.metrics
+        al = f", AL {m.acceptance_length:.2f}" if m.acceptance_length else ""
         print(f"[{m.new_tokens} tokens, finish: {r.finish_reason}, prefill {m.prefill_s:.3f} s, "
-              f"decode {m.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+              f"decode {m.decode_tokens_per_s:.1f} tok/s{al}]", file=sys.stderr)
+
+
+def _load_draft(args: argparse.Namespace, target):
+    """The --draft head for `target`; `random` is a freshly initialised EAGLE-3 head (its
+    acceptance is near 1: it measures the speculative loop's own overhead)."""
+    if args.draft is None:
+        return None
+    from eaglejax.draft import load_draft
+    from eaglejax.draft.draft import new_eagle3_draft
+
+    if args.draft == "random":
+        return new_eagle3_draft(target)
+    return load_draft(args.draft, target=target)
 
 
 def _bench(args: argparse.Namespace) -> None:
     from eaglejax import load_target
-    from eaglejax.bench import bench_plain
+    from eaglejax.bench import bench_plain, bench_speculative
     from eaglejax.datasets import mt_bench_questions
 
     if args.batch_size < 1 or args.num_prompts < 1:
         raise EaglejaxError("--batch-size and --num-prompts must be >= 1")
     target = load_target(args.model, dtype=args.dtype)
     questions = mt_bench_questions(args.questions)[:args.num_prompts]
-    report = bench_plain(target, questions, batch_size=args.batch_size,
-                         max_new_tokens=args.max_new_tokens, chat=args.chat,
-                         ignore_eos=not args.stop_at_eos)
+    common = dict(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                  chat=args.chat, ignore_eos=not args.stop_at_eos)
+    draft = _load_draft(args, target)
+    if draft is None:
+        report = bench_plain(target, questions, **common)
+    else:
+        report = bench_speculative(target, draft, questions,
+                                   num_draft_tokens=args.num_draft_tokens, **common)
     if args.json:
         print(json.dumps(report, indent=2))
         return
     for key, value in report.items():
-        print(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}")
+        print(f"{key:>26}: {value:.3f}" if isinstance(value, float) else f"{key:>26}: {value}")
 
 
 def _convert(args: argparse.Namespace) -> None:
