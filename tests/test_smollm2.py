@@ -76,3 +76,16 @@ def test_cli_generate_json(tmp_path):
     assert result["finish_reason"] in ("eos", "length")
     assert 1 <= len(result["token_ids"]) <= 8
     assert result["metrics"]["prompt_tokens"] > 5
+
+
+def test_speculative_with_random_head_equals_plain(smollm2):
+    """SmolLM2 with a freshly initialised EAGLE-3 head: acceptance near 1, output identical."""
+    from eaglejax.draft.draft import new_eagle3_draft
+
+    draft = new_eagle3_draft(smollm2, seed=1)
+    kwargs = dict(target=smollm2, max_new_tokens=24, ignore_eos=True)
+    plain = eaglejax.generate(CHAT_PROMPTS[:3], **kwargs)
+    spec = eaglejax.generate(CHAT_PROMPTS[:3], draft=draft,
+                             speculative=eaglejax.SpecConfig(num_draft_tokens=3), **kwargs)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert all(s.metrics.acceptance_length < 1.5 for s in spec)

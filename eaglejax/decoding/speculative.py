@@ -29,7 +29,7 @@ from eaglejax.decoding.output import Output, empty_output, record
 from eaglejax.decoding.plain import prefill_target
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.draft.config import DraftConfig
-from eaglejax.draft.head import draft_forward, to_target_ids
+from eaglejax.draft.head import draft_forward, head_logits, to_target_ids
 from eaglejax.errors import InputError
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
@@ -75,10 +75,9 @@ def _catch_up(draft_params: Params, draft_config: DraftConfig, target_params: Pa
     positions = cache.lengths[:, None] + jnp.arange(block)[None, :]
     out = draft_forward(draft_params, draft_config, target_params, tokens, features, positions,
                         cache, attn_impl=attn_impl)
-    rows = jnp.arange(batch)
-    last = n_accepted - 1
+    hidden = out.hidden[jnp.arange(batch), n_accepted - 1]
     cache = out.cache._replace(lengths=cache.lengths + n_accepted)
-    return cache, out.logits[rows, last], out.hidden[rows, last]
+    return cache, head_logits(draft_params, draft_config, target_params, hidden), hidden
 
 
 @functools.partial(jax.jit, static_argnames=("config", "draft_config", "capacity", "max_tokens",
@@ -126,8 +125,9 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
                                 hidden[:, None], cache.lengths[:, None], cache,
                                 from_features=False, attn_impl=attn_impl)
             cache = out.cache._replace(lengths=cache.lengths + 1)
-            token = to_target_ids(jnp.argmax(out.logits[:, 0], axis=-1), d2t).astype(jnp.int32)
             hidden = out.hidden[:, 0]
+            logits = head_logits(draft_params, draft_config, params, hidden)
+            token = to_target_ids(jnp.argmax(logits, axis=-1), d2t).astype(jnp.int32)
             drafted.append(token)
         return jnp.stack(drafted, axis=1)
 

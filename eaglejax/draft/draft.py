@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.draft.config import DraftConfig
-from eaglejax.draft.head import draft_forward, to_target_logits
+from eaglejax.draft.head import draft_forward, head_logits, to_target_logits
 from eaglejax.errors import InputError
 from eaglejax.models.llama import Params
 
@@ -27,7 +27,8 @@ def _teacher_forced_logits(params: Params, config: DraftConfig, target_params: P
     positions = jnp.broadcast_to(jnp.arange(length)[None], (batch, length))
     out = draft_forward(params, config, target_params, tokens, features, positions,
                         attn_impl=attn_impl)
-    return to_target_logits(out.logits, d2t, config.decoder.vocab_size)
+    logits = head_logits(params, config, target_params, out.hidden)
+    return to_target_logits(logits, d2t, config.decoder.vocab_size)
 
 
 @dataclasses.dataclass

@@ -25,10 +25,10 @@ from eaglejax.models.llama import (
 
 
 class DraftOutput(NamedTuple):
-    """hidden: un-normed [B,T,H] (fed back on chain steps); logits: float32 [B,T,DV]."""
+    """hidden: un-normed [B,T,H] (fed back on chain steps; `head_logits` turns it into
+    draft-vocabulary logits); cache: the input cache with the new rows staged."""
 
     hidden: jax.Array
-    logits: jax.Array
     cache: KVCache | None
 
 
@@ -141,12 +141,20 @@ def draft_forward(params: Params, config: DraftConfig, target_params: Params, to
                                               mask, attn_impl, attn_input if i == 0 else None)
         k_bufs.append(k_buf)
         v_bufs.append(v_buf)
-    if config.kind == "eagle3":
-        logits = linear(rms_norm(x, params["final_norm"], eps), params["lm_head"])
-    else:
-        logits = linear(x, target_params.get("lm_head", target_params["embed"]))
     staged = None if given is None else KVCache(tuple(k_bufs), tuple(v_bufs), cache.lengths)
-    return DraftOutput(x, logits.astype(jnp.float32), staged)
+    return DraftOutput(x, staged)
+
+
+def head_logits(params: Params, config: DraftConfig, target_params: Params,
+                hidden: jax.Array) -> jax.Array:
+    """Float32 draft-vocabulary logits [..., DV] of un-normed head outputs [..., H]
+    (computed only where needed: the vocabulary projection is the head's largest matmul)."""
+    if config.kind == "eagle3":
+        logits = linear(rms_norm(hidden, params["final_norm"], config.decoder.rms_norm_eps),
+                        params["lm_head"])
+    else:
+        logits = linear(hidden, target_params.get("lm_head", target_params["embed"]))
+    return logits.astype(jnp.float32)
 
 
 def to_target_ids(draft_ids: jax.Array, d2t: jax.Array) -> jax.Array:
