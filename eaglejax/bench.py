@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import platform
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,18 @@ from eaglejax.generate import _bucket, generate
 from eaglejax.models import kv_cache
 from eaglejax.models.llama import forward, lm_head
 from eaglejax.target import Target
+
+
+def median_seconds(fn: Callable, args: tuple, repeats: int = 20, warmup: int = 3) -> float:
+    """Median wall time of `fn(*args)` after `warmup` calls (compilation included there)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 def single_forward_ms(target: Target, context: int, capacity: int, batch: int = 1,

@@ -20,39 +20,25 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eaglejax.bench import median_seconds  # noqa: E402
 from pallas_kernels import tree_attention, tree_attention_reference  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}
-
-
-def time_call(fn: Callable, args: tuple, repeats: int, warmup: int = 2) -> float:
-    """Median wall time (seconds) of ``fn(*args)``, compiled and warmed up first."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def copy_bandwidth(n_bytes: int, repeats: int) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting the read and the write."""
     x = jnp.zeros((n_bytes // 4,), jnp.float32)
     copy = jax.jit(lambda a: jnp.copy(a))
-    return 2 * x.nbytes / time_call(copy, (x,), repeats)
+    return 2 * x.nbytes / median_seconds(copy, (x,), repeats, warmup=2)
 
 
 def tree_mask(rng: np.random.Generator, batch: int, t_new: int) -> np.ndarray:
@@ -120,8 +106,8 @@ def bench_one(args, kernel, reference, kv_layout, batch, prefix, t_new, dtype, r
                          args.head_dim, dtype, kv_layout)
     itemsize = jnp.dtype(dtype).itemsize
     kv_bytes = 2 * batch * prefix * args.kv_heads * args.head_dim * itemsize
-    ref_s = time_call(reference, inputs, args.repeats)
-    ker_s = time_call(kernel, inputs, args.repeats) if run_kernel else None
+    ref_s = median_seconds(reference, inputs, args.repeats, warmup=2)
+    ker_s = median_seconds(kernel, inputs, args.repeats, warmup=2) if run_kernel else None
     return {
         "kv_layout": kv_layout,
         "batch": batch, "prefix": prefix, "capacity": capacity, "new_tokens": t_new,

@@ -10,28 +10,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import eaglejax
+from eaglejax.bench import median_seconds
 from eaglejax.draft.draft import new_eagle3_draft
 from eaglejax.draft.head import draft_forward, head_logits
 from eaglejax.models import kv_cache
 from eaglejax.models.llama import forward, lm_head
 
 
-def median_ms(fn, *args, repeats: int = 20) -> float:
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times) * 1e3)
+def median_ms(fn, *args) -> float:
+    return 1e3 * median_seconds(fn, args)
 
 
 def main() -> None:

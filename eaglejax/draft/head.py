@@ -21,7 +21,7 @@ from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.kv_cache import KVCache
 from eaglejax.models.llama import (
     Params, causal_mask, decoder_layer, empty_cache, linear, logical_axes as decoder_axes,
-    param_shapes as decoder_shapes, rms_norm, rope_for)
+    param_shapes as decoder_shapes, random_params, rms_norm, rope_for)
 
 
 class DraftOutput(NamedTuple):
@@ -83,15 +83,7 @@ def logical_axes(config: DraftConfig) -> Params:
 def init_params(config: DraftConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32,
                 scale: float = 0.02) -> Params:
     """Random head parameters (normal * scale; norms at 1)."""
-    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
-    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(config), is_leaf=is_shape)
-    keys = jax.random.split(key, len(flat))
-    arrays = [
-        jnp.ones(shape, dtype) if "norm" in jax.tree_util.keystr(path)
-        else (scale * jax.random.normal(k, shape)).astype(dtype)
-        for k, (path, shape) in zip(keys, flat)
-    ]
-    return jax.tree.unflatten(treedef, arrays)
+    return random_params(param_shapes(config), key, dtype, scale)
 
 
 def _fc_input(params: Params, config: DraftConfig, features: jax.Array) -> jax.Array:

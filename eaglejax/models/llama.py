@@ -76,11 +76,10 @@ def param_shapes(config: ModelConfig) -> Params:
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
-def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32,
-                scale: float = 0.02) -> Params:
-    """Random parameters (normal * scale; norms at 1) for tests and experiments."""
+def random_params(shapes: Params, key: jax.Array, dtype: jnp.dtype, scale: float) -> Params:
+    """Arrays for a tree of shapes: normal * scale, except norm weights at 1."""
     is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
-    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(config), is_leaf=is_shape)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
     keys = jax.random.split(key, len(flat))
     arrays = [
         jnp.ones(shape, dtype) if "norm" in jax.tree_util.keystr(path)
@@ -88,6 +87,12 @@ def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.floa
         for k, (path, shape) in zip(keys, flat)
     ]
     return jax.tree.unflatten(treedef, arrays)
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32,
+                scale: float = 0.02) -> Params:
+    """Random parameters (normal * scale; norms at 1) for tests and experiments."""
+    return random_params(param_shapes(config), key, dtype, scale)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
