@@ -162,9 +162,6 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     if draft is not None and draft.target is not target:
         raise ConfigError(f"the draft head {draft.source} was loaded for target "
                           f"{draft.target.source}, not {target.source}; load it with this target")
-    if draft is not None and temperature != 0:
-        raise ConfigError("sampling with a draft head needs lossless speculative sampling, "
-                          "which this version does not have yet; use temperature=0 or draft=None")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     sampling = SamplingParams.make(temperature, top_k, top_p)
@@ -206,8 +203,9 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     else:
         draft_args = (draft.params, draft.config)
         state = spec_prefill(
-            *args, *draft_args, jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32), max_new,
-            capacity=capacity, max_tokens=max_tokens, num_draft=spec.num_draft_tokens, **common)
+            *args, *draft_args, jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32), row_keys,
+            sampling, max_new, capacity=capacity, max_tokens=max_tokens,
+            num_draft=spec.num_draft_tokens, greedy=greedy, **common)
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -215,8 +213,8 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
         state = plain.decode_loop(*args, state, sampling, max_new, greedy=greedy, **common)
         hist = None
     else:
-        state = spec_loop(*args, *draft_args, draft.d2t, state, max_new,
-                          num_draft=spec.num_draft_tokens, **common)
+        state = spec_loop(*args, *draft_args, draft.d2t, state, sampling, max_new,
+                          num_draft=spec.num_draft_tokens, greedy=greedy, **common)
         hist = jax.device_get(state.accept_hist)
     tokens, counts, finish, forwards = jax.device_get(
         (state.out.tokens, state.out.counts, state.out.finish, state.forwards))

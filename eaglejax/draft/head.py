@@ -26,9 +26,12 @@ from eaglejax.models.llama import (
 
 class DraftOutput(NamedTuple):
     """hidden: un-normed [B,T,H] (fed back on chain steps; `head_logits` turns it into
-    draft-vocabulary logits); cache: the input cache with the new rows staged."""
+    draft-vocabulary logits); k_new/v_new: per layer [B,T,kv,D]; cache: the input cache
+    with the new rows staged (None when no cache was given)."""
 
     hidden: jax.Array
+    k_new: tuple[jax.Array, ...]
+    v_new: tuple[jax.Array, ...]
     cache: KVCache | None
 
 
@@ -127,14 +130,14 @@ def draft_forward(params: Params, config: DraftConfig, target_params: Params, to
         if config.fc_bias:
             x = x + params["fc_bias"]
         attn_input = x
-    k_bufs, v_bufs = [], []
+    k_new, v_new, k_bufs, v_bufs = [], [], [], []
     for i, (layer, k_cache, v_cache) in enumerate(zip(params["layers"], cache.k, cache.v)):
-        x, _, _, k_buf, v_buf = decoder_layer(d, rope, x, layer, k_cache, v_cache, cache.lengths,
+        x, k, v, k_buf, v_buf = decoder_layer(d, rope, x, layer, k_cache, v_cache, cache.lengths,
                                               mask, attn_impl, attn_input if i == 0 else None)
-        k_bufs.append(k_buf)
-        v_bufs.append(v_buf)
+        for out, value in ((k_new, k), (v_new, v), (k_bufs, k_buf), (v_bufs, v_buf)):
+            out.append(value)
     staged = None if given is None else KVCache(tuple(k_bufs), tuple(v_bufs), cache.lengths)
-    return DraftOutput(x, staged)
+    return DraftOutput(x, tuple(k_new), tuple(v_new), staged)
 
 
 def head_logits(params: Params, config: DraftConfig, target_params: Params,

@@ -1,0 +1,75 @@
+"""Lossless speculative sampling (chain drafting), tested statistically against the exact
+target distribution of the first generated tokens."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import eaglejax
+from eaglejax.decoding.sampling import SamplingParams, target_log_probs
+from spec_helpers import random_eagle3, self_draft
+
+N = 3000
+PROMPT = [5, 17, 42, 8, 63, 21]
+FALSE_ALARM = 1e-6  # per compared marginal
+
+
+def _warped(target, sequences, params):
+    logits = np.asarray(target.logits(np.asarray(sequences)))[:, -1]
+    return np.exp(np.asarray(target_log_probs(logits, params)))
+
+
+def exact_marginals(target, params, steps):
+    """Exact law of each of the first `steps` new tokens, by enumerating the support."""
+    marginals, paths = [], {(): 1.0}
+    for _ in range(steps):
+        seqs = list(paths)
+        probs = _warped(target, [PROMPT + list(s) for s in seqs], params)
+        marginal = np.zeros(probs.shape[-1])
+        new_paths = {}
+        for seq, weight, p in zip(seqs, paths.values(), probs):
+            marginal += weight * p
+            for token in np.flatnonzero(p):
+                new_paths[seq + (int(token),)] = weight * p[token]
+        marginals.append(marginal)
+        paths = new_paths
+    return marginals
+
+
+def tv_bound(p, n, delta=FALSE_ALARM):
+    """E[TV] <= 0.5 * sum sqrt(p(1-p)/n); McDiarmid adds sqrt(log(1/delta) / (2n))."""
+    return 0.5 * np.sum(np.sqrt(p * (1 - p) / n)) + np.sqrt(np.log(1 / delta) / (2 * n))
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.9), (1.0, 0.95)])
+@pytest.mark.parametrize("which", ["bad", "good"])
+def test_first_tokens_follow_the_target_distribution(which, temperature, top_p,
+                                                     selfdraft_target):
+    target = selfdraft_target
+    draft = self_draft(target) if which == "good" else random_eagle3(target, draft_vocab=60)
+    params = SamplingParams.make(temperature, 0, top_p)
+    out = eaglejax.generate([PROMPT] * N, target=target, draft=draft, max_new_tokens=3,
+                            temperature=temperature, top_p=top_p, seed=list(range(N)),
+                            ignore_eos=True, speculative=eaglejax.SpecConfig(3))
+    samples = np.array([r.token_ids for r in out])
+    assert samples.shape == (N, 3)
+    al = np.mean([r.metrics.acceptance_length for r in out])
+    # Both the rejection path (bad head) and long acceptances (good head) are exercised.
+    assert (al > 3.2) if which == "good" else (al < 2.5), al
+    for position, exact in enumerate(exact_marginals(target, params, 3)):
+        empirical = np.bincount(samples[:, position], minlength=exact.size) / N
+        assert empirical[exact == 0].sum() == 0, f"token {position} left the support"
+        tv = 0.5 * np.abs(empirical - exact).sum()
+        assert tv < tv_bound(exact, N), (position, tv, tv_bound(exact, N))
+
+
+def test_speculative_sampling_is_seeded_and_row_independent(selfdraft_target):
+    draft = self_draft(selfdraft_target)
+    prompts = [PROMPT, PROMPT[:3], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    kwargs = dict(target=selfdraft_target, draft=draft, max_new_tokens=12, temperature=0.9,
+                  ignore_eos=True)
+    batch = eaglejax.generate(prompts, seed=[3, 4, 5], **kwargs)
+    alone = eaglejax.generate([prompts[1]], seed=4, **kwargs)
+    assert alone[0].token_ids == batch[1].token_ids
+    assert batch[0].token_ids == eaglejax.generate(prompts, seed=[3, 4, 5], **kwargs)[0].token_ids
