@@ -7,7 +7,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from hf_oracle import FAMILIES, make_hf_model  # noqa: E402
+from hf_oracle import make_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

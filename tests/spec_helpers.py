@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.draft import Draft, new_eagle3_draft
 from eaglejax.target import Target

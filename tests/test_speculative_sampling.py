@@ -1,7 +1,6 @@
 """Lossless speculative sampling (chain drafting), tested statistically against the exact
 target distribution of the first generated tokens."""
 
-import itertools
 
 import numpy as np
 import pytest
