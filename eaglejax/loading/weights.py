@@ -125,24 +125,31 @@ def layer_params_to_hf(config: ModelConfig,
     return out
 
 
+def check_tensor_shapes(found: Mapping[str, tuple[int, ...]],
+                        expected: Mapping[str, tuple[int, ...]], source: str, what: str,
+                        ignorable: tuple[str, ...] = ("rotary_emb.inv_freq",)) -> None:
+    """LoadError naming the first unexpected (it would be silently ignored), missing or
+    mis-shaped tensor; `what` names the model the config describes."""
+    unexpected = sorted(n for n in found if n not in expected and not n.endswith(ignorable))
+    if unexpected:
+        raise LoadError(f"{source}: unexpected tensor {unexpected[0]!r} for {what} "
+                        f"({len(unexpected)} unexpected; it would be silently ignored)")
+    for name, shape in expected.items():
+        if name not in found:
+            raise LoadError(f"{source}: missing tensor {name!r} (expected shape {tuple(shape)})")
+        if tuple(found[name]) != tuple(shape):
+            raise LoadError(f"{source}: tensor {name!r} has shape {tuple(found[name])}, but the "
+                            f"config implies {tuple(shape)}")
+
+
 def check_hf_tensors(names_and_shapes: Mapping[str, tuple[int, ...]], config: ModelConfig,
                      source: str) -> None:
     """Raise LoadError naming the first missing, unexpected or mis-shaped tensor."""
-    expected = hf_expected_shapes(config)
-    ignorable = ("rotary_emb.inv_freq",)
-    unexpected = [n for n in names_and_shapes if n not in expected and not n.endswith(ignorable)]
-    # A tied model may still ship a copy of the embedding as lm_head.weight.
-    if config.tie_word_embeddings and "lm_head.weight" in unexpected:
-        unexpected.remove("lm_head.weight")
-    if unexpected:
-        raise LoadError(f"{source}: unexpected tensor {unexpected[0]!r} for a "
-                        f"{config.model_type} model of this config ({len(unexpected)} unexpected)")
-    for name, shape in expected.items():
-        if name not in names_and_shapes:
-            raise LoadError(f"{source}: missing tensor {name!r} (expected shape {shape})")
-        if tuple(names_and_shapes[name]) != shape:
-            raise LoadError(f"{source}: tensor {name!r} has shape {tuple(names_and_shapes[name])}, "
-                            f"but the config implies {shape}")
+    found = dict(names_and_shapes)
+    if config.tie_word_embeddings:  # a tied model may still ship a copy as lm_head.weight
+        found.pop("lm_head.weight", None)
+    check_tensor_shapes(found, hf_expected_shapes(config), source,
+                        f"a {config.model_type} model of this config")
 
 
 def params_from_hf(get: Callable[[str], np.ndarray], names_and_shapes: Mapping[str, tuple[int, ...]],

@@ -14,6 +14,7 @@ from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.head import param_shapes
 from eaglejax.errors import ConfigError, EaglejaxError, LoadError
+from eaglejax.loading.weights import check_tensor_shapes
 from eaglejax.models.llama import Params
 
 if TYPE_CHECKING:
@@ -25,8 +26,6 @@ ReadResult = tuple[DraftConfig, Params, np.ndarray]
 # Architecture names that draft-head configs use for what is a Llama decoder.
 _LLAMA_ALIASES = ("LlamaForCausalLMEagle3", "LlamaForCausalLMEagle", "Eagle3Speculator",
                   "Eagle3LlamaForCausalLM", "EagleLlamaForCausalLM")
-# Tensors some exporters leave behind that carry no weights.
-_IGNORABLE = ("rotary_emb.inv_freq",)
 
 
 def parse_decoder(cfg: Mapping[str, Any], source: str, attention_bias: bool | None = None,
@@ -75,16 +74,7 @@ def refuse_unsupported(cfg: Mapping[str, Any], source: str) -> None:
 
 def check_tensors(shapes: Mapping[str, tuple[int, ...]], expected: Shapes, source: str) -> None:
     """LoadError naming the first unexpected, missing or mis-shaped tensor."""
-    unexpected = sorted(n for n in shapes if n not in expected and not n.endswith(_IGNORABLE))
-    if unexpected:
-        raise LoadError(f"{source}: unexpected tensor {unexpected[0]!r} for this head's config "
-                        f"({len(unexpected)} unexpected; it would be silently ignored)")
-    for name, shape in expected.items():
-        if name not in shapes:
-            raise LoadError(f"{source}: missing tensor {name!r} (expected shape {shape})")
-        if tuple(shapes[name]) != tuple(shape):
-            raise LoadError(f"{source}: tensor {name!r} has shape {tuple(shapes[name])}, but the "
-                            f"config implies {tuple(shape)}")
+    check_tensor_shapes(shapes, expected, source, "this head's config")
 
 
 def d2t_from_tensors(d2t: np.ndarray | None, draft_vocab: int, vocab: int,
