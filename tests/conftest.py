@@ -40,6 +40,15 @@ def target_of(hf_family):
 
 
 @pytest.fixture(scope="session")
+def smollm_path():
+    """The default model's GGUF; fails with the install command when its package is
+    missing (never skipped)."""
+    from eaglejax.loading.builtin import resolve_builtin
+
+    return resolve_builtin("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The default real model, loaded by eaglejax from its GGUF."""
     import eaglejax

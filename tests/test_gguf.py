@@ -20,12 +20,6 @@ from eaglejax.oracles import transformers_gguf_state
 
 
 @pytest.fixture(scope="module")
-def smollm_path():
-    # Fails with the install command when the model's package is missing: never skipped.
-    return resolve_builtin("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
 def smollm(smollm_path):
     return read_gguf(smollm_path)
 

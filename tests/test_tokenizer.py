@@ -10,7 +10,6 @@ import pytest
 import tokenizers
 
 from eaglejax.errors import InputError, LoadError
-from eaglejax.loading.builtin import resolve_builtin
 from eaglejax.loading.gguf_file import read_gguf_metadata
 from eaglejax.tokenizer import Tokenizer
 
@@ -43,12 +42,6 @@ CONVERSATIONS = [
         {"role": "user", "content": "Another, in 日本語 please."},
     ],
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm_path():
-    # Fails with the install command when the model's package is missing: never skipped.
-    return resolve_builtin("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="module")
