@@ -28,7 +28,9 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 class GenerationMetrics:
     """Timings are shared by the rows of one call; tokens/s counts this row's tokens.
 
-    `decode_tokens_per_s` excludes the first new token (it comes from the prefill).
+    `decode_tokens_per_s` excludes the first new token (it comes from the prefill). The
+    first call with new shapes also compiles, inside prefill_s and decode_s; `eaglejax
+    bench` warms every shape up before it measures.
     Speculative runs add the acceptance length (AL): mean tokens per verification round
     INCLUDING the target's bonus token (plain decoding would be 1.0; AL - 1 is the mean of
     accepted draft tokens), per-position acceptance (share of rounds whose accepted path
