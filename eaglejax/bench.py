@@ -127,6 +127,9 @@ def bench_speculative(target: Target, draft, questions: list[Question], *, batch
     al = float(np.average([r.metrics.acceptance_length for r in rows], weights=rounds))
     by_position = np.average([r.metrics.acceptance_by_position for r in rows], axis=0,
                              weights=rounds)
+    by_category: dict[str, list] = {}
+    for question, row, n in zip(questions, rows, rounds):
+        by_category.setdefault(question.category, []).append((row.metrics.acceptance_length, n))
     plain_step_ms = 1e3 * plain["decode_s"] / plain["steps"]
     spec_step_ms = 1e3 * spec["decode_s"] / spec["steps"]
     return {
@@ -138,6 +141,9 @@ def bench_speculative(target: Target, draft, questions: list[Question], *, batch
         / (plain["decode_tokens"] / plain["decode_s"]),
         "acceptance_length": al,
         "acceptance_by_position": [round(float(x), 4) for x in by_position],
+        "acceptance_length_by_category": {
+            category: float(np.average([al for al, _ in pairs], weights=[n for _, n in pairs]))
+            for category, pairs in sorted(by_category.items())},
         "plain_ms_per_step": plain_step_ms,
         "spec_ms_per_round": spec_step_ms,
         "round_over_plain_step": spec_step_ms / plain_step_ms,

@@ -89,3 +89,16 @@ def test_speculative_with_random_head_equals_plain(smollm2):
                              speculative=eaglejax.SpecConfig(num_draft_tokens=3), **kwargs)
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
     assert all(s.metrics.acceptance_length < 1.5 for s in spec)
+
+
+def test_bench_speculative_reports_side_by_side(smollm2):
+    from eaglejax.bench import bench_speculative
+    from eaglejax.datasets import mt_bench_questions
+    from eaglejax.draft.draft import new_eagle3_draft
+
+    questions = mt_bench_questions()[:2]
+    report = bench_speculative(smollm2, new_eagle3_draft(smollm2, seed=2), questions,
+                               max_new_tokens=6, num_draft_tokens=2)
+    assert report["identical_tokens"] is True
+    assert report["acceptance_length"] >= 1.0
+    assert set(report["acceptance_length_by_category"]) == {q.category for q in questions}
