@@ -3,14 +3,21 @@
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 
+from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
-from eaglejax.draft.formats.common import Shapes
+from eaglejax.draft.formats.common import (
+    ReadResult, Shapes, check_t2d, check_tensors, d2t_from_tensors, validate, validate_config,
+    weights_source)
 from eaglejax.loading.weights import hf_layer_shapes, layer_params_from_hf, layer_params_to_hf
 from eaglejax.models.llama import Params
+
+if TYPE_CHECKING:
+    from eaglejax.loading.hf_dir import HFWeights
 
 REFERENCE_FIRST = "midlayer."
 SPECULATORS_FIRST = "layers.0."
@@ -89,3 +96,19 @@ def tensors_from_params(config: DraftConfig, params: Params, first: str) -> dict
 def with_vocab_maps(shapes: Mapping[str, tuple[int, ...]], expected: Shapes) -> Shapes:
     """`expected` plus d2t/t2d when the file has them (their contents are checked apart)."""
     return {**expected, **{k: tuple(shapes[k]) for k in ("d2t", "t2d") if k in shapes}}
+
+
+def read_eagle3_weights(config: DraftConfig, weights: "HFWeights", path: Path,
+                        target: ModelConfig, source: str, tap_key: str, first: str) -> ReadResult:
+    """Validate a parsed EAGLE-3 config and its tensors against the target, then build
+    (config, float32 params, int32 d2t); `first` is the layout's first-layer prefix."""
+    validate_config(config, target, source, tap_key)
+    shapes = weights.shapes()
+    wsource = weights_source(path)
+    check_tensors(shapes, with_vocab_maps(shapes, expected_shapes(config, first)), wsource)
+    check_t2d(shapes.get("t2d"), target.vocab_size, wsource)
+    d2t = d2t_from_tensors(weights.get("d2t") if "d2t" in shapes else None,
+                           config.draft_vocab_size, config.decoder.vocab_size, wsource)
+    params = params_from_tensors(config, weights.get, first)
+    validate(config, params, d2t, target, source, tap_key)
+    return config, params, d2t

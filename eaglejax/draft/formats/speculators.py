@@ -18,11 +18,10 @@ import numpy as np
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import (
-    ReadResult, check_t2d, check_tensors, d2t_from_tensors, dtype_name, flag, layer_ids,
-    legacy_rope, open_weights, parse_decoder, prepare_output_dir, refuse_unsupported, t2d_for,
-    to_numpy, validate, validate_config, weights_source)
+    ReadResult, dtype_name, flag, layer_ids, legacy_rope, open_weights, parse_decoder,
+    prepare_output_dir, refuse_unsupported, t2d_for, to_numpy)
 from eaglejax.draft.formats.eagle3_tensors import (
-    SPECULATORS_FIRST, expected_shapes, params_from_tensors, tensors_from_params, with_vocab_maps)
+    SPECULATORS_FIRST, read_eagle3_weights, tensors_from_params)
 from eaglejax.errors import ConfigError
 from eaglejax.loading.hf_dir import read_json
 from eaglejax.loading.safetensors_file import save_safetensors
@@ -67,16 +66,8 @@ def read_speculators(path: Path, target: ModelConfig, weights: "HFWeights | None
         input_norm=flag(cfg, "norm_before_fc", False, source),
         norm_before_residual=flag(cfg, "norm_before_residual", True, source),
         own_embedding="embed_tokens.weight" in shapes)
-    validate_config(config, target, source, tap_key)
-    wsource = weights_source(path)
-    check_tensors(shapes, with_vocab_maps(shapes, expected_shapes(config, SPECULATORS_FIRST)),
-                  wsource)
-    check_t2d(shapes.get("t2d"), target.vocab_size, wsource)
-    d2t = d2t_from_tensors(weights.get("d2t") if "d2t" in shapes else None,
-                           config.draft_vocab_size, decoder.vocab_size, wsource)
-    params = params_from_tensors(config, weights.get, SPECULATORS_FIRST)
-    validate(config, params, d2t, target, source, tap_key)
-    return config, params, d2t
+    return read_eagle3_weights(config, weights, path, target, source, tap_key,
+                               SPECULATORS_FIRST)
 
 
 def export_speculators(draft: "Draft", path: str | Path, speculative_tokens: int = 3) -> Path:
