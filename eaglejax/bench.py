@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.datasets import Question
-from eaglejax.generate import _bucket, generate
+from eaglejax.generate import cache_capacity, generate
 from eaglejax.models import kv_cache
 from eaglejax.models.llama import forward, lm_head
 from eaglejax.target import Target
@@ -95,7 +95,7 @@ def bench_plain(target: Target, questions: list[Question], *, batch_size: int = 
                             ignore_eos=ignore_eos)
     t = _run_batches(questions, batch_size, run)
     mean_context = int(np.mean(t["prompt_tokens"])) + max_new_tokens // 2
-    capacity = -(-(_bucket(max(t["prompt_tokens"]), 16) + _bucket(max_new_tokens, 16)) // 128) * 128
+    capacity = cache_capacity(max(t["prompt_tokens"]), max_new_tokens)
     forward_ms = single_forward_ms(target, mean_context, capacity, batch=batch_size)
     decode_ms_per_step = 1e3 * t["decode_s"] / t["steps"]
     return {

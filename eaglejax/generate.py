@@ -87,6 +87,13 @@ def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
+def cache_capacity(prompt_tokens: int, max_new_tokens: int, extra: int = 0) -> int:
+    """Static cache size for prompts up to `prompt_tokens` long: bucketed prompt and output
+    lengths plus `extra` scratch rows, rounded up to a multiple of 128."""
+    total = _bucket(prompt_tokens, 16) + _bucket(max_new_tokens, 16) + extra
+    return -(-total // 128) * 128
+
+
 def _encode_prompts(prompts: str | Sequence[str] | Sequence[Sequence[int]], target: Target,
                     chat: bool) -> list[list[int]]:
     if isinstance(prompts, str):
@@ -187,7 +194,7 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
                              f"that exceeds the model's context of {limit} tokens")
     prompt_len = _bucket(max(lengths), 16)
     max_tokens = _bucket(max_new_tokens, 16)
-    capacity = -(-(prompt_len + max_tokens + extra) // 128) * 128
+    capacity = cache_capacity(max(lengths), max_new_tokens, extra)
     prompt = np.zeros((batch, prompt_len), np.int32)
     for i, ids in enumerate(encoded):
         prompt[i, :len(ids)] = ids
