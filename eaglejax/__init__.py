@@ -1,7 +1,7 @@
 """eaglejax: speculative decoding (EAGLE-1/2/3, dynamic trees, parallel drafting) in JAX."""
 
 from eaglejax.config import ModelConfig
-from eaglejax.decoding.speculative import SpecConfig
+from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.draft import Draft, load_draft
 from eaglejax.errors import ConfigError, EaglejaxError, InputError, LoadError
 from eaglejax.generate import Generation, GenerationMetrics, generate

@@ -31,17 +31,20 @@ def median_seconds(fn: Callable, args: tuple, repeats: int = 20, warmup: int = 3
 
 
 def single_forward_ms(target: Target, context: int, capacity: int, batch: int = 1,
-                      repeats: int = 20) -> float:
-    """Median time of one jitted single-token forward (with argmax) over a `context`-long cache:
-    the floor one decode step cannot beat."""
+                      repeats: int = 20, tokens: int = 1) -> float:
+    """Median time of one jitted forward of `tokens` new tokens per row (with argmax) over a
+    `context`-long cache: with one token, the floor one decode step cannot beat; with more,
+    the cost of verifying that many draft nodes."""
     config = target.config
+    offsets = jnp.arange(tokens)[None, :]
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(params, cache, token):
-        out = forward(params, config, token[:, None], cache.lengths[:, None], cache,
+        block = jnp.broadcast_to(token[:, None], (token.shape[0], tokens))
+        out = forward(params, config, block, cache.lengths[:, None] + offsets, cache,
                       attn_impl=target.attn_impl)
         cache = out.cache  # rows staged, lengths unchanged: every step sees the same context
-        return jnp.argmax(lm_head(params, out.hidden[:, 0]), -1).astype(jnp.int32), cache
+        return jnp.argmax(lm_head(params, out.hidden[:, -1]), -1).astype(jnp.int32), cache
 
     cache = kv_cache.init_cache(config.num_layers, batch, capacity, config.num_kv_heads,
                                 config.head_dim, target.dtype)

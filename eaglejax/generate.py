@@ -5,14 +5,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.decoding import plain
-from eaglejax.decoding.speculative import SpecConfig, spec_loop, spec_prefill
+from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.decoding.speculative import spec_loop, spec_prefill
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP, StopCriteria
 from eaglejax.errors import ConfigError, InputError
@@ -47,6 +48,7 @@ class GenerationMetrics:
     acceptance_length: float | None = None
     acceptance_by_position: list[float] | None = None
     conditional_acceptance: list[float] | None = None
+    speculative: str | None = None
 
 
 def acceptance_metrics(hist: np.ndarray) -> dict[str, object]:
@@ -150,12 +152,73 @@ def _cut_at_stop(target: Target, ids: list[int], stop: Sequence[str]) -> tuple[l
     return ids[:lo], text[:cut]
 
 
+class DecodeRun(NamedTuple):
+    """A finished decode: the loop's final state and its timings."""
+
+    state: object
+    prefill_s: float
+    decode_s: float
+
+
+def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seeds: list[int],
+           sampling: SamplingParams, max_new_tokens: int, criteria: StopCriteria,
+           spec: SpecConfig | None, calibration_sizes: tuple[int, ...] = ()) -> DecodeRun:
+    """Prefill and decode validated token-id prompts in one compiled batch."""
+    batch = len(encoded)
+    lengths = [len(ids) for ids in encoded]
+    prompt_len = _bucket(max(lengths), 16)
+    max_tokens = _bucket(max_new_tokens, 16)
+    capacity = cache_capacity(max(lengths), max_new_tokens, spec.num_nodes if spec else 0)
+    prompt = np.zeros((batch, prompt_len), np.int32)
+    for i, ids in enumerate(encoded):
+        prompt[i, :len(ids)] = ids
+    row_keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.uint32))
+    greedy = bool(sampling.temperature == 0)
+    max_new = jnp.int32(max_new_tokens)
+    common = dict(stop=criteria, attn_impl=target.attn_impl)
+    args = (target.params, target.config)
+    prompt, prompt_lengths = jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32)
+
+    start = time.perf_counter()
+    if draft is None:
+        state = plain.prefill(*args, prompt, prompt_lengths, row_keys, sampling, max_new,
+                              capacity=capacity, max_tokens=max_tokens, greedy=greedy, **common)
+    else:
+        spec_args = dict(spec=spec, greedy=greedy, calibration_sizes=calibration_sizes, **common)
+        state = spec_prefill(*args, draft.params, draft.config, prompt, prompt_lengths,
+                             row_keys, sampling, max_new, capacity=capacity,
+                             max_tokens=max_tokens, **spec_args)
+    jax.block_until_ready(state)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    if draft is None:
+        state = plain.decode_loop(*args, state, sampling, max_new, greedy=greedy, **common)
+    else:
+        state = spec_loop(*args, draft.params, draft.config, draft.d2t, state, sampling,
+                          max_new, **spec_args)
+    jax.block_until_ready(state)
+    return DecodeRun(state, prefill_s, time.perf_counter() - start)
+
+
+def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "Draft",
+                  encoded: list[list[int]], max_new_tokens: int) -> SpecConfig:
+    if speculative is None:
+        return SpecConfig.preset(jax.default_backend(), len(encoded))
+    if isinstance(speculative, SpecConfig):
+        return speculative
+    if speculative == "auto":
+        from eaglejax.autotune import choose_tree
+
+        return choose_tree(target, draft, encoded, max_new_tokens).choice
+    raise InputError(f"speculative must be a SpecConfig, 'auto' or None, got {speculative!r}")
+
+
 def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
              target: Target | str | None = None, draft: "Draft | None" = None,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | Sequence[int] = 0, chat: bool = True,
              stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
-             speculative: SpecConfig | None = None) -> list[Generation]:
+             speculative: SpecConfig | str | None = None) -> list[Generation]:
     """Generate continuations of `prompts` (strings, rendered with the chat template when
     `chat`, or token-id lists used as given) in one compiled batch.
 
@@ -164,7 +227,10 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     row's tokens depend only on its prompt and its seed, never on its neighbours.
     Generation stops at an EOS id (unless `ignore_eos`), a stop string (excluded from
     `.text`), or `max_new_tokens`. With a `draft` head (see `eaglejax.load_draft`) decoding
-    is speculative, configured by `speculative`; greedy output is identical to plain.
+    is speculative, configured by `speculative`: a `SpecConfig` (chain, dynamic tree or
+    static tree), "auto" (time the target at a few tree sizes and pick the fastest
+    expected tokens/s, see `eaglejax.autotune`) or None (the preset for this device and
+    batch size, `SpecConfig.preset`). Greedy output is identical to plain decoding.
     """
     if target is None or isinstance(target, str):
         target = _cached_target(target or DEFAULT_TARGET)
@@ -182,8 +248,6 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     if len(seeds) != batch:
         raise InputError(f"seed: got {len(seeds)} seeds for {batch} prompts")
 
-    spec = speculative or SpecConfig()
-    extra = spec.num_draft_tokens + 1 if draft is not None else 0
     lengths = [len(ids) for ids in encoded]
     limit = target.config.max_position_embeddings
     if target.config.sliding_window:
@@ -192,42 +256,13 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
         if n + max_new_tokens > limit:
             raise InputError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} "
                              f"that exceeds the model's context of {limit} tokens")
-    prompt_len = _bucket(max(lengths), 16)
-    max_tokens = _bucket(max_new_tokens, 16)
-    capacity = cache_capacity(max(lengths), max_new_tokens, extra)
-    prompt = np.zeros((batch, prompt_len), np.int32)
-    for i, ids in enumerate(encoded):
-        prompt[i, :len(ids)] = ids
-    row_keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.uint32))
-    greedy = temperature == 0
-    max_new = jnp.int32(max_new_tokens)
-    common = dict(stop=criteria, attn_impl=target.attn_impl)
-    args = (target.params, target.config)
-
-    start = time.perf_counter()
-    if draft is None:
-        state = plain.prefill(*args, jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32),
-                              row_keys, sampling, max_new, capacity=capacity,
-                              max_tokens=max_tokens, greedy=greedy, **common)
-    else:
-        draft_args = (draft.params, draft.config)
-        state = spec_prefill(
-            *args, *draft_args, jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32), row_keys,
-            sampling, max_new, capacity=capacity, max_tokens=max_tokens,
-            num_draft=spec.num_draft_tokens, greedy=greedy, **common)
-    jax.block_until_ready(state)
-    prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    if draft is None:
-        state = plain.decode_loop(*args, state, sampling, max_new, greedy=greedy, **common)
-        hist = None
-    else:
-        state = spec_loop(*args, *draft_args, draft.d2t, state, sampling, max_new,
-                          num_draft=spec.num_draft_tokens, greedy=greedy, **common)
-        hist = jax.device_get(state.accept_hist)
+    spec = None
+    if draft is not None:
+        spec = _resolve_spec(speculative, target, draft, encoded, max_new_tokens)
+    run = decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria, spec)
     tokens, counts, finish, forwards = jax.device_get(
-        (state.out.tokens, state.out.counts, state.out.finish, state.forwards))
-    decode_s = time.perf_counter() - start
+        (run.state.out.tokens, run.state.out.counts, run.state.out.finish, run.state.forwards))
+    hist = None if draft is None else jax.device_get(run.state.accept_hist)
 
     results = []
     for i in range(batch):
@@ -241,10 +276,11 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
             else:
                 text = target.tokenizer.decode(ids)
         metrics = GenerationMetrics(
-            prompt_tokens=lengths[i], new_tokens=len(ids), prefill_s=prefill_s,
-            decode_s=decode_s,
-            decode_tokens_per_s=(int(counts[i]) - 1) / decode_s if decode_s > 0 else 0.0,
+            prompt_tokens=lengths[i], new_tokens=len(ids), prefill_s=run.prefill_s,
+            decode_s=run.decode_s,
+            decode_tokens_per_s=(int(counts[i]) - 1) / run.decode_s if run.decode_s > 0 else 0.0,
             target_forwards=int(forwards) + 1, batch_size=batch,
+            speculative=None if spec is None else spec.describe(),
             **(acceptance_metrics(hist[i]) if hist is not None else {}))
         results.append(Generation(text, ids, reason, metrics))
     return results

@@ -3,7 +3,8 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from eaglejax.decoding.tree import num_candidates, select_tree
+from eaglejax.decoding.spec_config import normalize_paths
+from eaglejax.decoding.tree import num_candidates, select_tree, static_shape, tree_from_parents
 
 
 def expansion_candidates(rs, top_k, depth):
@@ -49,7 +50,7 @@ def test_tree_properties(top_k, depth, seed, keep_fraction, batch):
                        np.stack([r[2] for r in rows]), total, depth)
     tree = [np.asarray(x) for x in tree]
     for b, (tokens, scores, parents) in enumerate(rows):
-        t_tokens, t_parents, t_depths, t_mask, t_paths, t_leaf = (x[b] for x in tree)
+        t_tokens, t_parents, t_depths, t_mask, t_paths, t_leaf, t_ranks = (x[b] for x in tree)
         assert t_tokens[0] == roots[b] and t_parents[0] == -1 and t_depths[0] == 0
         # Every kept node's parent is kept and comes earlier.
         assert all(0 <= t_parents[i] < i for i in range(1, total))
@@ -57,6 +58,11 @@ def test_tree_properties(top_k, depth, seed, keep_fraction, batch):
         kept = t_tokens[1:]
         assert len(set(kept.tolist())) == total - 1
         assert np.all(scores[np.setdiff1d(tokens, kept)] <= scores[kept].min())
+        # Ranks order nodes by score: a permutation with every parent ranked above its
+        # children, so the best n nodes always form a subtree.
+        assert sorted(t_ranks.tolist()) == list(range(total))
+        assert all(t_ranks[t_parents[i]] < t_ranks[i] for i in range(1, total))
+        assert np.all(np.diff(scores[kept[np.argsort(t_ranks[1:])]]) <= 0)
         # Mask rows are exactly the ancestor-or-self sets; depths count ancestors.
         for i in range(total):
             ancestors, node = {i}, i
@@ -87,3 +93,29 @@ def test_selection_keeps_the_highest_scores():
     chosen = np.asarray(tree.tokens)[0, 1:]
     threshold = scores[chosen].min()
     assert np.all(scores[np.setdiff1d(tokens, chosen)] <= threshold)
+
+
+path_sets = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), min_size=1,
+                     max_size=12)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(raw=path_sets)
+def test_static_tree_structure(raw):
+    closed = {tuple(p[:i]) for p in raw for i in range(1, len(p) + 1)}
+    paths = normalize_paths(sorted(closed))
+    shape = static_shape(paths)
+    n = len(paths) + 1
+    tokens = np.arange(n)[None]
+    tree = [np.asarray(x)[0] for x in tree_from_parents(tokens, shape.parents[None],
+                                                        shape.max_depth)]
+    _, parents, depths, mask, leaf_paths, is_leaf, _ = tree
+    for i, path in enumerate(paths, start=1):
+        assert depths[i] == len(path) == shape.depths[i]  # positions = prefix + depth
+        assert paths[parents[i] - 1] == path[:-1] if len(path) > 1 else parents[i] == 0
+        assert shape.child_rank[i] == path[-1]
+        ancestors = {0} | {paths.index(path[:j]) + 1 for j in range(1, len(path) + 1)}
+        assert set(np.flatnonzero(mask[i])) == ancestors
+    leaves = {i for i in range(n) if i not in set(parents[1:].tolist())}
+    assert set(np.flatnonzero(is_leaf)) == leaves
+    assert {n for row in leaf_paths for n in row if n >= 0} == set(range(n))

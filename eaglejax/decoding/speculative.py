@@ -1,55 +1,47 @@
-"""Speculative decoding with an EAGLE head, chain drafting, all inside one `lax.while_loop`.
+"""Speculative decoding with an EAGLE head, all inside one `lax.while_loop`.
 
 Bookkeeping (per row): the target cache holds tokens x_0..x_{n-1}; the newest token x_n is
 recorded but not yet in the cache. Draft position t consumes token x_{t+1} and the target
 feature of position t; the draft cache holds positions 0..n-1, and its output at position
 n-1 (logits and un-normed hidden state) proposes x_{n+1}. One round:
-  1. chain: d_1 from those logits, then K-1 single-token head steps that feed back the
-     head's own hidden state, giving d_2..d_K (their cache rows are scratch);
-  2. verify: the target runs [x_n, d_1..d_K] in one forward; greedy acceptance keeps the
-     longest prefix with d_i == argmax at position i-1, plus the target's bonus token
-     (sampling: the draft samples its chain and `acceptance.sample_accept` applies the
-     lossless min(1, p/q) rule);
-  3. commit: the accepted rows are already in place in the target cache (a chain is a
-     path), so the length advances by accepted + 1; the tokens enter the output one by one
+  1. draft (`drafting`): a chain of K tokens, an EAGLE-2 dynamic tree or a static tree,
+     rooted at x_n; the chain is the degenerate tree;
+  2. verify: the target runs the tree's nodes in one forward, each at position n + depth,
+     under the tree mask; greedy acceptance keeps the deepest node whose whole path matches
+     the target's argmax, plus the target's bonus token there; sampling is lossless
+     (a sampled chain: min(1, p/q); a tree: recursive rejection over siblings);
+  3. commit: the accepted path's target K/V rows are written to consecutive slots after
+     the prefix (a chain's are already in place); the tokens enter the output one by one
      so EOS, stop sequences and max_new_tokens cut exactly;
-  4. catch-up: the head runs over the accepted block with the TARGET's features of those
-     positions, overwriting its scratch rows, and proposes the next round's d_1.
+  4. catch-up: the head runs over the accepted block with the TARGET's features of the
+     path's positions, and proposes the root's children of the next round.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eaglejax.config import ModelConfig
-from eaglejax.decoding.acceptance import draft_sample, greedy_accept, sample_accept
+from eaglejax.decoding.acceptance import (
+    greedy_accepted_nodes, sample_accept, tree_greedy_accept, tree_sample_accept)
+from eaglejax.decoding.drafting import (
+    Head, Root, draft_chain, draft_dynamic_tree, draft_static_tree)
 from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
 from eaglejax.decoding.plain import prefill_target
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
+from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.decoding.tree import chain_tree, static_shape
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.head import draft_forward, head_logits, to_target_ids
-from eaglejax.errors import InputError
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import ForwardOutput, Params, forward, lm_head
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecConfig:
-    """How to speculate. `num_draft_tokens` (K): draft tokens per round in chain mode."""
-
-    num_draft_tokens: int = 5
-
-    def __post_init__(self):
-        if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 64:
-            raise InputError(f"num_draft_tokens must be an integer in [1, 64], "
-                             f"got {self.num_draft_tokens!r}")
 
 
 class SpecState(NamedTuple):
@@ -62,8 +54,9 @@ class SpecState(NamedTuple):
     draft_hidden: jax.Array  # [B,H] the head's un-normed hidden state at position n-1
     out: Output
     row_keys: jax.Array  # [B] PRNG keys, one per row (sampling)
-    accept_hist: jax.Array  # [B,K+1] rounds per row that accepted exactly a draft tokens
+    accept_hist: jax.Array  # [B,D+1] rounds per row that accepted exactly a draft tokens
     forwards: jax.Array  # int32 scalar: target forwards in the loop
+    size_accepted: jax.Array  # [B,S] draft tokens the best s-node subtrees would have accepted
 
 
 def _features(out: ForwardOutput, draft_config: DraftConfig) -> jax.Array:
@@ -90,12 +83,14 @@ def _catch_up(draft_params: Params, draft_config: DraftConfig, target_params: Pa
 
 
 @functools.partial(jax.jit, static_argnames=("config", "draft_config", "capacity", "max_tokens",
-                                             "num_draft", "greedy", "stop", "attn_impl"))
+                                             "spec", "greedy", "stop", "attn_impl",
+                                             "calibration_sizes"))
 def spec_prefill(params: Params, config: ModelConfig, draft_params: Params,
                  draft_config: DraftConfig, prompt: jax.Array, prompt_lengths: jax.Array,
                  row_keys: jax.Array, sampling: SamplingParams, max_new_tokens: jax.Array, *,
-                 capacity: int, max_tokens: int, num_draft: int, greedy: bool,
-                 stop: StopCriteria, attn_impl: AttentionImpl = "auto") -> SpecState:
+                 capacity: int, max_tokens: int, spec: SpecConfig, greedy: bool,
+                 stop: StopCriteria, attn_impl: AttentionImpl = "auto",
+                 calibration_sizes: tuple[int, ...] = ()) -> SpecState:
     """Prefill the target and the head on right-padded prompts; record the first token."""
     batch, prompt_len = prompt.shape
     cache, logits, out = prefill_target(params, config, prompt, prompt_lengths, capacity,
@@ -114,75 +109,115 @@ def spec_prefill(params: Params, config: ModelConfig, draft_params: Params,
         draft_params, draft_config, params, draft_cache, shifted, _features(out, draft_config),
         prompt_lengths, attn_impl, fresh=True)
     return SpecState(cache, draft_cache, first, draft_logits, draft_hidden, output, row_keys,
-                     jnp.zeros((batch, num_draft + 1), jnp.int32), jnp.int32(0))
+                     jnp.zeros((batch, spec.max_depth + 1), jnp.int32), jnp.int32(0),
+                     jnp.zeros((batch, len(calibration_sizes)), jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "num_draft", "greedy",
-                                             "stop", "attn_impl"), donate_argnames=("state",))
+
+
+def _draft_round(head: Head, root: Root, spec: SpecConfig, greedy: bool,
+                 sampling: SamplingParams, keys: jax.Array, vocab: int):
+    """The round's tree and, for a sampled chain, the draft distributions [B,K,V]."""
+    if spec.method == "chain":
+        drafted, probs = draft_chain(head, root, spec.num_draft_tokens, greedy, sampling, keys,
+                                     vocab)
+        return chain_tree(root.token, drafted), probs
+    if spec.method == "tree":
+        return draft_dynamic_tree(head, root, spec.top_k, spec.depth, spec.total_tokens), None
+    return draft_static_tree(head, root, static_shape(spec.paths)), None
+
+
+def _max_children(spec: SpecConfig) -> int:
+    if spec.method == "tree":
+        return spec.top_k
+    if spec.method == "static":
+        return int(np.bincount(static_shape(spec.paths).parents[1:]).max())
+    return 1
+
+
+def _commit_path(cache: kv_cache.KVCache, k_new: tuple[jax.Array, ...],
+                 v_new: tuple[jax.Array, ...], path: jax.Array) -> kv_cache.KVCache:
+    """Write the accepted path's K/V rows (per layer [B,N,kv,D], path [B,D+1]) into the
+    consecutive slots after each row's prefix (lengths unchanged)."""
+    pick = lambda rows: jnp.take_along_axis(rows, path[:, :, None, None], axis=1)  # noqa: E731
+    k = tuple(kv_cache.write_block(buf, pick(new), cache.lengths) for buf, new in zip(cache.k, k_new))
+    v = tuple(kv_cache.write_block(buf, pick(new), cache.lengths) for buf, new in zip(cache.v, v_new))
+    return kv_cache.KVCache(k, v, cache.lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "greedy",
+                                             "stop", "attn_impl", "calibration_sizes"),
+                   donate_argnames=("state",))
 def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
               draft_config: DraftConfig, d2t: jax.Array, state: SpecState,
-              sampling: SamplingParams, max_new_tokens: jax.Array, *, num_draft: int,
-              greedy: bool, stop: StopCriteria, attn_impl: AttentionImpl = "auto") -> SpecState:
-    """Chain speculation (K = num_draft draft tokens per round) until every row finishes:
-    greedy matching, or lossless speculative sampling when not `greedy`."""
-    k = num_draft
-    vocab = config.vocab_size
-    draft_ids = to_target_ids(jnp.arange(draft_config.draft_vocab_size), d2t)
+              sampling: SamplingParams, max_new_tokens: jax.Array, *, spec: SpecConfig,
+              greedy: bool, stop: StopCriteria, attn_impl: AttentionImpl = "auto",
+              calibration_sizes: tuple[int, ...] = ()) -> SpecState:
+    """Speculate (chain, dynamic tree or static tree, per `spec`) until every row finishes:
+    greedy matching, or lossless speculative sampling when not `greedy`.
 
-    def propose(logits: jax.Array, key: jax.Array):
-        if greedy:
-            return draft_ids[jnp.argmax(logits, axis=-1)].astype(jnp.int32), None
-        return draft_sample(logits, sampling, key, draft_ids, vocab)
-
-    def draft_chain(s: SpecState, keys: jax.Array):
-        """[B,K] draft tokens (target ids) and, when sampling, their distributions [B,K,V].
-        The chain's cache rows are scratch."""
-        token, probs = propose(s.draft_logits, keys[:, 0])
-        drafted, dists, hidden, cache = [token], [probs], s.draft_hidden, s.draft_cache
-        for i in range(1, k):
-            out = draft_forward(draft_params, draft_config, params, token[:, None],
-                                hidden[:, None], cache.lengths[:, None], cache,
-                                from_features=False, attn_impl=attn_impl)
-            cache = out.cache._replace(lengths=cache.lengths + 1)
-            hidden = out.hidden[:, 0]
-            token, probs = propose(head_logits(draft_params, draft_config, params, hidden),
-                                   keys[:, i])
-            drafted.append(token)
-            dists.append(probs)
-        return jnp.stack(drafted, axis=1), None if greedy else jnp.stack(dists, axis=1)
+    `calibration_sizes` (greedy dynamic trees only) also counts, per row, the draft tokens
+    the best s-node subtree of each round's tree would have accepted, for each s given:
+    exact, since those subtrees are the trees a smaller `total_tokens` would have drafted.
+    """
+    depth = spec.max_depth
+    head = Head(draft_params, draft_config, params,
+                to_target_ids(jnp.arange(draft_config.draft_vocab_size), d2t), attn_impl)
+    is_chain = spec.method == "chain"
 
     def step(s: SpecState) -> SpecState:
         running = s.out.running
         rows = jnp.arange(running.shape[0])
         # A row's randomness depends only on its seed and how many tokens it has.
-        keys = jax.vmap(lambda key: jax.random.split(key, k + 1))(
+        keys = jax.vmap(lambda key: jax.random.split(key, depth + 1))(
             row_step_keys(s.row_keys, s.out.counts))
-        drafted, draft_probs = draft_chain(s, keys)
-        block = jnp.concatenate([s.last_token[:, None], drafted], axis=1)  # [B,K+1]
-        positions = s.target_cache.lengths[:, None] + jnp.arange(k + 1)[None, :]
-        verified = forward(params, config, block, positions, s.target_cache,
-                           tap_layers=draft_config.tap_layers, attn_impl=attn_impl)
+        root = Root(s.last_token, s.draft_logits, s.draft_hidden, s.draft_cache)
+        tree, draft_probs = _draft_round(head, root, spec, greedy, sampling, keys,
+                                         config.vocab_size)
+        positions = s.target_cache.lengths[:, None] + tree.depths
+        verified = forward(params, config, tree.tokens, positions, s.target_cache,
+                           mask=tree.mask, tap_layers=draft_config.tap_layers,
+                           attn_impl=attn_impl)
         logits = lm_head(params, verified.hidden)
-        if greedy:
-            n_accepted, bonus = greedy_accept(drafted, logits)
+        if is_chain and not greedy:
+            n_accepted, bonus = sample_accept(tree.tokens[:, 1:], draft_probs, logits, sampling,
+                                              keys[:, depth])
+            path = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), tree.tokens.shape)
+        elif greedy:
+            path, n_accepted, bonus = tree_greedy_accept(tree, logits, depth)
         else:
-            n_accepted, bonus = sample_accept(drafted, draft_probs, logits, sampling, keys[:, k])
-        # Emitted this round: d_1..d_a then the bonus; one token at a time for exact stops.
-        emitted = jnp.where(jnp.arange(k + 1)[None, :] < n_accepted[:, None],
-                            jnp.concatenate([drafted, drafted[:, :1]], axis=1), bonus[:, None])
+            path, n_accepted, bonus = tree_sample_accept(tree, logits, sampling, keys[:, depth],
+                                                         depth, _max_children(spec))
+        # Emitted this round: the accepted draft tokens, then the bonus; one at a time so
+        # EOS, stop sequences and max_new_tokens cut exactly.
+        path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)
+        emitted = jnp.where(jnp.arange(depth + 1)[None, :] < n_accepted[:, None],
+                            jnp.roll(path_tokens, -1, axis=1), bonus[:, None])
         out = s.out
-        for j in range(k + 1):
+        for j in range(depth + 1):
             out = record(out, emitted[:, j], j <= n_accepted, stop, max_new_tokens)
         advance = jnp.where(running, n_accepted + 1, 0)
-        target_cache = verified.cache._replace(lengths=s.target_cache.lengths + advance)
+        features = _features(verified, draft_config)
+        target_cache = verified.cache
+        if not is_chain:  # a chain's accepted rows already sit in place
+            target_cache = _commit_path(target_cache, verified.k_new, verified.v_new, path)
+            features = jnp.take_along_axis(features, path[:, :, None], axis=1)
+        target_cache = target_cache._replace(lengths=s.target_cache.lengths + advance)
         draft_cache, draft_logits, draft_hidden = _catch_up(
-            draft_params, draft_config, params, s.draft_cache, emitted,
-            _features(verified, draft_config), jnp.maximum(advance, 1), attn_impl)
+            draft_params, draft_config, params, s.draft_cache, emitted, features,
+            jnp.maximum(advance, 1), attn_impl)
         # Rows that were already done keep their committed draft length.
         draft_cache = draft_cache._replace(
             lengths=jnp.where(running, draft_cache.lengths, s.draft_cache.lengths))
         hist = s.accept_hist.at[rows, n_accepted].add(running.astype(jnp.int32))
+        size_accepted = s.size_accepted
+        if calibration_sizes:
+            accepted = greedy_accepted_nodes(tree, logits, depth)
+            size_accepted = size_accepted + running[:, None] * jnp.stack(
+                [jnp.max(jnp.where(accepted & (tree.ranks < size), tree.depths, 0), axis=1)
+                 for size in calibration_sizes], axis=1)
         return SpecState(target_cache, draft_cache, jnp.where(running, bonus, s.last_token),
-                         draft_logits, draft_hidden, out, s.row_keys, hist, s.forwards + 1)
+                         draft_logits, draft_hidden, out, s.row_keys, hist, s.forwards + 1,
+                         size_accepted)
 
     return jax.lax.while_loop(lambda s: jnp.any(s.out.running), step, state)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class Tree(NamedTuple):
@@ -24,7 +25,8 @@ class Tree(NamedTuple):
     tokens [B,N]: node tokens (root: given); parents [B,N]: parent node (-1 for the root);
     depths [B,N]: 0 for the root; mask [B,N,N]: node i sees node j iff j is i or an
     ancestor of i; paths [B,N,D+1]: for each leaf, its root-to-leaf node list padded with
-    -1 (non-leaf rows are all -1); is_leaf [B,N].
+    -1 (non-leaf rows are all -1); is_leaf [B,N]; ranks [B,N]: a dynamic tree's nodes by
+    draft score (root 0, best candidate 1, ...), so the best n nodes form a subtree.
     """
 
     tokens: jax.Array
@@ -33,6 +35,7 @@ class Tree(NamedTuple):
     mask: jax.Array
     paths: jax.Array
     is_leaf: jax.Array
+    ranks: jax.Array
 
 
 def num_candidates(top_k: int, depth: int) -> int:
@@ -62,21 +65,31 @@ def select_tree(root_tokens: jax.Array, cand_tokens: jax.Array, cand_scores: jax
     parents = jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), parent_nodes], axis=1)
     tokens = jnp.concatenate([root_tokens[:, None],
                               jnp.take_along_axis(cand_tokens, kept, axis=1)], axis=1)
+    rank_of = jnp.zeros((batch, n_cand), jnp.int32).at[jnp.arange(batch)[:, None], best].set(
+        jnp.arange(1, total_tokens, dtype=jnp.int32)[None, :])
+    ranks = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32),
+                             jnp.take_along_axis(rank_of, kept, axis=1)], axis=1)
+    return tree_from_parents(tokens, parents, max_depth, ranks)
 
+
+def tree_from_parents(tokens: jax.Array, parents: jax.Array, max_depth: int,
+                      ranks: jax.Array | None = None) -> Tree:
+    """Build depths, ancestor masks, leaves and paths of trees given by tokens [B,N] and
+    parents [B,N] (node 0 the root with parent -1; parents precede their children)."""
+    batch, n_nodes = tokens.shape
     # Ancestor sets by walking up max_depth times (the root is its own parent here).
     up = jnp.maximum(parents, 0)
-    nodes = jnp.arange(total_tokens)
-    mask = jnp.broadcast_to(jnp.eye(total_tokens, dtype=bool), (batch, total_tokens, total_tokens))
-    depths = jnp.zeros((batch, total_tokens), jnp.int32)
-    current = jnp.broadcast_to(nodes, (batch, total_tokens))
+    mask = jnp.broadcast_to(jnp.eye(n_nodes, dtype=bool), (batch, n_nodes, n_nodes))
+    depths = jnp.zeros((batch, n_nodes), jnp.int32)
+    current = jnp.broadcast_to(jnp.arange(n_nodes), (batch, n_nodes))
     for _ in range(max_depth):
         above = jnp.take_along_axis(up, current, axis=1)
         moved = above != current
         depths = depths + moved
-        mask = mask | (jax.nn.one_hot(above, total_tokens, dtype=bool) & moved[..., None])
+        mask = mask | (jax.nn.one_hot(above, n_nodes, dtype=bool) & moved[..., None])
         current = above
 
-    has_child = jnp.zeros((batch, total_tokens), bool).at[
+    has_child = jnp.zeros((batch, n_nodes), bool).at[
         jnp.arange(batch)[:, None], up[:, 1:]].set(True)
     is_leaf = ~has_child
     # A leaf's path: its ancestors (mask row) ordered by depth, padded with -1.
@@ -84,4 +97,42 @@ def select_tree(root_tokens: jax.Array, cand_tokens: jax.Array, cand_scores: jax
     ranked = jnp.argsort(order, axis=-1, stable=True)[..., :max_depth + 1]
     valid = jnp.take_along_axis(order, ranked, axis=-1) <= max_depth
     paths = jnp.where(valid & is_leaf[..., None], ranked, -1).astype(jnp.int32)
-    return Tree(tokens.astype(jnp.int32), parents, depths, mask, paths, is_leaf)
+    if ranks is None:
+        ranks = jnp.broadcast_to(jnp.arange(n_nodes, dtype=jnp.int32), (batch, n_nodes))
+    return Tree(tokens.astype(jnp.int32), parents.astype(jnp.int32), depths, mask, paths,
+                is_leaf, ranks)
+
+
+def chain_tree(root_tokens: jax.Array, drafted: jax.Array) -> Tree:
+    """A chain [root, d_1..d_K] as the degenerate tree (drafted [B,K])."""
+    batch, k = drafted.shape
+    parents = jnp.broadcast_to(jnp.arange(-1, k, dtype=jnp.int32), (batch, k + 1))
+    return tree_from_parents(jnp.concatenate([root_tokens[:, None], drafted], axis=1),
+                             parents, k)
+
+
+class StaticShape(NamedTuple):
+    """A static tree's structure (host numpy): node 0 is the root; nodes are ordered by
+    depth then path. parents [N], depths [N], child_rank [N] (the rank among the parent's
+    draft top-k that picks the node; 0 for the root)."""
+
+    parents: np.ndarray
+    depths: np.ndarray
+    child_rank: np.ndarray
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+
+def static_shape(paths: tuple[tuple[int, ...], ...]) -> StaticShape:
+    """The structure of a validated, sorted path list (see `spec_config.normalize_paths`)."""
+    index = {(): 0}
+    parents, depths, ranks = [-1], [0], [0]
+    for i, path in enumerate(paths, start=1):
+        index[path] = i
+        parents.append(index[path[:-1]])
+        depths.append(len(path))
+        ranks.append(path[-1])
+    return StaticShape(np.array(parents, np.int32), np.array(depths, np.int32),
+                       np.array(ranks, np.int32))

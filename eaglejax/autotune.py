@@ -1,0 +1,78 @@
+"""`speculative="auto"`: pick the dynamic tree size with the best expected tokens/s.
+
+As the reference's `total_token=-1`, the target's forward is timed at a few node counts
+(batch and context as in the request). The acceptance each size would reach is measured,
+not modelled: one greedy calibration run with the largest tree records, every round, how
+many draft tokens the best s-node subtree would have accepted (exact: that subtree is the
+tree `total_tokens=s` would have drafted). Expected tokens/s for size s is then
+AL(s) / (draft_ms + verify_ms(s)), draft_ms being the measured round time minus the
+largest tree's verify time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.target import Target
+
+if TYPE_CHECKING:
+    from eaglejax.draft.draft import Draft
+
+SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclasses.dataclass
+class AutoChoice:
+    """The chosen configuration and, per candidate size, what it was chosen from."""
+
+    choice: SpecConfig
+    table: list[dict[str, float]]
+
+
+def _search_space() -> tuple[int, int]:
+    """(top_k, depth) of the largest tree worth calibrating on this device."""
+    largest = SpecConfig.preset(jax.default_backend(), 1)
+    return largest.top_k, largest.depth
+
+
+def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_new_tokens: int,
+                *, calibration_tokens: int = 32, max_rows: int = 4) -> AutoChoice:
+    """Choose `total_tokens` for `encoded` prompts (token ids) on this device."""
+    from eaglejax.bench import single_forward_ms
+    from eaglejax.generate import cache_capacity, decode
+
+    batch = len(encoded)
+    top_k, depth = _search_space()
+    sizes = tuple(s for s in SIZES if s <= top_k + (depth - 1) * top_k ** 2 + 1)
+    largest = SpecConfig.tree(top_k, depth, sizes[-1])
+    rows = encoded[:max_rows]
+    greedy = SamplingParams.make()
+    steps = min(calibration_tokens, max_new_tokens)
+    run = None
+    for _ in range(2):  # the first run compiles; the second is timed
+        run = decode(target, draft, rows, [0] * len(rows), greedy, steps, StopCriteria((), ()),
+                     largest, calibration_sizes=sizes)
+    rounds = int(np.asarray(run.state.accept_hist).sum())
+    accepted = np.asarray(run.state.size_accepted).sum(axis=0)
+    round_ms = 1e3 * run.decode_s / max(int(run.state.forwards), 1)
+
+    context = max(len(ids) for ids in encoded) + max_new_tokens // 2
+    capacity = cache_capacity(max(len(ids) for ids in encoded), max_new_tokens, sizes[-1])
+    verify_ms = {s: single_forward_ms(target, context, capacity, batch, repeats=5, tokens=s)
+                 for s in sizes}
+    draft_ms = max(round_ms - verify_ms[sizes[-1]], 0.0)
+    table = []
+    for s, acc in zip(sizes, accepted):
+        al = 1.0 + acc / max(rounds, 1)
+        table.append({"total_tokens": s, "acceptance_length": float(al),
+                      "verify_ms": verify_ms[s], "expected_tokens_per_s":
+                      1e3 * al * batch / (draft_ms + verify_ms[s])})
+    best = max(table, key=lambda row: row["expected_tokens_per_s"])
+    return AutoChoice(SpecConfig.tree(top_k, depth, int(best["total_tokens"])), table)

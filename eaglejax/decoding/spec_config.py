@@ -1,0 +1,130 @@
+"""How to speculate: a chain, an EAGLE-2 dynamic tree or a user-given static tree."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Sequence
+
+from eaglejax.errors import InputError
+
+Method = Literal["chain", "tree", "static"]
+
+
+def _positive_int(name: str, value: object, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+        raise InputError(f"{name} must be an integer in [1, {high}], got {value!r}")
+
+
+def normalize_paths(paths: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """Validate a static tree given as paths of child ranks (Medusa / vLLM style:
+    `(0,)` is the draft's top-1 token, `(0, 1)` the second-best child of that node) and
+    return it sorted by depth then rank. Every path's prefix must be present."""
+    if isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence) or not paths:
+        raise InputError("static tree: give a non-empty list of paths such as [(0,), (1,), (0, 0)]")
+    seen: set[tuple[int, ...]] = set()
+    for path in paths:
+        if (isinstance(path, (str, bytes)) or not isinstance(path, Sequence) or not path
+                or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 64
+                           for r in path)):
+            raise InputError(f"static tree: path {path!r} must be a non-empty list of child "
+                             f"ranks in [0, 64)")
+        key = tuple(path)
+        if key in seen:
+            raise InputError(f"static tree: path {key} is given twice")
+        seen.add(key)
+    for key in seen:
+        if len(key) > 1 and key[:-1] not in seen:
+            raise InputError(f"static tree: path {key} needs its parent path {key[:-1]}")
+    if len(seen) > 255:
+        raise InputError(f"static tree: at most 255 nodes, got {len(seen)}")
+    return tuple(sorted(seen, key=lambda p: (len(p), p)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Static speculation settings (hashable: part of the compiled loop's key).
+
+    method "chain": `num_draft_tokens` (K) tokens drafted one after another; when
+    sampling, the draft samples them and the min(1, p/q) rule verifies.
+    method "tree": an EAGLE-2 dynamic tree: `depth` expansion rounds of `top_k` children
+    per frontier node, then the best `total_tokens - 1` candidates (root excluded) by
+    cumulative draft log-probability are verified.
+    method "static": a fixed tree of child-rank paths (`paths`), see `normalize_paths`.
+    Trees verify with greedy matching or recursive rejection sampling (lossless).
+    """
+
+    num_draft_tokens: int = 5
+    method: Method = "chain"
+    top_k: int = 4
+    depth: int = 4
+    total_tokens: int = 12
+    paths: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self):
+        if self.method not in ("chain", "tree", "static"):
+            raise InputError(f"method must be 'chain', 'tree' or 'static', got {self.method!r}")
+        _positive_int("num_draft_tokens", self.num_draft_tokens, 64)
+        if self.method == "tree":
+            _positive_int("top_k", self.top_k, 64)
+            _positive_int("depth", self.depth, 32)
+            most = self.top_k + (self.depth - 1) * self.top_k ** 2 + 1
+            if not isinstance(self.total_tokens, int) or not 2 <= self.total_tokens <= min(most, 256):
+                raise InputError(f"total_tokens must be an integer in [2, {min(most, 256)}] for "
+                                 f"top_k={self.top_k}, depth={self.depth}; got {self.total_tokens!r}")
+        if self.method == "static":
+            object.__setattr__(self, "paths", normalize_paths(self.paths))
+
+    @classmethod
+    def chain(cls, num_draft_tokens: int = 5) -> "SpecConfig":
+        return cls(num_draft_tokens=num_draft_tokens)
+
+    @classmethod
+    def tree(cls, top_k: int = 4, depth: int = 4, total_tokens: int = 12) -> "SpecConfig":
+        return cls(method="tree", top_k=top_k, depth=depth, total_tokens=total_tokens)
+
+    @classmethod
+    def static_tree(cls, paths: Sequence[Sequence[int]]) -> "SpecConfig":
+        return cls(method="static", paths=tuple(tuple(p) for p in paths))
+
+    @classmethod
+    def preset(cls, platform: str, batch_size: int = 1) -> "SpecConfig":
+        """The default for a device kind ("cpu", "gpu", "tpu") and batch size: the tree
+        shrinks toward a chain as the batch grows, since verifying costs batch x nodes
+        tokens (see BENCHMARKS.md for the CPU measurements behind these)."""
+        if platform == "cpu":
+            if batch_size <= 2:
+                return cls.tree(top_k=4, depth=4, total_tokens=12)
+            return cls.chain(4) if batch_size <= 8 else cls.chain(3)
+        # Accelerators verify dozens of tokens for nearly the cost of one (EAGLE-2/3 defaults).
+        if batch_size <= 2:
+            return cls.tree(top_k=8, depth=6, total_tokens=60)
+        if batch_size <= 8:
+            return cls.tree(top_k=6, depth=5, total_tokens=32)
+        if batch_size <= 32:
+            return cls.tree(top_k=4, depth=4, total_tokens=12)
+        return cls.chain(3)
+
+    @property
+    def max_depth(self) -> int:
+        """The longest draft path: most draft tokens one round can accept."""
+        if self.method == "chain":
+            return self.num_draft_tokens
+        if self.method == "tree":
+            return self.depth
+        return max(len(p) for p in self.paths)
+
+    @property
+    def num_nodes(self) -> int:
+        """Tokens the target verifies per round, the root (last accepted token) included."""
+        if self.method == "chain":
+            return self.num_draft_tokens + 1
+        if self.method == "tree":
+            return self.total_tokens
+        return len(self.paths) + 1
+
+    def describe(self) -> str:
+        if self.method == "chain":
+            return f"chain K={self.num_draft_tokens}"
+        if self.method == "tree":
+            return f"tree top_k={self.top_k} depth={self.depth} total={self.total_tokens}"
+        return f"static tree of {len(self.paths)} nodes, depth {self.max_depth}"
