@@ -1,5 +1,5 @@
-"""Lossless speculative sampling (chain drafting), tested statistically against the exact
-target distribution of the first generated tokens."""
+"""Lossless speculative sampling (sampled chains and deterministic trees), tested
+statistically against the exact target distribution of the first generated tokens."""
 
 
 import numpy as np
@@ -41,21 +41,41 @@ def tv_bound(p, n, delta=FALSE_ALARM):
     return 0.5 * np.sum(np.sqrt(p * (1 - p) / n)) + np.sqrt(np.log(1 / delta) / (2 * n))
 
 
+# (speculation, the good head's minimum AL, the bad head's maximum). A deterministic tree is accepted only as often
+# as its few tokens carry target mass, so the trees run on a sharpened target (logits x4)
+# where the good head's paths are long; the chain's sampled draft needs no such help.
+SPECS = {
+    "chain": (eaglejax.SpecConfig.chain(3), 3.2, 2.5),
+    "tree": (eaglejax.SpecConfig.tree(top_k=3, depth=3, total_tokens=10), 1.8, 1.5),
+    "static": (eaglejax.SpecConfig.static_tree([(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0)]),
+               1.8, 1.5),
+}
+
+
+def sharpened(target, factor):
+    """The same model with every logit multiplied by `factor` (final norm scaled)."""
+    params = dict(target.params, final_norm=target.params["final_norm"] * factor)
+    return eaglejax.Target(target.config, params, target.tokenizer, target.source,
+                           target.eos_token_ids)
+
+
 @pytest.mark.parametrize("temperature,top_p", [(0.7, 0.9), (1.0, 0.95)])
 @pytest.mark.parametrize("which", ["bad", "good"])
-def test_first_tokens_follow_the_target_distribution(which, temperature, top_p,
+@pytest.mark.parametrize("drafting", list(SPECS))
+def test_first_tokens_follow_the_target_distribution(drafting, which, temperature, top_p,
                                                      selfdraft_target):
-    target = selfdraft_target
+    target = selfdraft_target if drafting == "chain" else sharpened(selfdraft_target, 4.0)
     draft = self_draft(target) if which == "good" else random_eagle3(target, draft_vocab=60)
     params = SamplingParams.make(temperature, 0, top_p)
+    spec, good_al, bad_al = SPECS[drafting]
     out = eaglejax.generate([PROMPT] * N, target=target, draft=draft, max_new_tokens=3,
                             temperature=temperature, top_p=top_p, seed=list(range(N)),
-                            ignore_eos=True, speculative=eaglejax.SpecConfig(3))
+                            ignore_eos=True, speculative=spec)
     samples = np.array([r.token_ids for r in out])
     assert samples.shape == (N, 3)
     al = np.mean([r.metrics.acceptance_length for r in out])
     # Both the rejection path (bad head) and long acceptances (good head) are exercised.
-    assert (al > 3.2) if which == "good" else (al < 2.5), al
+    assert (al > good_al) if which == "good" else (al < bad_al), al
     for position, exact in enumerate(exact_marginals(target, params, 3)):
         empirical = np.bincount(samples[:, position], minlength=exact.size) / N
         assert empirical[exact == 0].sum() == 0, f"token {position} left the support"
@@ -67,7 +87,7 @@ def test_speculative_sampling_is_seeded_and_row_independent(selfdraft_target):
     draft = self_draft(selfdraft_target)
     prompts = [PROMPT, PROMPT[:3], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     kwargs = dict(target=selfdraft_target, draft=draft, max_new_tokens=12, temperature=0.9,
-                  ignore_eos=True)
+                  ignore_eos=True, speculative=eaglejax.SpecConfig.chain(3))
     batch = eaglejax.generate(prompts, seed=[3, 4, 5], **kwargs)
     alone = eaglejax.generate([prompts[1]], seed=4, **kwargs)
     assert alone[0].token_ids == batch[1].token_ids
