@@ -76,3 +76,18 @@ def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_ne
                       1e3 * al * batch / (draft_ms + verify_ms[s])})
     best = max(table, key=lambda row: row["expected_tokens_per_s"])
     return AutoChoice(SpecConfig.tree(top_k, depth, int(best["total_tokens"])), table)
+
+
+_CHOICES: dict[tuple, SpecConfig] = {}
+
+
+def cached_choice(target: Target, draft: "Draft", encoded: list[list[int]],
+                  max_new_tokens: int) -> SpecConfig:
+    """`choose_tree`, once per target, head, batch size and (bucketed) lengths."""
+    from eaglejax.generate import _bucket
+
+    key = (id(target), id(draft), draft.source, len(encoded),
+           _bucket(max(len(ids) for ids in encoded), 16), _bucket(max_new_tokens, 16))
+    if key not in _CHOICES:
+        _CHOICES[key] = choose_tree(target, draft, encoded, max_new_tokens).choice
+    return _CHOICES[key]

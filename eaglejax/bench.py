@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.datasets import Question
+from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.generate import cache_capacity, generate
 from eaglejax.models import kv_cache
 from eaglejax.models.llama import forward, lm_head
@@ -90,13 +91,22 @@ def _header(target: Target, questions: list[Question], batch_size: int,
             "prompts": len(questions), "max_new_tokens": max_new_tokens}
 
 
+def plain_run(target: Target, questions: list[Question], *, batch_size: int = 1,
+              max_new_tokens: int = 128, chat: bool = True,
+              ignore_eos: bool = True) -> dict[str, Any]:
+    """Greedy plain decoding over `questions` in batches (after a warm-up pass): summed
+    timings, token counts and the results."""
+    run = functools.partial(generate, target=target, max_new_tokens=max_new_tokens, chat=chat,
+                            ignore_eos=ignore_eos)
+    return _run_batches(questions, batch_size, run)
+
+
 def bench_plain(target: Target, questions: list[Question], *, batch_size: int = 1,
                 max_new_tokens: int = 128, chat: bool = True,
                 ignore_eos: bool = True) -> dict[str, Any]:
     """Greedy plain decoding over `questions` in batches; a warm-up pass compiles every shape."""
-    run = functools.partial(generate, target=target, max_new_tokens=max_new_tokens, chat=chat,
-                            ignore_eos=ignore_eos)
-    t = _run_batches(questions, batch_size, run)
+    t = plain_run(target, questions, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                  chat=chat, ignore_eos=ignore_eos)
     mean_context = int(np.mean(t["prompt_tokens"])) + max_new_tokens // 2
     capacity = cache_capacity(max(t["prompt_tokens"]), max_new_tokens)
     forward_ms = single_forward_ms(target, mean_context, capacity, batch=batch_size)
@@ -114,17 +124,19 @@ def bench_plain(target: Target, questions: list[Question], *, batch_size: int = 
 
 
 def bench_speculative(target: Target, draft, questions: list[Question], *, batch_size: int = 1,
-                      max_new_tokens: int = 128, num_draft_tokens: int = 5, chat: bool = True,
-                      ignore_eos: bool = True) -> dict[str, Any]:
+                      max_new_tokens: int = 128, speculative: SpecConfig | str | None = None,
+                      chat: bool = True, ignore_eos: bool = True,
+                      plain: dict[str, Any] | None = None) -> dict[str, Any]:
     """Plain and speculative greedy decoding side by side on the same prompts (plain first,
-    then speculative, each after its own warm-up), with acceptance statistics."""
-    from eaglejax.decoding.speculative import SpecConfig
-
+    then speculative, each after its own warm-up), with acceptance statistics.
+    `speculative` as in `generate` (None: the device preset); pass `plain`, an earlier
+    `plain_run` of the same prompts, to compare several configurations with one baseline."""
     common = dict(target=target, max_new_tokens=max_new_tokens, chat=chat,
                   ignore_eos=ignore_eos)
-    plain = _run_batches(questions, batch_size, functools.partial(generate, **common))
+    plain = plain or plain_run(target, questions, batch_size=batch_size,
+                               max_new_tokens=max_new_tokens, chat=chat, ignore_eos=ignore_eos)
     spec = _run_batches(questions, batch_size, functools.partial(
-        generate, draft=draft, speculative=SpecConfig(num_draft_tokens), **common))
+        generate, draft=draft, speculative=speculative, **common))
     rows = spec["results"]
     rounds = [r.metrics.target_forwards - 1 for r in rows]
     al = float(np.average([r.metrics.acceptance_length for r in rows], weights=rounds))
@@ -137,7 +149,7 @@ def bench_speculative(target: Target, draft, questions: list[Question], *, batch
     spec_step_ms = 1e3 * spec["decode_s"] / spec["steps"]
     return {
         "mode": "speculative", **_header(target, questions, batch_size, max_new_tokens),
-        "draft": draft.source, "num_draft_tokens": num_draft_tokens,
+        "draft": draft.source, "speculative": rows[0].metrics.speculative,
         "plain_decode_tokens_per_s": plain["decode_tokens"] / plain["decode_s"],
         "spec_decode_tokens_per_s": spec["decode_tokens"] / spec["decode_s"],
         "speedup": (spec["decode_tokens"] / spec["decode_s"])

@@ -207,9 +207,9 @@ def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "
     if isinstance(speculative, SpecConfig):
         return speculative
     if speculative == "auto":
-        from eaglejax.autotune import choose_tree
+        from eaglejax.autotune import cached_choice
 
-        return choose_tree(target, draft, encoded, max_new_tokens).choice
+        return cached_choice(target, draft, encoded, max_new_tokens)
     raise InputError(f"speculative must be a SpecConfig, 'auto' or None, got {speculative!r}")
 
 

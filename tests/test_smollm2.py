@@ -78,17 +78,22 @@ def test_cli_generate_json(tmp_path):
     assert result["metrics"]["prompt_tokens"] > 5
 
 
-def test_speculative_with_random_head_equals_plain(smollm2):
+@pytest.mark.parametrize("spec,rows", [
+    (eaglejax.SpecConfig.chain(3), 3),
+    (eaglejax.SpecConfig.tree(top_k=4, depth=3, total_tokens=10), 1),
+    (eaglejax.SpecConfig.static_tree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]), 8),
+], ids=["chain-batch3", "tree-batch1", "static-batch8"])
+def test_speculative_with_random_head_equals_plain(spec, rows, smollm2):
     """SmolLM2 with a freshly initialised EAGLE-3 head: acceptance near 1, output identical."""
     from eaglejax.draft.draft import new_eagle3_draft
 
     draft = new_eagle3_draft(smollm2, seed=1)
+    prompts = (CHAT_PROMPTS * 2)[:rows]
     kwargs = dict(target=smollm2, max_new_tokens=24, ignore_eos=True)
-    plain = eaglejax.generate(CHAT_PROMPTS[:3], **kwargs)
-    spec = eaglejax.generate(CHAT_PROMPTS[:3], draft=draft,
-                             speculative=eaglejax.SpecConfig(num_draft_tokens=3), **kwargs)
-    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
-    assert all(s.metrics.acceptance_length < 1.5 for s in spec)
+    plain = eaglejax.generate(prompts, **kwargs)
+    out = eaglejax.generate(prompts, draft=draft, speculative=spec, **kwargs)
+    assert [s.token_ids for s in out] == [p.token_ids for p in plain]
+    assert all(s.metrics.acceptance_length < 1.5 for s in out)
 
 
 def test_bench_speculative_reports_side_by_side(smollm2):
@@ -98,7 +103,7 @@ def test_bench_speculative_reports_side_by_side(smollm2):
 
     questions = mt_bench_questions()[:2]
     report = bench_speculative(smollm2, new_eagle3_draft(smollm2, seed=2), questions,
-                               max_new_tokens=6, num_draft_tokens=2)
+                               max_new_tokens=6, speculative=eaglejax.SpecConfig.chain(2))
     assert report["identical_tokens"] is True
     assert report["acceptance_length"] >= 1.0
     assert set(report["acceptance_length_by_category"]) == {q.category for q in questions}

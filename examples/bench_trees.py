@@ -1,0 +1,79 @@
+"""Chain vs tree speculation side by side: tokens/s and acceptance length per configuration,
+and what `speculative="auto"` picks, against one plain-decoding baseline per batch size.
+
+    python examples/bench_trees.py --draft checkpoints/smollm2-135m-eagle3 \\
+        [--num-prompts 8] [--batch-sizes 1 8] [--max-new-tokens 128] [--json]
+
+Greedy, MT-bench first turns, SmolLM2 (or --model), every configuration warmed up before
+it is timed. Ratios are measured in one run; the machine is shared, so compare within it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import eaglejax
+from eaglejax import SpecConfig
+from eaglejax.autotune import cached_choice
+from eaglejax.bench import bench_speculative, plain_run
+from eaglejax.datasets import mt_bench_questions
+from eaglejax.draft.draft import new_eagle3_draft
+
+CONFIGS = [SpecConfig.chain(3), SpecConfig.chain(5), SpecConfig.chain(7),
+           SpecConfig.tree(4, 4, 8), SpecConfig.tree(4, 4, 12), SpecConfig.tree(4, 4, 16),
+           SpecConfig.tree(4, 4, 24), SpecConfig.tree(6, 5, 32)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--draft", default="random", help="draft head path, or 'random'")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    target = eaglejax.load_target(args.model)
+    draft = (new_eagle3_draft(target) if args.draft == "random"
+             else eaglejax.load_draft(args.draft, target=target))
+    questions = mt_bench_questions()[:args.num_prompts]
+    report = []
+    for batch in args.batch_sizes:
+        common = dict(batch_size=batch, max_new_tokens=args.max_new_tokens)
+        plain = plain_run(target, questions, **common)
+        plain_tps = plain["decode_tokens"] / plain["decode_s"]
+        encoded = [target.tokenizer.render_prompt(q.prompt, chat=True)
+                   for q in questions[:batch]]
+        auto = cached_choice(target, draft, encoded, args.max_new_tokens)
+        configs = CONFIGS + ([auto] if auto not in CONFIGS else [])
+        rows = []
+        for spec in configs:
+            r = bench_speculative(target, draft, questions, speculative=spec, plain=plain,
+                                  **common)
+            rows.append({"speculative": spec.describe(), "nodes": spec.num_nodes,
+                         "acceptance_length": round(r["acceptance_length"], 3),
+                         "tokens_per_s": round(r["spec_decode_tokens_per_s"], 1),
+                         "speedup": round(r["speedup"], 3),
+                         "identical_tokens": r["identical_tokens"], "auto": spec == auto})
+        best = max(rows, key=lambda row: row["tokens_per_s"])
+        chosen = next(row for row in rows if row["auto"])
+        report.append({"batch_size": batch, "plain_tokens_per_s": round(plain_tps, 1),
+                       "configs": rows, "auto": chosen["speculative"],
+                       "auto_over_best": round(chosen["tokens_per_s"] / best["tokens_per_s"], 3),
+                       "best": best["speculative"]})
+        if not args.json:
+            print(f"\nbatch {batch}: plain {plain_tps:.1f} tok/s")
+            for row in rows:
+                mark = "  <- auto" if row["auto"] else ""
+                print(f"  {row['speculative']:<34} AL {row['acceptance_length']:.2f}  "
+                      f"{row['tokens_per_s']:7.1f} tok/s  x{row['speedup']:.2f}{mark}")
+            print(f"  auto reaches {report[-1]['auto_over_best']:.0%} of the best "
+                  f"({best['speculative']})")
+    if args.json:
+        print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
