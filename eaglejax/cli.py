@@ -1,4 +1,4 @@
-"""The `eaglejax` command line: generate, bench, convert."""
+"""The `eaglejax` command line: generate, bench, convert, train-draft."""
 
 from __future__ import annotations
 
@@ -24,9 +24,40 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft", default=None,
                         help="draft head for speculative decoding (any layout load_draft reads)")
-    parser.add_argument("--num-draft-tokens", type=int, default=5,
-                        help="draft tokens per speculative round (default 5)")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
+                       help="speculate with a chain of K draft tokens")
+    shape.add_argument("--tree", default=None, metavar="TOP_K,DEPTH,TOTAL",
+                       help="speculate with an EAGLE-2 dynamic tree, e.g. 4,4,12")
+    shape.add_argument("--static-tree", default=None, metavar="JSON",
+                       help="speculate with a static tree of child-rank paths, "
+                            "e.g. '[[0],[1],[0,0]]'")
+    shape.add_argument("--auto-tree", action="store_true",
+                       help="time the target and pick the dynamic tree size (speculative='auto')")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def _speculation(args: argparse.Namespace):
+    """The SpecConfig (or "auto", or None for the device preset) the flags ask for."""
+    from eaglejax.decoding.spec_config import SpecConfig
+
+    if args.num_draft_tokens is not None:
+        return SpecConfig.chain(args.num_draft_tokens)
+    if args.tree is not None:
+        try:
+            top_k, depth, total = (int(v) for v in args.tree.split(","))
+        except ValueError:
+            raise EaglejaxError(f"--tree wants TOP_K,DEPTH,TOTAL (three integers), "
+                                f"got {args.tree!r}") from None
+        return SpecConfig.tree(top_k, depth, total)
+    if args.static_tree is not None:
+        try:
+            paths = json.loads(args.static_tree)
+        except json.JSONDecodeError as e:
+            raise EaglejaxError(f"--static-tree is not valid JSON ({e}): "
+                                f"{args.static_tree!r}") from None
+        return SpecConfig.static_tree(paths)
+    return "auto" if args.auto_tree else None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="first N MT-bench questions (default 16; 80 is all)")
     bench.add_argument("--questions", default=None,
                        help="MT-bench question.jsonl (default: ../shared/datasets/mt_bench)")
+    bench.add_argument("--balanced", action="store_true",
+                       help="take the questions round-robin over the 8 categories")
     bench.add_argument("--stop-at-eos", action="store_true",
                        help="stop rows at EOS (default: always decode max-new-tokens)")
 
@@ -65,17 +98,72 @@ def _parser() -> argparse.ArgumentParser:
                          help="output layout (default: eaglejax)")
     convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                          help="parameter dtype (default: the target's)")
+    _add_train_args(commands)
     return parser
+
+
+def _add_train_args(commands) -> None:
+    from eaglejax.training.regenerate import RegenConfig
+    from eaglejax.training.trainer import TrainConfig
+
+    t, r = TrainConfig(), RegenConfig()
+    train = commands.add_parser(
+        "train-draft", help="train an EAGLE-3 draft head for a target (resumable)",
+        description="Train an EAGLE-3 head with training-time test on ShareGPT-shaped "
+                    "conversations. Running the same command again resumes the run in --out; "
+                    "the head is written to OUT/head.")
+    train.add_argument("--target", default=DEFAULT_MODEL,
+                       help=f"built-in name, GGUF file, Hugging Face directory or eaglejax "
+                            f"checkpoint (default: {DEFAULT_MODEL})")
+    train.add_argument("--data", required=True,
+                       help="ShareGPT-shaped JSONL (.gz) file, e.g. "
+                            "../shared/datasets/sharegpt/sharegpt_v3.jsonl.gz")
+    train.add_argument("--out", required=True, help="run directory (new, or this run's to resume)")
+    train.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                       help="target dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    train.add_argument("--max-conversations", type=int, default=None,
+                       help="use the first N conversations (default: all)")
+    train.add_argument("--draft-vocab-size", type=int, default=t.draft_vocab_size)
+    train.add_argument("--seq-len", type=int, default=t.seq_len)
+    train.add_argument("--batch-size", type=int, default=t.batch_size)
+    train.add_argument("--steps", type=int, default=t.steps)
+    train.add_argument("--lr", type=float, default=t.lr, help="peak learning rate")
+    train.add_argument("--warmup-steps", type=int, default=None,
+                       help="linear warm-up steps (default: 5%% of --steps)")
+    train.add_argument("--weight-decay", type=float, default=t.weight_decay)
+    train.add_argument("--grad-clip", type=float, default=t.grad_clip)
+    train.add_argument("--ttt-length", type=int, default=t.ttt_length,
+                       help="training-time-test unroll steps")
+    train.add_argument("--num-layers", type=int, default=t.num_layers, help="head decoder layers")
+    train.add_argument("--init-from-target", action="store_true",
+                       help="warm-start lm_head, final norm and fc from the target")
+    train.add_argument("--seed", type=int, default=t.seed)
+    train.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every)
+    train.add_argument("--eval-every", type=int, default=t.eval_every,
+                       help="steps between acceptance-length evaluations (0: start and end only)")
+    train.add_argument("--eval-questions", type=int, default=8,
+                       help="MT-bench first turns evaluated (round-robin over categories; "
+                            "0: no evaluation)")
+    train.add_argument("--eval-max-new-tokens", type=int, default=t.eval_max_new_tokens)
+    train.add_argument("--regenerate", action="store_true",
+                       help="replace the assistant turns by the target's own replies first "
+                            "(cached on disk, resumable)")
+    train.add_argument("--regen-temperature", type=float, default=r.temperature)
+    train.add_argument("--regen-max-new-tokens", type=int, default=r.max_new_tokens)
+    train.add_argument("--regen-batch-size", type=int, default=r.batch_size)
+    train.add_argument("--regen-cache", default=None,
+                       help="regeneration cache folder (default: $EAGLEJAX_CACHE/regenerated "
+                            "or ~/.cache/eaglejax/regenerated)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def _generate(args: argparse.Namespace) -> None:
     from eaglejax import generate, load_target
 
-    from eaglejax.decoding.speculative import SpecConfig
-
+    speculative = _speculation(args)
     target = load_target(args.model, dtype=args.dtype)
     results = generate(args.prompts, target=target, draft=_load_draft(args, target),
-                       speculative=SpecConfig(args.num_draft_tokens),
+                       speculative=speculative,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=args.chat,
                        stop=args.stop, ignore_eos=args.ignore_eos)
@@ -89,7 +177,7 @@ def _generate(args: argparse.Namespace) -> None:
             print("-" * 40)
         print(r.text)
         m = r.metrics
-        al = f", AL {m.acceptance_length:.2f}" if m.acceptance_length else ""
+        al = f", {m.speculative}, AL {m.acceptance_length:.2f}" if m.acceptance_length else ""
         print(f"[{m.new_tokens} tokens, finish: {r.finish_reason}, prefill {m.prefill_s:.3f} s, "
               f"decode {m.decode_tokens_per_s:.1f} tok/s{al}]", file=sys.stderr)
 
@@ -110,20 +198,23 @@ def _load_draft(args: argparse.Namespace, target):
 def _bench(args: argparse.Namespace) -> None:
     from eaglejax import load_target
     from eaglejax.bench import bench_plain, bench_speculative
-    from eaglejax.datasets import mt_bench_questions
+    from eaglejax.datasets import interleave_categories, mt_bench_questions
 
     if args.batch_size < 1 or args.num_prompts < 1:
         raise EaglejaxError("--batch-size and --num-prompts must be >= 1")
+    speculative = _speculation(args)
     target = load_target(args.model, dtype=args.dtype)
-    questions = mt_bench_questions(args.questions)[:args.num_prompts]
+    questions = mt_bench_questions(args.questions)
+    if args.balanced:
+        questions = interleave_categories(questions)
+    questions = questions[:args.num_prompts]
     common = dict(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                   chat=args.chat, ignore_eos=not args.stop_at_eos)
     draft = _load_draft(args, target)
     if draft is None:
         report = bench_plain(target, questions, **common)
     else:
-        report = bench_speculative(target, draft, questions,
-                                   num_draft_tokens=args.num_draft_tokens, **common)
+        report = bench_speculative(target, draft, questions, speculative=speculative, **common)
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -144,10 +235,40 @@ def _convert(args: argparse.Namespace) -> None:
           f"draft vocab {c.draft_vocab_size}, taps {list(c.tap_layers)})")
 
 
+def _train_draft(args: argparse.Namespace) -> None:
+    from eaglejax import load_target
+    from eaglejax.training.pipeline import mt_bench_prompts, prepare_rows
+    from eaglejax.training.regenerate import RegenConfig
+    from eaglejax.training.trainer import TrainConfig, train
+
+    config = TrainConfig(
+        seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
+        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip, ttt_length=args.ttt_length,
+        draft_vocab_size=args.draft_vocab_size, num_layers=args.num_layers,
+        init_from_target=args.init_from_target, seed=args.seed,
+        checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
+        eval_max_new_tokens=args.eval_max_new_tokens)
+    regen = RegenConfig(args.regen_temperature, args.regen_max_new_tokens, args.seq_len,
+                        args.regen_batch_size, args.seed) if args.regenerate else None
+    target = load_target(args.target, dtype=args.dtype)
+    rows = prepare_rows(target, args.data, seq_len=args.seq_len,
+                        max_conversations=args.max_conversations, regen=regen,
+                        regen_cache=args.regen_cache, progress=not args.no_progress)
+    prompts = mt_bench_prompts(args.eval_questions) if args.eval_questions > 0 else None
+    result = train(target, rows, args.out, config, eval_prompts=prompts,
+                   progress=not args.no_progress)
+    evals = [e["acceptance_length"] for e in result.log if "acceptance_length" in e]
+    al = f"; acceptance length {evals[0]:.2f} at the start, {evals[-1]:.2f} at the end" \
+        if evals else ""
+    print(f"wrote {result.out / 'head'} (load it with --draft){al}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"generate": _generate, "bench": _bench, "convert": _convert}[args.command](args)
+        {"generate": _generate, "bench": _bench, "convert": _convert,
+         "train-draft": _train_draft}[args.command](args)
     except EaglejaxError as err:
         print(f"eaglejax: error: {err}", file=sys.stderr)
         return 2

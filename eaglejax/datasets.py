@@ -48,3 +48,13 @@ def mt_bench_questions(path: str | Path | None = None) -> list[Question]:
             except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as err:
                 raise InputError(f"{path}:{line_no}: not an MT-bench question ({err})") from None
     return questions
+
+
+def interleave_categories(questions: list[Question]) -> list[Question]:
+    """Reorder questions round-robin over their categories (first one of each category,
+    then the second of each, ...), so any prefix is balanced across categories."""
+    by_category: dict[str, list[Question]] = {}
+    for question in questions:
+        by_category.setdefault(question.category, []).append(question)
+    depth = max(len(group) for group in by_category.values())
+    return [group[i] for i in range(depth) for group in by_category.values() if i < len(group)]

@@ -4,7 +4,7 @@ and what `speculative="auto"` picks, against one plain-decoding baseline per bat
     python examples/bench_trees.py --draft checkpoints/smollm2-135m-eagle3 \\
         [--num-prompts 8] [--batch-sizes 1 8] [--max-new-tokens 128] [--json]
 
-Greedy, MT-bench first turns, SmolLM2 (or --model), every configuration warmed up before
+Greedy, MT-bench first turns (round-robin over categories), SmolLM2 (or --model), every configuration warmed up before
 it is timed. Ratios are measured in one run; the machine is shared, so compare within it.
 """
 
@@ -17,7 +17,7 @@ import eaglejax
 from eaglejax import SpecConfig
 from eaglejax.autotune import cached_choice
 from eaglejax.bench import bench_speculative, plain_run
-from eaglejax.datasets import mt_bench_questions
+from eaglejax.datasets import interleave_categories, mt_bench_questions
 from eaglejax.draft.draft import new_eagle3_draft
 
 CONFIGS = [SpecConfig.chain(3), SpecConfig.chain(5), SpecConfig.chain(7),
@@ -38,7 +38,7 @@ def main() -> None:
     target = eaglejax.load_target(args.model)
     draft = (new_eagle3_draft(target) if args.draft == "random"
              else eaglejax.load_draft(args.draft, target=target))
-    questions = mt_bench_questions()[:args.num_prompts]
+    questions = interleave_categories(mt_bench_questions())[:args.num_prompts]
     report = []
     for batch in args.batch_sizes:
         common = dict(batch_size=batch, max_new_tokens=args.max_new_tokens)

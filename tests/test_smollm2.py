@@ -76,6 +76,14 @@ def test_cli_generate_json(tmp_path):
     assert result["finish_reason"] in ("eos", "length")
     assert 1 <= len(result["token_ids"]) <= 8
     assert result["metrics"]["prompt_tokens"] > 5
+    tree = subprocess.run(
+        [sys.executable, "-m", "eaglejax.cli", "generate", "Name a color.", "--max-new-tokens",
+         "8", "--json", "--draft", "random", "--tree", "3,2,6"],
+        capture_output=True, text=True, timeout=600)
+    assert tree.returncode == 0, tree.stderr
+    (spec,) = json.loads(tree.stdout)
+    assert spec["token_ids"] == result["token_ids"]
+    assert spec["metrics"]["speculative"] == "tree top_k=3 depth=2 total=6"
 
 
 @pytest.mark.parametrize("spec,rows", [

@@ -139,3 +139,17 @@ def test_presets_shrink_toward_chains_with_batch():
         assert sizes == sorted(sizes, reverse=True), (platform, sizes)
     assert SpecConfig.preset("gpu", 1).method == "tree"
     assert SpecConfig.preset("cpu", 64).method == "chain"
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--tree", "3,2"], "TOP_K,DEPTH,TOTAL"),
+    (["--tree", "3,2,99"], "total_tokens"),
+    (["--static-tree", "[[0],[0,1,1]]"], "parent path"),
+    (["--static-tree", "[[0],"], "not valid JSON"),
+])
+def test_cli_refuses_bad_speculation_flags(flags, match, capsys):
+    from eaglejax.cli import main
+
+    assert main(["generate", "hi", "--draft", "random", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eaglejax: error:") and match in err, err

@@ -75,11 +75,16 @@ class Draft:
 
 
 def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
-                     num_layers: int = 1, seed: int = 0, scale: float = 0.02) -> Draft:
+                     num_layers: int = 1, seed: int = 0, scale: float = 0.02,
+                     from_target: bool = False) -> Draft:
     """A freshly initialised EAGLE-3 head for `target` (the starting point of training).
 
     Its decoder layers mirror the target's attention shape (heads, KV heads, head dim,
     MLP width); `used_tokens` (sorted target ids) is the draft vocabulary, all of V if None.
+    `from_target` warm-starts the output side from the target: the head's lm_head takes the
+    target's output rows of the draft vocabulary, its final norm the target's, and `fc`
+    passes the deepest tap through, so before any training the head already reads the
+    target's late residual stream through the target's own output layer ("logit lens").
     """
     from eaglejax.draft.head import init_params
     from eaglejax.target import default_tap_layers
@@ -94,5 +99,12 @@ def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
     config = DraftConfig("eagle3", decoder, len(used), c.hidden_size,
                          default_tap_layers(c.num_layers))
     params = init_params(config, jax.random.PRNGKey(seed), dtype=target.dtype, scale=scale)
+    if from_target:
+        h, deepest = c.hidden_size, int(np.argmax(config.tap_layers))
+        output_rows = target.params.get("lm_head", target.params["embed"])
+        params["lm_head"] = jnp.asarray(output_rows)[jnp.asarray(used)].astype(target.dtype)
+        params["final_norm"] = jnp.array(target.params["final_norm"], target.dtype, copy=True)
+        params["fc"] = jnp.zeros_like(params["fc"]).at[:, deepest * h:(deepest + 1) * h].set(
+            jnp.eye(h, dtype=target.dtype))
     d2t = jnp.asarray(used - np.arange(len(used)), jnp.int32)
     return Draft(config, params, d2t, target, f"new-eagle3-seed{seed}")

@@ -1,0 +1,33 @@
+"""The data steps `eaglejax train-draft` runs before training, and its evaluation prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eaglejax.datasets import interleave_categories, mt_bench_questions
+from eaglejax.errors import InputError
+from eaglejax.target import Target
+from eaglejax.training.data import PackedRows, pack, read_conversations, tokenize_all
+from eaglejax.training.regenerate import RegenConfig, regenerate
+from eaglejax.training.run import file_fingerprint
+
+
+def prepare_rows(target: Target, data: str | Path, *, seq_len: int,
+                 max_conversations: int | None = None, regen: RegenConfig | None = None,
+                 regen_cache: str | Path | None = None, progress: bool = True) -> PackedRows:
+    """Read a ShareGPT-shaped file (first `max_conversations`), optionally regenerate its
+    assistant turns with the target (cached), render, mask, truncate and pack to `seq_len`."""
+    if target.tokenizer is None:
+        raise InputError(f"{target.source}: training on conversations needs the target's "
+                         f"tokenizer and chat template")
+    conversations = read_conversations(data, max_conversations)
+    if regen is not None:
+        conversations = regenerate(conversations, target, file_fingerprint(data), regen,
+                                   regen_cache, progress)
+    return pack(tokenize_all(conversations, target.tokenizer, seq_len), seq_len)
+
+
+def mt_bench_prompts(count: int, path: str | Path | None = None) -> list[str]:
+    """First turns of `count` MT-bench questions taken round-robin over its categories (8
+    gives one per category): the held-in evaluation slice."""
+    return [q.prompt for q in interleave_categories(mt_bench_questions(path))[:count]]

@@ -1,0 +1,327 @@
+"""The EAGLE-3 head training loop: AdamW, a jit-compiled TTT step, resumable checkpoints.
+
+The frozen target runs inside every step (its taps and next-token distributions are
+never stored). A run lives in one directory (see `run.py`); killed at any point, the
+same call continues from its last checkpoint and ends with bit-identical parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from eaglejax import SpecConfig
+from eaglejax.draft.config import DraftConfig
+from eaglejax.draft.draft import Draft, new_eagle3_draft
+from eaglejax.errors import InputError
+from eaglejax.generate import generate
+from eaglejax.models.llama import Params
+from eaglejax.target import Target
+from eaglejax.training.data import PackedRows
+from eaglejax.training.run import (
+    append_log,
+    open_run,
+    read_log,
+    target_fingerprint,
+    truncate_log,
+)
+from eaglejax.training.ttt import Batch, target_signal, ttt_loss
+from eaglejax.training.vocab import select_draft_vocab
+
+# Settings that do not change the trained parameters (a resumed run may change them).
+BOOKKEEPING = ("checkpoint_every", "keep_checkpoints", "eval_every", "eval_max_new_tokens",
+               "eval_num_draft_tokens", "log_every")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Hyper-parameters of a run. Optimiser: AdamW (betas b1, b2; weight decay on matrices
+    only) after global-norm gradient clipping; learning rate linear from 0 to `lr` over
+    `warmup_steps` (None: 5% of `steps`), then cosine down to `lr * final_lr_fraction`.
+    `init_from_target`: warm-start the head's output side from the target (see
+    `new_eagle3_draft(from_target=True)`)."""
+
+    seq_len: int = 1024
+    batch_size: int = 4
+    steps: int = 10_000
+    lr: float = 1e-4
+    warmup_steps: int | None = None
+    final_lr_fraction: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 0.5
+    b1: float = 0.9
+    b2: float = 0.95
+    ttt_length: int = 7
+    step_weight: float = 0.8
+    draft_vocab_size: int = 8192
+    num_layers: int = 1
+    init_from_target: bool = False
+    seed: int = 0
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    eval_every: int = 500
+    eval_max_new_tokens: int = 64
+    eval_num_draft_tokens: int = 5
+    log_every: int = 10
+
+    def __post_init__(self):
+        positive = ("seq_len", "batch_size", "steps", "ttt_length", "draft_vocab_size",
+                    "num_layers", "checkpoint_every", "keep_checkpoints", "eval_max_new_tokens",
+                    "eval_num_draft_tokens", "log_every")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.seq_len < self.ttt_length + 3:
+            raise InputError(f"seq_len ({self.seq_len}) must be at least ttt_length + 3")
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
+            raise InputError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
+        if self.eval_every < 0:
+            raise InputError(f"eval_every must be >= 0 (0: no periodic evaluation), "
+                             f"got {self.eval_every}")
+        if not (self.lr > 0 and self.grad_clip > 0 and self.weight_decay >= 0
+                and 0 <= self.final_lr_fraction <= 1):
+            raise InputError("lr and grad_clip must be > 0, weight_decay >= 0, "
+                             "final_lr_fraction in [0, 1]")
+
+    @property
+    def warmup(self) -> int:
+        return self.steps // 20 if self.warmup_steps is None else self.warmup_steps
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that determine the trained parameters."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in BOOKKEEPING}
+
+    def core(self) -> TrainConfig:
+        """This config with the bookkeeping settings at their defaults (a compile-cache key)."""
+        fields = TrainConfig.__dataclass_fields__
+        return dataclasses.replace(self, **{k: fields[k].default for k in BOOKKEEPING})
+
+
+class TrainState(NamedTuple):
+    params: Params
+    opt_state: optax.OptState
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """draft: the trained head (also written to `out/head`); log: every log entry of the run."""
+
+    draft: Draft
+    log: list[dict[str, Any]]
+    out: Path
+
+
+def learning_rate(config: TrainConfig) -> optax.Schedule:
+    """Linear warm-up, then cosine decay (see `TrainConfig`)."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, config.lr, config.warmup, config.steps, config.lr * config.final_lr_fraction)
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """Gradient clipping, then AdamW with the run's schedule (no decay on norm vectors)."""
+    return optax.chain(
+        optax.clip_by_global_norm(config.grad_clip),
+        optax.adamw(learning_rate(config), b1=config.b1, b2=config.b2,
+                    weight_decay=config.weight_decay,
+                    mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params)))
+
+
+@functools.lru_cache(maxsize=8)
+def _train_step(draft_config: DraftConfig, target_config, config: TrainConfig, attn_impl: str):
+    """The jit-compiled step for these static settings (cached, so repeated runs reuse it)."""
+    optimizer = make_optimizer(config)
+
+    def step(state: TrainState, target_params: Params, batch: Batch, used: jax.Array,
+             t2d: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+        signal = target_signal(target_params, target_config, batch, draft_config.tap_layers,
+                               used, t2d, attn_impl)
+
+        def loss_fn(params: Params):
+            return ttt_loss(params, draft_config, target_params, batch, signal,
+                            config.ttt_length, config.step_weight)
+
+        (loss, (losses, accuracies)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        metrics = {"loss": loss, "step_loss": losses, "step_acc": accuracies,
+                   "grad_norm": optax.global_norm(grads)}
+        return TrainState(optax.apply_updates(state.params, updates), opt_state), metrics
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(seed: int, epoch: int, num_rows: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+def batch_rows(step: int, batch_size: int, num_rows: int, seed: int) -> np.ndarray:
+    """Row indices of batch `step`: the data is read in epochs, each an independent
+    permutation seeded by (seed, epoch), so the order depends on the step alone."""
+    samples = np.arange(step * batch_size, (step + 1) * batch_size)
+    return np.array([_permutation(seed, int(s // num_rows), num_rows)[s % num_rows]
+                     for s in samples])
+
+
+def acceptance_length(draft: Draft, prompts: Sequence[str] | Sequence[Sequence[int]], *,
+                      num_draft_tokens: int = 5, max_new_tokens: int = 64) -> float:
+    """Mean greedy acceptance length (bonus token included) of `draft` over `prompts`,
+    decoded as one batch."""
+    results = generate(list(prompts), target=draft.target, draft=draft,
+                       speculative=SpecConfig(num_draft_tokens=num_draft_tokens),
+                       max_new_tokens=max_new_tokens)
+    values = [r.metrics.acceptance_length for r in results if r.metrics.acceptance_length]
+    return float(np.mean(values)) if values else 1.0
+
+
+def _host_copy(tree: Any) -> Any:
+    """Host copies that survive the donation of the device buffers (async checkpoints)."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+
+
+class _Meter:
+    """Means of the step metrics over a log interval, and tokens/s of this session."""
+
+    def __init__(self):
+        self.sums: dict[str, np.ndarray] = {}
+        self.count = 0
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def add(self, metrics: dict[str, np.ndarray], tokens: int, seconds: float | None) -> None:
+        for key, value in metrics.items():
+            self.sums[key] = self.sums.get(key, 0.0) + np.asarray(value, np.float64)
+        self.count += 1
+        if seconds is not None:  # None: the session's first step, which includes compiling
+            self.tokens += tokens
+            self.seconds += seconds
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds else None
+
+    def means(self) -> dict[str, Any]:
+        return {k: (v / self.count).round(5).tolist() for k, v in self.sums.items()}
+
+
+def _postfix(metrics: dict[str, Any], tokens_per_s: float | None) -> str:
+    accuracy = "/".join(f"{a:.2f}" for a in np.atleast_1d(metrics["step_acc"]))
+    speed = f" {tokens_per_s:,.0f} tok/s" if tokens_per_s else ""
+    return f"loss {float(metrics['loss']):.3f} acc {accuracy}{speed}"
+
+
+def train(target: Target, rows: PackedRows, out: str | Path,
+          config: TrainConfig = TrainConfig(), *,
+          eval_prompts: Sequence[str] | Sequence[Sequence[int]] | None = None,
+          progress: bool = True) -> TrainResult:
+    """Train a fresh EAGLE-3 head for `target` on packed `rows`, in run directory `out`.
+
+    Starting again with the same arguments resumes from the last checkpoint (a finished
+    run just returns its head). With `eval_prompts` the greedy acceptance length of a K =
+    `eval_num_draft_tokens` chain is measured at the start, every `eval_every` steps and at
+    the end. The head is written to `out/head` in eaglejax format.
+    """
+    if rows.seq_len != config.seq_len:
+        raise InputError(f"rows are {rows.seq_len} tokens long but seq_len is {config.seq_len}")
+    vocab = select_draft_vocab(rows, target.config.vocab_size, config.draft_vocab_size)
+    identity = {"settings": config.identity(), "target": target_fingerprint(target),
+                "data": rows.fingerprint(), "rows": len(rows),
+                "draft_vocab_coverage": round(vocab.coverage, 6)}
+    out = open_run(out, identity)
+    head_dir = out / "head"
+    if head_dir.is_dir():
+        from eaglejax.draft.loading import load_draft
+
+        return TrainResult(load_draft(str(head_dir), target=target), read_log(out), out)
+    draft = new_eagle3_draft(target, used_tokens=vocab.used, num_layers=config.num_layers,
+                             from_target=config.init_from_target,
+                             seed=config.seed)
+    state = TrainState(draft.params, make_optimizer(config).init(draft.params))
+    step_fn = _train_step(draft.config, target.config, config.core(), target.attn_impl)
+    used, t2d = jnp.asarray(vocab.used), jnp.asarray(vocab.t2d)
+    schedule = learning_rate(config)
+
+    def evaluate(step: int, params: Params) -> float:
+        current = dataclasses.replace(draft, params=params, source=f"{out} step {step}")
+        value = acceptance_length(current, eval_prompts,
+                                  num_draft_tokens=config.eval_num_draft_tokens,
+                                  max_new_tokens=config.eval_max_new_tokens)
+        append_log(out, {"step": step, "acceptance_length": round(value, 4)})
+        return value
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints)
+    with ocp.CheckpointManager(out / "checkpoints", options=options,
+                               item_names=("state", "meta")) as manager:
+        start, tokens_seen = 0, 0
+        if manager.latest_step() is not None:
+            start = manager.latest_step()
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+            restored = manager.restore(start, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+            state = TrainState(*restored.state)
+            tokens_seen = restored.meta["tokens_seen"]
+            truncate_log(out, start)
+        bar = tqdm(total=config.steps, initial=start, unit="step", disable=not progress,
+                   dynamic_ncols=True)
+        bar.write(f"eaglejax train-draft: run {out}, checkpoints in {out / 'checkpoints'}; "
+                  f"{len(rows)} rows of {config.seq_len} tokens; draft vocabulary "
+                  f"{config.draft_vocab_size} covers {vocab.coverage:.1%} of supervised tokens"
+                  + (f"; resuming at step {start}" if start else ""), file=sys.stderr)
+        if eval_prompts and start == 0:
+            bar.write(f"step 0: acceptance length {evaluate(0, state.params):.3f}",
+                      file=sys.stderr)
+        meter, session_meter = _Meter(), _Meter()
+        for step in range(start, config.steps):
+            batch_np = rows.take(batch_rows(step, config.batch_size, len(rows), config.seed))
+            tokens = int((batch_np.segments > 0).sum())
+            batch = Batch(*(jnp.asarray(a) for a in dataclasses.astuple(batch_np)))
+            began = time.perf_counter()
+            state, metrics = step_fn(state, target.params, batch, used, t2d)
+            metrics = jax.device_get(metrics)
+            seconds = None if step == start else time.perf_counter() - began
+            tokens_seen += tokens
+            meter.add(metrics, tokens, seconds)
+            session_meter.add({}, tokens, seconds)
+            done = step + 1
+            bar.update(1)
+            bar.set_postfix_str(_postfix(metrics, session_meter.tokens_per_s), refresh=False)
+            if done % config.log_every == 0 or done == config.steps:
+                append_log(out, {"step": done, **meter.means(), "lr": float(schedule(step)),
+                                 "tokens_seen": tokens_seen,
+                                 "tokens_per_s": session_meter.tokens_per_s})
+                meter = _Meter()
+            if done % config.checkpoint_every == 0 or done == config.steps:
+                manager.save(done, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(_host_copy(state)),
+                    meta=ocp.args.JsonSave({"step": done, "tokens_seen": tokens_seen,
+                                            "samples_seen": done * config.batch_size,
+                                            "seed": config.seed})))
+            if eval_prompts and config.eval_every and done % config.eval_every == 0:
+                bar.write(f"step {done}: acceptance length {evaluate(done, state.params):.3f}",
+                          file=sys.stderr)
+        bar.close()
+        manager.wait_until_finished()
+    if eval_prompts and not (config.eval_every and config.steps % config.eval_every == 0):
+        evaluate(config.steps, state.params)
+    final = dataclasses.replace(draft, params=state.params,
+                                source=f"eaglejax train-draft {out} step {config.steps}")
+    partial = out / "head.partial"
+    if partial.exists():
+        shutil.rmtree(partial)  # a previous attempt was killed while writing the head
+    final.save(str(partial))
+    partial.rename(head_dir)
+    return TrainResult(final, read_log(out), out)
