@@ -515,3 +515,26 @@ def test_data_order_is_a_function_of_the_step():
     assert (epoch[:10] != epoch[10:]).any()  # each epoch is a new permutation
     np.testing.assert_array_equal(trainer.batch_rows(2, 4, 10, seed=3), epoch[8:12])
     assert (trainer.batch_rows(0, 10, 10, seed=4) != epoch[:10]).any()
+
+
+def test_warm_start_reads_the_deepest_tap_through_the_target_output_layer(tiny_target):
+    """`from_target`: with the head's decoder layer silenced, its logits are the target's
+    own output layer applied to the deepest tapped residual stream (the "logit lens")."""
+    from eaglejax.models.llama import forward, lm_head, rms_norm
+
+    used = np.arange(0, tiny_target.config.vocab_size, 2)
+    draft = new_eagle3_draft(tiny_target, used_tokens=used, from_target=True)
+    layer = draft.params["layers"][0]
+    silent = dict(layer, wo=jnp.zeros_like(layer["wo"]), w_down=jnp.zeros_like(layer["w_down"]))
+    draft = dataclasses.replace(draft, params=dict(draft.params, layers=[silent]))
+    tokens = jnp.asarray([[3, 9, 27, 5, 11, 40]])
+    taps = draft.target_features(tokens)
+    got = np.asarray(draft.logits(tokens, taps))[..., used]
+    deepest = max(draft.config.tap_layers)
+    out = forward(tiny_target.params, tiny_target.config, tokens, jnp.arange(6)[None],
+                  tap_layers=(deepest,))
+    lens = lm_head(tiny_target.params, rms_norm(out.taps, tiny_target.params["final_norm"],
+                                                tiny_target.config.rms_norm_eps))
+    np.testing.assert_allclose(got, np.asarray(lens)[..., used], rtol=1e-5, atol=1e-5)
+    assert not np.shares_memory(np.asarray(draft.params["final_norm"]),
+                                np.asarray(tiny_target.params["final_norm"]))
