@@ -36,20 +36,18 @@ class AutoChoice:
     table: list[dict[str, float]]
 
 
-def _search_space() -> tuple[int, int]:
-    """(top_k, depth) of the largest tree worth calibrating on this device."""
-    largest = SpecConfig.preset(jax.default_backend(), 1)
-    return largest.top_k, largest.depth
-
-
 def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_new_tokens: int,
-                *, calibration_tokens: int = 32, max_rows: int = 4) -> AutoChoice:
-    """Choose `total_tokens` for `encoded` prompts (token ids) on this device."""
+                *, calibration_tokens: int = 32, max_rows: int = 4, top_k: int | None = None,
+                depth: int | None = None) -> AutoChoice:
+    """Choose `total_tokens` for `encoded` prompts (token ids) on this device; `top_k` and
+    `depth` default to the device's batch-1 preset (its largest tree)."""
     from eaglejax.bench import single_forward_ms
     from eaglejax.generate import cache_capacity, decode
 
     batch = len(encoded)
-    top_k, depth = _search_space()
+    largest_preset = SpecConfig.preset(jax.default_backend(), 1)
+    top_k = top_k or largest_preset.top_k
+    depth = depth or largest_preset.depth
     sizes = tuple(s for s in SIZES if s <= top_k + (depth - 1) * top_k ** 2 + 1)
     largest = SpecConfig.tree(top_k, depth, sizes[-1])
     rows = encoded[:max_rows]

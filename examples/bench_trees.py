@@ -20,9 +20,8 @@ from eaglejax.bench import bench_speculative, plain_run
 from eaglejax.datasets import interleave_categories, mt_bench_questions
 from eaglejax.draft.draft import new_eagle3_draft
 
-CONFIGS = [SpecConfig.chain(3), SpecConfig.chain(5), SpecConfig.chain(7),
-           SpecConfig.tree(4, 4, 8), SpecConfig.tree(4, 4, 12), SpecConfig.tree(4, 4, 16),
-           SpecConfig.tree(4, 4, 24), SpecConfig.tree(6, 5, 32)]
+CONFIGS = [SpecConfig.chain(3), SpecConfig.chain(5), SpecConfig.tree(4, 4, 8),
+           SpecConfig.tree(4, 4, 12), SpecConfig.tree(4, 4, 24)]
 
 
 def main() -> None:

@@ -65,9 +65,9 @@ def test_calibration_counts_are_exact_subtree_acceptances(selfdraft_target):
     from eaglejax.generate import decode
 
     draft = self_draft(selfdraft_target)
-    sizes = (2, 5, 8, 20, 53)
+    sizes = (2, 5, 8, 14, 22)
     run = decode(selfdraft_target, draft, _prompts(11, 4), [0] * 4, SamplingParams.make(), 40,
-                 StopCriteria(), SpecConfig.tree(4, 4, 53), calibration_sizes=sizes)
+                 StopCriteria(), SpecConfig.tree(3, 3, 22), calibration_sizes=sizes)
     per_size = np.asarray(run.state.size_accepted)  # [B,S]
     hist = np.asarray(run.state.accept_hist)  # [B,D+1]
     assert np.all(np.diff(per_size, axis=1) >= 0)
@@ -80,7 +80,8 @@ def test_auto_picks_a_measured_tree_size(selfdraft_target):
     from eaglejax.autotune import choose_tree
 
     draft = self_draft(selfdraft_target)
-    auto = choose_tree(selfdraft_target, draft, _prompts(5, 2), 24, calibration_tokens=16)
+    auto = choose_tree(selfdraft_target, draft, _prompts(5, 2), 24, calibration_tokens=16,
+                       top_k=3, depth=3)
     sizes = [row["total_tokens"] for row in auto.table]
     assert auto.choice.method == "tree" and auto.choice.total_tokens in sizes
     best = max(auto.table, key=lambda row: row["expected_tokens_per_s"])
