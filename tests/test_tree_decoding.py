@@ -57,16 +57,16 @@ def test_random_head_tree_single_row_and_draft_vocab(target_of):
     _check_identical(target, draft, SpecConfig.tree(4, 3, 10), _prompts(7, 1), max_new=40)
 
 
-def test_calibration_counts_are_exact_subtree_acceptances(selfdraft_target):
+def check_calibration_counts(target):
     """The best s nodes of a tree form the tree `total_tokens=s` would draft; what they
     would accept is non-decreasing in s and equals the real acceptance at full size."""
     from eaglejax.decoding.sampling import SamplingParams
     from eaglejax.decoding.stopping import StopCriteria
     from eaglejax.generate import decode
 
-    draft = self_draft(selfdraft_target)
+    draft = self_draft(target)
     sizes = (2, 5, 8, 14, 22)
-    run = decode(selfdraft_target, draft, _prompts(11, 4), [0] * 4, SamplingParams.make(), 40,
+    run = decode(target, draft, _prompts(11, 4), [0] * 4, SamplingParams.make(), 40,
                  StopCriteria(), SpecConfig.tree(3, 3, 22), calibration_sizes=sizes)
     per_size = np.asarray(run.state.size_accepted)  # [B,S]
     hist = np.asarray(run.state.accept_hist)  # [B,D+1]
@@ -76,11 +76,11 @@ def test_calibration_counts_are_exact_subtree_acceptances(selfdraft_target):
     assert per_size[:, -1].sum() > per_size[:, 1].sum()  # deep nodes do get accepted
 
 
-def test_auto_picks_a_measured_tree_size(selfdraft_target):
+def check_auto(target):
     from eaglejax.autotune import choose_tree
 
-    draft = self_draft(selfdraft_target)
-    auto = choose_tree(selfdraft_target, draft, _prompts(5, 2), 24, calibration_tokens=16,
+    draft = self_draft(target)
+    auto = choose_tree(target, draft, _prompts(5, 2), 24, calibration_tokens=16,
                        top_k=3, depth=3)
     sizes = [row["total_tokens"] for row in auto.table]
     assert auto.choice.method == "tree" and auto.choice.total_tokens in sizes
@@ -88,12 +88,27 @@ def test_auto_picks_a_measured_tree_size(selfdraft_target):
     assert auto.choice.total_tokens == best["total_tokens"]
     als = [row["acceptance_length"] for row in auto.table]
     assert als == sorted(als) and als[0] >= 1.0
-    out = eaglejax.generate(_prompts(5, 2), target=selfdraft_target, draft=draft,
+    out = eaglejax.generate(_prompts(5, 2), target=target, draft=draft,
                             speculative="auto", max_new_tokens=24, ignore_eos=True)
-    plain = eaglejax.generate(_prompts(5, 2), target=selfdraft_target, max_new_tokens=24,
+    plain = eaglejax.generate(_prompts(5, 2), target=target, max_new_tokens=24,
                               ignore_eos=True)
     assert [o.token_ids for o in out] == [p.token_ids for p in plain]
     assert out[0].metrics.speculative.startswith("tree")
+
+
+def test_calibration_and_auto_in_a_fresh_process(tmp_path):
+    """Runs `check_calibration_counts` and `check_auto` in their own interpreter: inside the
+    full suite, XLA:CPU (jax 0.10.2) segfaulted compiling the calibration loop after the
+    earlier tests' compiles, while the same code passes in a fresh process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, str(here / "test_tree_decoding.py"), str(tmp_path)],
+                          cwd=here, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "calibration ok" in proc.stdout and "auto ok" in proc.stdout
 
 
 def test_tree_rows_are_independent_of_neighbours(selfdraft_target):
@@ -154,3 +169,19 @@ def test_cli_refuses_bad_speculation_flags(flags, match, capsys):
     assert main(["generate", "hi", "--draft", "random", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("eaglejax: error:") and match in err, err
+
+
+if __name__ == "__main__":  # the fresh-process half of test_calibration_and_auto_...
+    import sys
+
+    from conftest import make_hf_model
+    from spec_helpers import make_selfdraftable
+
+    model = make_hf_model("llama", sys.argv[1], seed=11, num_hidden_layers=2)
+    make_selfdraftable(model)
+    model.save_pretrained(sys.argv[1])
+    fresh_target = eaglejax.load_target(sys.argv[1])
+    check_calibration_counts(fresh_target)
+    print("calibration ok")
+    check_auto(fresh_target)
+    print("auto ok")
