@@ -77,3 +77,17 @@ def selfdraft_target(tmp_path_factory):
     make_selfdraftable(model)
     model.save_pretrained(directory)
     return eaglejax.load_target(directory)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """Drop every compiled program after each test module. The suite compiles hundreds of
+    loops; XLA:CPU keeps each executable's code mapped, and late in a single-process run
+    a compile segfaulted (jax 0.10.2) once the process held that many."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
