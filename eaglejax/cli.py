@@ -129,7 +129,11 @@ def _add_train_args(commands) -> None:
     train.add_argument("--steps", type=int, default=t.steps)
     train.add_argument("--lr", type=float, default=t.lr, help="peak learning rate")
     train.add_argument("--warmup-steps", type=int, default=None,
-                       help="linear warm-up steps (default: 5%% of --steps)")
+                       help="linear warm-up steps (default: 5%% of --steps; required with "
+                            "--schedule constant)")
+    train.add_argument("--schedule", choices=["cosine", "constant"], default=t.schedule,
+                       help="after warm-up: cosine decay to 10%% at --steps, or constant "
+                            "(a constant run can be extended later by asking for more steps)")
     train.add_argument("--weight-decay", type=float, default=t.weight_decay)
     train.add_argument("--grad-clip", type=float, default=t.grad_clip)
     train.add_argument("--ttt-length", type=int, default=t.ttt_length,
@@ -243,7 +247,7 @@ def _train_draft(args: argparse.Namespace) -> None:
 
     config = TrainConfig(
         seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
-        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, schedule=args.schedule, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, ttt_length=args.ttt_length,
         draft_vocab_size=args.draft_vocab_size, num_layers=args.num_layers,
         init_from_target=args.init_from_target, seed=args.seed,

@@ -183,6 +183,35 @@ def test_crash_then_resume_gives_identical_parameters(tiny_target, sampled_rows,
         np.testing.assert_array_equal(a, b)
 
 
+def test_constant_schedule_run_can_be_extended(tiny_target, sampled_rows, tmp_path, capsys):
+    """A constant-lr run trained 6 steps, then extended to 10, equals a straight 10-step run;
+    the 6-step head is kept beside the new one."""
+    config = TrainConfig(seq_len=64, batch_size=4, steps=10, lr=1e-3, draft_vocab_size=48,
+                         schedule="constant", warmup_steps=2, checkpoint_every=3,
+                         log_every=1, eval_every=0)
+    straight = train(tiny_target, sampled_rows, tmp_path / "a", config, progress=False)
+    short = train(tiny_target, sampled_rows, tmp_path / "b", dataclasses.replace(config, steps=6),
+                  progress=False)
+    capsys.readouterr()
+    extended = train(tiny_target, sampled_rows, tmp_path / "b", config, progress=False)
+    assert "resuming at step 6" in capsys.readouterr().err
+    for a, b in zip(jax.tree.leaves(straight.draft.params), jax.tree.leaves(extended.draft.params)):
+        np.testing.assert_array_equal(a, b)
+    kept = eaglejax.load_draft(tmp_path / "b" / "head-step6", target=tiny_target)
+    for a, b in zip(jax.tree.leaves(kept.params), jax.tree.leaves(short.draft.params)):
+        np.testing.assert_array_equal(a, b)
+    assert [e["step"] for e in extended.log] == list(range(1, 11))
+    with pytest.raises(InputError, match="already trained 10 steps"):
+        train(tiny_target, sampled_rows, tmp_path / "b", dataclasses.replace(config, steps=8),
+              progress=False)
+    # A cosine run's schedule depends on its length: changing steps is refused.
+    cosine = dataclasses.replace(config, schedule="cosine")
+    train(tiny_target, sampled_rows, tmp_path / "c", dataclasses.replace(cosine, steps=6),
+          progress=False)
+    with pytest.raises(EaglejaxError, match=r"settings\.steps \(6 then, 10 now\)"):
+        train(tiny_target, sampled_rows, tmp_path / "c", cosine, progress=False)
+
+
 def test_run_directory_is_never_hijacked(tmp_path):
     identity = {"settings": {"lr": 1e-4, "steps": 10}, "data": "abc"}
     run = open_run(tmp_path / "run", identity)
@@ -455,6 +484,10 @@ def test_bad_training_settings():
         TrainConfig(batch_size=0)
     with pytest.raises(InputError, match="seq_len .* at least ttt_length"):
         TrainConfig(seq_len=8, ttt_length=7)
+    with pytest.raises(InputError, match="schedule must be one of"):
+        TrainConfig(schedule="linear")
+    with pytest.raises(InputError, match="constant schedule needs explicit warmup_steps"):
+        TrainConfig(schedule="constant")
 
 
 # -------------------------------------------------------------------------- regeneration

@@ -118,15 +118,12 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     return jnp.einsum("oi,...i->...o", weight, x)
 
 
-def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
-                  layer: Params, k_cache: jax.Array, v_cache: jax.Array,
-                  cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl,
-                  attn_input: jax.Array | None = None):
-    """One pre-norm decoder layer over residual h [B,T,H]; returns (h, k, v, k_buf, v_buf).
-
-    `attn_input` replaces `attn_norm(h)` as the attention's input (EAGLE heads feed their
-    first layer something else); its width may differ from H.
-    """
+def qkv_projection(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
+                   layer: Params, attn_input: jax.Array | None = None):
+    """A layer's attention inputs from residual h [B,T,H]: q [B,T,Hq,D], k and v
+    [B,T,Hkv,D], normed (if the model does) and rotated. `attn_input` replaces
+    `attn_norm(h)` (EAGLE heads feed their first layer something else; its width may
+    differ from H)."""
     c, eps = config, config.rms_norm_eps
     batch, t_new, _ = h.shape
     x = rms_norm(h, layer["attn_norm"], eps) if attn_input is None else attn_input
@@ -138,18 +135,34 @@ def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax
     k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
     if c.qk_norm:
         q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    return apply_rope(q, *rope), apply_rope(k, *rope), v
+
+
+def attention_output_and_mlp(config: ModelConfig, h: jax.Array, layer: Params,
+                             attn: jax.Array) -> jax.Array:
+    """The rest of a layer: h + wo(attn), then the gated MLP's residual update."""
+    batch, t_new, _ = h.shape
+    h = h + linear(attn.reshape(batch, t_new, -1), layer["wo"])
+    x = rms_norm(h, layer["mlp_norm"], config.rms_norm_eps)
+    gate, up = jnp.split(linear(x, layer["w_gate_up"].reshape(-1, config.hidden_size)), 2,
+                         axis=-1)
+    return h + linear(jax.nn.silu(gate) * up, layer["w_down"])
+
+
+def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
+                  layer: Params, k_cache: jax.Array, v_cache: jax.Array,
+                  cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl,
+                  attn_input: jax.Array | None = None):
+    """One pre-norm decoder layer over residual h [B,T,H]; returns (h, k, v, k_buf, v_buf).
+    `attn_input`: see `qkv_projection`."""
+    q, k, v = qkv_projection(config, rope, h, layer, attn_input)
     if k_cache.shape[2]:
         # Stage the new rows first so the attention reads the updated buffer: XLA then
         # updates the cache in place instead of copying it.
         k_cache = write_block(k_cache, k, cache_lengths)
         v_cache = write_block(v_cache, v, cache_lengths)
     attn = attention(q, k_cache, v_cache, cache_lengths, k, v, mask, impl=impl)
-    h = h + linear(attn.reshape(batch, t_new, -1), layer["wo"])
-    x = rms_norm(h, layer["mlp_norm"], eps)
-    gate, up = jnp.split(linear(x, layer["w_gate_up"].reshape(-1, c.hidden_size)), 2, axis=-1)
-    h = h + linear(jax.nn.silu(gate) * up, layer["w_down"])
-    return h, k, v, k_cache, v_cache
+    return attention_output_and_mlp(config, h, layer, attn), k, v, k_cache, v_cache
 
 
 def rope_for(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -41,6 +41,7 @@ from eaglejax.training.run import (
 from eaglejax.training.ttt import Batch, target_signal, ttt_loss
 from eaglejax.training.vocab import select_draft_vocab
 
+SCHEDULES = ("cosine", "constant")
 # Settings that do not change the trained parameters (a resumed run may change them).
 BOOKKEEPING = ("checkpoint_every", "keep_checkpoints", "eval_every", "eval_max_new_tokens",
                "eval_num_draft_tokens", "log_every")
@@ -50,7 +51,9 @@ BOOKKEEPING = ("checkpoint_every", "keep_checkpoints", "eval_every", "eval_max_n
 class TrainConfig:
     """Hyper-parameters of a run. Optimiser: AdamW (betas b1, b2; weight decay on matrices
     only) after global-norm gradient clipping; learning rate linear from 0 to `lr` over
-    `warmup_steps` (None: 5% of `steps`), then cosine down to `lr * final_lr_fraction`.
+    `warmup_steps` (None: 5% of `steps`), then (`schedule`) "cosine" down to
+    `lr * final_lr_fraction` at `steps`, or "constant" at `lr`. A constant schedule does
+    not depend on `steps`, so such a run can be extended: run it again with more steps.
     `init_from_target`: warm-start the head's output side from the target (see
     `new_eagle3_draft(from_target=True)`)."""
 
@@ -59,6 +62,7 @@ class TrainConfig:
     steps: int = 10_000
     lr: float = 1e-4
     warmup_steps: int | None = None
+    schedule: str = "cosine"
     final_lr_fraction: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 0.5
@@ -87,6 +91,11 @@ class TrainConfig:
                 raise InputError(f"{name} must be an integer >= 1, got {value!r}")
         if self.seq_len < self.ttt_length + 3:
             raise InputError(f"seq_len ({self.seq_len}) must be at least ttt_length + 3")
+        if self.schedule not in SCHEDULES:
+            raise InputError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "constant" and self.warmup_steps is None:
+            raise InputError("a constant schedule needs explicit warmup_steps (the default, "
+                             "5% of steps, would change when the run is extended)")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
             raise InputError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
         if self.eval_every < 0:
@@ -101,9 +110,16 @@ class TrainConfig:
     def warmup(self) -> int:
         return self.steps // 20 if self.warmup_steps is None else self.warmup_steps
 
+    @property
+    def extendable(self) -> bool:
+        """Whether the parameters after step n are independent of `steps`."""
+        return self.schedule == "constant"
+
     def identity(self) -> dict[str, Any]:
-        """The settings that determine the trained parameters."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in BOOKKEEPING}
+        """The settings that determine the trained parameters (`steps` only bounds an
+        extendable run)."""
+        ignored = BOOKKEEPING + (("steps",) if self.extendable else ())
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
 
     def core(self) -> TrainConfig:
         """This config with the bookkeeping settings at their defaults (a compile-cache key)."""
@@ -126,7 +142,12 @@ class TrainResult:
 
 
 def learning_rate(config: TrainConfig) -> optax.Schedule:
-    """Linear warm-up, then cosine decay (see `TrainConfig`)."""
+    """Linear warm-up, then cosine decay or constant (see `TrainConfig`)."""
+    if config.schedule == "constant":
+        if not config.warmup:
+            return optax.constant_schedule(config.lr)
+        return optax.join_schedules([optax.linear_schedule(0.0, config.lr, config.warmup),
+                                     optax.constant_schedule(config.lr)], [config.warmup])
     return optax.warmup_cosine_decay_schedule(
         0.0, config.lr, config.warmup, config.steps, config.lr * config.final_lr_fraction)
 
@@ -188,6 +209,12 @@ def acceptance_length(draft: Draft, prompts: Sequence[str] | Sequence[Sequence[i
     return float(np.mean(values)) if values else 1.0
 
 
+def _latest_checkpoint(out: Path) -> int:
+    """The step of the run's latest checkpoint (0 if none)."""
+    steps = [int(p.name) for p in (out / "checkpoints").glob("*") if p.name.isdigit()]
+    return max(steps, default=0)
+
+
 def _host_copy(tree: Any) -> Any:
     """Host copies that survive the donation of the device buffers (async checkpoints)."""
     return jax.tree.map(lambda x: np.array(x, copy=True), tree)
@@ -244,9 +271,15 @@ def train(target: Target, rows: PackedRows, out: str | Path,
     out = open_run(out, identity)
     head_dir = out / "head"
     if head_dir.is_dir():
-        from eaglejax.draft.loading import load_draft
+        finished = _latest_checkpoint(out)
+        if finished == config.steps or not config.extendable:
+            from eaglejax.draft.loading import load_draft
 
-        return TrainResult(load_draft(str(head_dir), target=target), read_log(out), out)
+            return TrainResult(load_draft(str(head_dir), target=target), read_log(out), out)
+        if finished > config.steps:
+            raise InputError(f"{out}: this run has already trained {finished} steps; ask for "
+                             f"at least {finished} to extend it")
+        head_dir.rename(out / f"head-step{finished}")  # the earlier head is kept
     draft = new_eagle3_draft(target, used_tokens=vocab.used, num_layers=config.num_layers,
                              from_target=config.init_from_target,
                              seed=config.seed)

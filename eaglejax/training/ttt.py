@@ -22,8 +22,15 @@ from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.head import draft_forward, head_logits
 from eaglejax.models.attention import AttentionImpl
-from eaglejax.models.llama import Params, forward, linear, lm_head, rms_norm, rope_for
-from eaglejax.models.rope import apply_rope
+from eaglejax.models.llama import (
+    Params,
+    attention_output_and_mlp,
+    forward,
+    lm_head,
+    qkv_projection,
+    rms_norm,
+    rope_for,
+)
 
 
 class Batch(NamedTuple):
@@ -96,24 +103,10 @@ def _unrolled_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: j
                     values: list[jax.Array], mask: jax.Array):
     """One decoder layer at step k >= 1 (as `models.llama.decoder_layer`, with TTT
     attention). keys/values: this layer's step-0..k-1 K/V; returns (h, k, v) of step k."""
-    c, eps = config, config.rms_norm_eps
-    batch, length, _ = h.shape
-    x = rms_norm(h, layer["attn_norm"], eps) if attn_input is None else attn_input
-    wqkv = layer["wqkv"]
-    qkv = linear(x, wqkv.reshape(-1, wqkv.shape[-1])).reshape(batch, length, *wqkv.shape[:-1])
-    if c.attention_bias:
-        qkv = qkv + layer["bqkv"]
-    q = qkv[:, :, :, :-2].reshape(batch, length, c.num_heads, c.head_dim)
-    k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
-    if c.qk_norm:
-        q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    q, k, v = qkv_projection(config, rope, h, layer, attn_input)
     attn = ttt_attention(q, keys[0], values[0], mask, jnp.stack([*keys[1:], k], axis=2),
                          jnp.stack([*values[1:], v], axis=2))
-    h = h + linear(attn.reshape(batch, length, -1), layer["wo"])
-    x = rms_norm(h, layer["mlp_norm"], eps)
-    gate, up = jnp.split(linear(x, layer["w_gate_up"].reshape(-1, c.hidden_size)), 2, axis=-1)
-    return h + linear(jax.nn.silu(gate) * up, layer["w_down"]), k, v
+    return attention_output_and_mlp(config, h, layer, attn), k, v
 
 
 def ttt_unroll(params: Params, config: DraftConfig, target_params: Params, tokens: jax.Array,
