@@ -1,4 +1,5 @@
-"""`speculative="auto"`: pick the dynamic tree size with the best expected tokens/s.
+"""`speculative="auto"`: pick the dynamic tree size with the best expected tokens/s, or
+plain decoding when no size is expected to beat it.
 
 As the reference's `total_token=-1`, the target's forward is timed at a few node counts
 (batch and context as in the request). The acceptance each size would reach is measured,
@@ -6,7 +7,8 @@ not modelled: one greedy calibration run with the largest tree records, every ro
 many draft tokens the best s-node subtree would have accepted (exact: that subtree is the
 tree `total_tokens=s` would have drafted). Expected tokens/s for size s is then
 AL(s) / (draft_ms + verify_ms(s)), draft_ms being the measured round time minus the
-largest tree's verify time.
+largest tree's verify time. Plain decoding competes as size 1: AL 1, one single-token
+forward a token (what a plain step costs; see BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -30,17 +32,19 @@ SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 @dataclasses.dataclass
 class AutoChoice:
-    """The chosen configuration and, per candidate size, what it was chosen from."""
+    """The chosen configuration (None: plain decoding is faster here) and, per candidate
+    size (1: plain decoding), what it was chosen from."""
 
-    choice: SpecConfig
+    choice: SpecConfig | None
     table: list[dict[str, float]]
 
 
 def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_new_tokens: int,
                 *, calibration_tokens: int = 32, max_rows: int = 4, top_k: int | None = None,
                 depth: int | None = None) -> AutoChoice:
-    """Choose `total_tokens` for `encoded` prompts (token ids) on this device; `top_k` and
-    `depth` default to the device's batch-1 preset (its largest tree)."""
+    """Choose `total_tokens` for `encoded` prompts (token ids) on this device, or None when
+    plain decoding is expected to be faster; `top_k` and `depth` default to the device's
+    batch-1 preset (its largest tree)."""
     from eaglejax.bench import single_forward_ms
     from eaglejax.generate import cache_capacity, decode
 
@@ -64,23 +68,24 @@ def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_ne
     context = max(len(ids) for ids in encoded) + max_new_tokens // 2
     capacity = cache_capacity(max(len(ids) for ids in encoded), max_new_tokens, sizes[-1])
     verify_ms = {s: single_forward_ms(target, context, capacity, batch, repeats=5, tokens=s)
-                 for s in sizes}
+                 for s in (1, *sizes)}
     draft_ms = max(round_ms - verify_ms[sizes[-1]], 0.0)
-    table = []
+    table = [{"total_tokens": 1, "acceptance_length": 1.0, "verify_ms": verify_ms[1],
+              "expected_tokens_per_s": 1e3 * batch / verify_ms[1]}]
     for s, acc in zip(sizes, accepted):
         al = 1.0 + acc / max(rounds, 1)
         table.append({"total_tokens": s, "acceptance_length": float(al),
                       "verify_ms": verify_ms[s], "expected_tokens_per_s":
                       1e3 * al * batch / (draft_ms + verify_ms[s])})
-    best = max(table, key=lambda row: row["expected_tokens_per_s"])
-    return AutoChoice(SpecConfig.tree(top_k, depth, int(best["total_tokens"])), table)
+    best = int(max(table, key=lambda row: row["expected_tokens_per_s"])["total_tokens"])
+    return AutoChoice(SpecConfig.tree(top_k, depth, best) if best > 1 else None, table)
 
 
-_CHOICES: dict[tuple, SpecConfig] = {}
+_CHOICES: dict[tuple, SpecConfig | None] = {}
 
 
 def cached_choice(target: Target, draft: "Draft", encoded: list[list[int]],
-                  max_new_tokens: int) -> SpecConfig:
+                  max_new_tokens: int) -> SpecConfig | None:
     """`choose_tree`, once per target, head, batch size and (bucketed) lengths."""
     from eaglejax.generate import _bucket
 

@@ -181,7 +181,8 @@ def _generate(args: argparse.Namespace) -> None:
             print("-" * 40)
         print(r.text)
         m = r.metrics
-        al = f", {m.speculative}, AL {m.acceptance_length:.2f}" if m.acceptance_length else ""
+        al = f", {m.speculative}" if m.speculative else ""
+        al += f", AL {m.acceptance_length:.2f}" if m.acceptance_length else ""
         print(f"[{m.new_tokens} tokens, finish: {r.finish_reason}, prefill {m.prefill_s:.3f} s, "
               f"decode {m.decode_tokens_per_s:.1f} tok/s{al}]", file=sys.stderr)
 

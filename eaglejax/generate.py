@@ -35,7 +35,9 @@ class GenerationMetrics:
     Speculative runs add the acceptance length (AL): mean tokens per verification round
     INCLUDING the target's bonus token (plain decoding would be 1.0; AL - 1 is the mean of
     accepted draft tokens), per-position acceptance (share of rounds whose accepted path
-    reached draft depth d = 1..K) and the conditional rate at each depth.
+    reached draft depth d = 1..K) and the conditional rate at each depth. `speculative`
+    names the shape that ran when a draft head was given (`speculative="auto"` may have
+    chosen plain decoding).
     """
 
     prompt_tokens: int
@@ -201,7 +203,8 @@ def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seed
 
 
 def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "Draft",
-                  encoded: list[list[int]], max_new_tokens: int) -> SpecConfig:
+                  encoded: list[list[int]], max_new_tokens: int) -> SpecConfig | None:
+    """The speculation shape to run; None: plain decoding (`auto` found it faster)."""
     if speculative is None:
         return SpecConfig.preset(jax.default_backend(), len(encoded))
     if isinstance(speculative, SpecConfig):
@@ -228,9 +231,10 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     Generation stops at an EOS id (unless `ignore_eos`), a stop string (excluded from
     `.text`), or `max_new_tokens`. With a `draft` head (see `eaglejax.load_draft`) decoding
     is speculative, configured by `speculative`: a `SpecConfig` (chain, dynamic tree or
-    static tree), "auto" (time the target at a few tree sizes and pick the fastest
-    expected tokens/s, see `eaglejax.autotune`) or None (the preset for this device and
-    batch size, `SpecConfig.preset`). Greedy output is identical to plain decoding.
+    static tree), "auto" (time the target at a few tree sizes and pick the fastest expected
+    tokens/s, plain decoding included, see `eaglejax.autotune`) or None (the preset for
+    this device and batch size, `SpecConfig.preset`). Greedy output is identical to plain
+    decoding.
     """
     if target is None or isinstance(target, str):
         target = _cached_target(target or DEFAULT_TARGET)
@@ -256,9 +260,11 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
         if n + max_new_tokens > limit:
             raise InputError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} "
                              f"that exceeds the model's context of {limit} tokens")
-    spec = None
+    spec, shape = None, None
     if draft is not None:
         spec = _resolve_spec(speculative, target, draft, encoded, max_new_tokens)
+        draft = draft if spec is not None else None
+        shape = "plain (auto: faster than speculating here)" if spec is None else spec.describe()
     run = decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria, spec)
     tokens, counts, finish, forwards = jax.device_get(
         (run.state.out.tokens, run.state.out.counts, run.state.out.finish, run.state.forwards))
@@ -280,7 +286,7 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
             decode_s=run.decode_s,
             decode_tokens_per_s=(int(counts[i]) - 1) / run.decode_s if run.decode_s > 0 else 0.0,
             target_forwards=int(forwards) + 1, batch_size=batch,
-            speculative=None if spec is None else spec.describe(),
+            speculative=shape,
             **(acceptance_metrics(hist[i]) if hist is not None else {}))
         results.append(Generation(text, ids, reason, metrics))
     return results

@@ -1,11 +1,13 @@
 """Chain vs tree speculation side by side: tokens/s and acceptance length per configuration,
-and what `speculative="auto"` picks, against one plain-decoding baseline per batch size.
+and what `speculative="auto"` picks (plain decoding is one of its candidates), against one
+plain-decoding baseline per batch size.
 
-    python examples/bench_trees.py --draft checkpoints/smollm2-135m-eagle3 \\
+    python examples/bench_trees.py --draft runs/smollm2-eagle3-cpu2/head \\
         [--num-prompts 8] [--batch-sizes 1 8] [--max-new-tokens 128] [--json]
 
-Greedy, MT-bench first turns (round-robin over categories), SmolLM2 (or --model), every configuration warmed up before
-it is timed. Ratios are measured in one run; the machine is shared, so compare within it.
+Greedy, MT-bench first turns (round-robin over categories), SmolLM2 (or --model), every
+configuration warmed up before it is timed. Ratios are measured in one run; the machine
+is shared, so compare within it.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ def main() -> None:
         encoded = [target.tokenizer.render_prompt(q.prompt, chat=True)
                    for q in questions[:batch]]
         auto = cached_choice(target, draft, encoded, args.max_new_tokens)
-        configs = CONFIGS + ([auto] if auto not in CONFIGS else [])
-        rows = []
+        configs = CONFIGS + ([auto] if auto is not None and auto not in CONFIGS else [])
+        rows = [{"speculative": "plain decoding", "nodes": 1, "acceptance_length": 1.0,
+                 "tokens_per_s": round(plain_tps, 1), "speedup": 1.0, "identical_tokens": True,
+                 "auto": auto is None}]
         for spec in configs:
             r = bench_speculative(target, draft, questions, speculative=spec, plain=plain,
                                   **common)
