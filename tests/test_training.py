@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import gzip
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -201,9 +202,12 @@ def test_constant_schedule_run_can_be_extended(tiny_target, sampled_rows, tmp_pa
     for a, b in zip(jax.tree.leaves(kept.params), jax.tree.leaves(short.draft.params)):
         np.testing.assert_array_equal(a, b)
     assert [e["step"] for e in extended.log] == list(range(1, 11))
-    with pytest.raises(InputError, match="already trained 10 steps"):
-        train(tiny_target, sampled_rows, tmp_path / "b", dataclasses.replace(config, steps=8),
-              progress=False)
+    for run in ("b", "a/head"):  # with its head, or killed before writing it
+        if run == "a/head":
+            shutil.rmtree(tmp_path / run)
+        with pytest.raises(InputError, match="already trained 10 steps"):
+            train(tiny_target, sampled_rows, tmp_path / run.split("/")[0],
+                  dataclasses.replace(config, steps=8), progress=False)
     # A cosine run's schedule depends on its length: changing steps is refused.
     cosine = dataclasses.replace(config, schedule="cosine")
     train(tiny_target, sampled_rows, tmp_path / "c", dataclasses.replace(cosine, steps=6),

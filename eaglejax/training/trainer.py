@@ -270,15 +270,15 @@ def train(target: Target, rows: PackedRows, out: str | Path,
                 "draft_vocab_coverage": round(vocab.coverage, 6)}
     out = open_run(out, identity)
     head_dir = out / "head"
+    finished = _latest_checkpoint(out)
+    if finished > config.steps:  # only an extendable run's steps may differ
+        raise InputError(f"{out}: this run has already trained {finished} steps; ask for at "
+                         f"least {finished}")
     if head_dir.is_dir():
-        finished = _latest_checkpoint(out)
         if finished == config.steps or not config.extendable:
             from eaglejax.draft.loading import load_draft
 
             return TrainResult(load_draft(str(head_dir), target=target), read_log(out), out)
-        if finished > config.steps:
-            raise InputError(f"{out}: this run has already trained {finished} steps; ask for "
-                             f"at least {finished} to extend it")
         head_dir.rename(out / f"head-step{finished}")  # the earlier head is kept
     draft = new_eagle3_draft(target, used_tokens=vocab.used, num_layers=config.num_layers,
                              from_target=config.init_from_target,
