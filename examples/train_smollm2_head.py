@@ -43,7 +43,7 @@ from eaglejax.training.trainer import TrainConfig, train
 
 TARGET = "smollm2-135m-instruct"
 PRESETS = {
-    "cpu": TrainConfig(seq_len=512, batch_size=4, steps=900, lr=1e-3, warmup_steps=20,
+    "cpu": TrainConfig(seq_len=512, batch_size=4, steps=600, lr=1e-3, warmup_steps=20,
                        schedule="constant", ttt_length=3, draft_vocab_size=8192, num_layers=1,
                        seed=0, checkpoint_every=25, eval_every=150, eval_max_new_tokens=64),
     "full": TrainConfig(seq_len=1024, batch_size=4, steps=6000, lr=1e-4, ttt_length=7,
