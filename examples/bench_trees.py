@@ -2,7 +2,7 @@
 and what `speculative="auto"` picks (plain decoding is one of its candidates), against one
 plain-decoding baseline per batch size.
 
-    python examples/bench_trees.py --draft runs/smollm2-eagle3-cpu2/head \\
+    python examples/bench_trees.py --draft checkpoints/smollm2-135m-instruct-eagle3 \\
         [--num-prompts 8] [--batch-sizes 1 8] [--max-new-tokens 128] [--json]
 
 Greedy, MT-bench first turns (round-robin over categories), SmolLM2 (or --model), every
