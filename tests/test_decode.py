@@ -92,6 +92,29 @@ def test_warped_distribution_matches_transformers_warpers(temperature, top_k, to
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("top_k,top_p", [(7, 1.0), (0, 0.5), (30, 0.9)])
+def test_warpers_on_a_full_vocabulary_with_ties_and_masked_tokens(top_k, top_p):
+    """A 49,152-token vocabulary with -inf tokens and negative values; integer logits (many
+    ties, all kept at the top-k boundary as Hugging Face does) when only top-k is on (at a
+    top-p boundary Hugging Face splits ties by sort order): the bisection thresholds keep
+    exactly the sort-based warpers' tokens."""
+    rng = np.random.RandomState(9)
+    if top_p < 1:
+        logits = (rng.randn(2, 49152) * 4).astype(np.float32)
+    else:
+        logits = rng.randint(-40, 12, size=(2, 49152)).astype(np.float32)
+    logits[:, rng.choice(49152, 500, replace=False)] = -np.inf
+    scores = torch.tensor(logits)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    want = torch.softmax(scores, -1).numpy()
+    got = np.exp(np.asarray(target_log_probs(logits, SamplingParams.make(1.0, top_k, top_p))))
+    assert ((got > 0) == (want > 0)).all()
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
 def test_first_token_distribution_matches_exact_probabilities(target_of):
     """4000 seeds of one prompt: the empirical first-token law equals the warped target law
     (total variation below a bound that a correct sampler exceeds with probability < 1e-6)."""
