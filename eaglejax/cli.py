@@ -141,6 +141,9 @@ def _add_train_args(commands) -> None:
     train.add_argument("--num-layers", type=int, default=t.num_layers, help="head decoder layers")
     train.add_argument("--init-from-target", action="store_true",
                        help="warm-start lm_head, final norm and fc from the target")
+    train.add_argument("--init-head", default=None, metavar="PATH",
+                       help="continue training this EAGLE-3 head (any layout --draft reads), "
+                            "keeping its draft vocabulary: fine-tuning or a decay phase")
     train.add_argument("--seed", type=int, default=t.seed)
     train.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every)
     train.add_argument("--eval-every", type=int, default=t.eval_every,
@@ -242,6 +245,7 @@ def _convert(args: argparse.Namespace) -> None:
 
 def _train_draft(args: argparse.Namespace) -> None:
     from eaglejax import load_target
+    from eaglejax.draft import load_draft
     from eaglejax.training.pipeline import mt_bench_prompts, prepare_rows
     from eaglejax.training.regenerate import RegenConfig
     from eaglejax.training.trainer import TrainConfig, train
@@ -261,7 +265,8 @@ def _train_draft(args: argparse.Namespace) -> None:
                         max_conversations=args.max_conversations, regen=regen,
                         regen_cache=args.regen_cache, progress=not args.no_progress)
     prompts = mt_bench_prompts(args.eval_questions) if args.eval_questions > 0 else None
-    result = train(target, rows, args.out, config, eval_prompts=prompts,
+    init_head = load_draft(args.init_head, target=target) if args.init_head else None
+    result = train(target, rows, args.out, config, eval_prompts=prompts, init_head=init_head,
                    progress=not args.no_progress)
     evals = [e["acceptance_length"] for e in result.log if "acceptance_length" in e]
     al = f"; acceptance length {evals[0]:.2f} at the start, {evals[-1]:.2f} at the end" \

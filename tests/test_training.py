@@ -216,6 +216,31 @@ def test_constant_schedule_run_can_be_extended(tiny_target, sampled_rows, tmp_pa
         train(tiny_target, sampled_rows, tmp_path / "c", cosine, progress=False)
 
 
+def test_fine_tuning_starts_from_the_given_head_and_keeps_its_vocabulary(
+        tiny_target, sampled_rows, tmp_path):
+    config = TrainConfig(seq_len=64, batch_size=4, steps=6, lr=1e-2, draft_vocab_size=48,
+                         checkpoint_every=3, log_every=1, eval_every=0)
+    first = train(tiny_target, sampled_rows, tmp_path / "first", config, progress=False)
+    # The same parameters over target ids 16..63: not the data's 48 most frequent tokens.
+    shifted = dataclasses.replace(first.draft, d2t=jnp.full(48, 16, jnp.int32))
+    still = dataclasses.replace(config, steps=2, lr=1e-12, warmup_steps=0)
+    tuned = train(tiny_target, sampled_rows, tmp_path / "tuned", still, init_head=shifted,
+                  progress=False)
+    fresh = train(tiny_target, sampled_rows, tmp_path / "fresh", still, progress=False)
+    np.testing.assert_array_equal(tuned.draft.d2t, shifted.d2t)
+    assert not np.array_equal(fresh.draft.d2t, shifted.d2t)
+    for a, b, c in zip(*(jax.tree.leaves(r.draft.params) for r in (tuned, first, fresh))):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+        assert a.shape != c.shape or np.abs(np.asarray(a) - np.asarray(c)).max() > 1e-3
+    with pytest.raises(EaglejaxError, match=r"init_head"):  # the run records its start
+        train(tiny_target, sampled_rows, tmp_path / "tuned", still, init_head=first.draft,
+              progress=False)
+    with pytest.raises(InputError, match=r"draft_vocab_size 48 \(settings: 40\)"):
+        train(tiny_target, sampled_rows, tmp_path / "other",
+              dataclasses.replace(still, draft_vocab_size=40), init_head=first.draft,
+              progress=False)
+
+
 def test_run_directory_is_never_hijacked(tmp_path):
     identity = {"settings": {"lr": 1e-4, "steps": 10}, "data": "abc"}
     run = open_run(tmp_path / "run", identity)

@@ -20,6 +20,7 @@ import numpy as np
 from eaglejax.errors import EaglejaxError
 
 if TYPE_CHECKING:
+    from eaglejax.draft.draft import Draft
     from eaglejax.target import Target
 
 RUN_FORMAT, RUN_VERSION = "eaglejax-train-run", 1
@@ -33,6 +34,16 @@ def target_fingerprint(target: Target) -> str:
     digest = hashlib.sha256(json.dumps(target.config.to_hf_dict(), sort_keys=True).encode())
     for leaf in jax.tree.leaves(target.params):
         digest.update(np.asarray(leaf.reshape(-1)[:256]).tobytes())
+    return digest.hexdigest()
+
+
+def draft_fingerprint(draft: Draft) -> str:
+    """sha256 over a head's config, draft vocabulary and every parameter."""
+    digest = hashlib.sha256(repr(draft.config).encode())
+    digest.update(np.asarray(draft.d2t).tobytes())
+    for path, leaf in jax.tree_util.tree_leaves_with_path(draft.params):
+        digest.update(jax.tree_util.keystr(path).encode())
+        digest.update(np.asarray(leaf, np.float32).tobytes())
     return digest.hexdigest()
 
 

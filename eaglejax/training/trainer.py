@@ -33,13 +33,19 @@ from eaglejax.target import Target
 from eaglejax.training.data import PackedRows
 from eaglejax.training.run import (
     append_log,
+    draft_fingerprint,
     open_run,
     read_log,
     target_fingerprint,
     truncate_log,
 )
 from eaglejax.training.ttt import Batch, target_signal, ttt_loss
-from eaglejax.training.vocab import select_draft_vocab
+from eaglejax.training.vocab import (
+    DraftVocab,
+    select_draft_vocab,
+    supervised_token_counts,
+    vocab_from_used,
+)
 
 SCHEDULES = ("cosine", "constant")
 # Settings that do not change the trained parameters (a resumed run may change them).
@@ -209,6 +215,28 @@ def acceptance_length(draft: Draft, prompts: Sequence[str] | Sequence[Sequence[i
     return float(np.mean(values)) if values else 1.0
 
 
+def _draft_vocab(target: Target, rows: PackedRows, config: TrainConfig,
+                 init_head: Draft | None) -> DraftVocab:
+    """The most frequent supervised tokens of `rows`, or `init_head`'s vocabulary (checked
+    against `config`)."""
+    if init_head is None:
+        return select_draft_vocab(rows, target.config.vocab_size, config.draft_vocab_size)
+    c = init_head.config
+    wanted = {"kind": ("eagle3", c.kind), "draft_vocab_size": (config.draft_vocab_size,
+              c.draft_vocab_size), "num_layers": (config.num_layers, c.decoder.num_layers)}
+    wrong = [f"{name} {have!r} (settings: {want!r})" for name, (want, have) in wanted.items()
+             if want != have]
+    if wrong:
+        raise InputError(f"init head {init_head.source}: {', '.join(wrong)}")
+    if config.init_from_target:
+        raise InputError("init_from_target and an init head exclude each other")
+    if init_head.target.config != target.config:
+        raise InputError(f"init head {init_head.source} was loaded for a different target "
+                         f"than {target.source}")
+    used = np.asarray(init_head.d2t) + np.arange(c.draft_vocab_size)
+    return vocab_from_used(used, supervised_token_counts(rows, target.config.vocab_size))
+
+
 def _latest_checkpoint(out: Path) -> int:
     """The step of the run's latest checkpoint (0 if none)."""
     steps = [int(p.name) for p in (out / "checkpoints").glob("*") if p.name.isdigit()]
@@ -254,8 +282,10 @@ def _postfix(metrics: dict[str, Any], tokens_per_s: float | None) -> str:
 def train(target: Target, rows: PackedRows, out: str | Path,
           config: TrainConfig = TrainConfig(), *,
           eval_prompts: Sequence[str] | Sequence[Sequence[int]] | None = None,
-          progress: bool = True) -> TrainResult:
-    """Train a fresh EAGLE-3 head for `target` on packed `rows`, in run directory `out`.
+          init_head: Draft | None = None, progress: bool = True) -> TrainResult:
+    """Train an EAGLE-3 head for `target` on packed `rows`, in run directory `out`: a fresh
+    one, or (`init_head`) continue training an existing head, keeping its draft vocabulary
+    (fine-tuning, e.g. on the target's regenerated replies).
 
     Starting again with the same arguments resumes from the last checkpoint (a finished
     run just returns its head). With `eval_prompts` the greedy acceptance length of a K =
@@ -264,10 +294,12 @@ def train(target: Target, rows: PackedRows, out: str | Path,
     """
     if rows.seq_len != config.seq_len:
         raise InputError(f"rows are {rows.seq_len} tokens long but seq_len is {config.seq_len}")
-    vocab = select_draft_vocab(rows, target.config.vocab_size, config.draft_vocab_size)
+    vocab = _draft_vocab(target, rows, config, init_head)
     identity = {"settings": config.identity(), "target": target_fingerprint(target),
                 "data": rows.fingerprint(), "rows": len(rows),
                 "draft_vocab_coverage": round(vocab.coverage, 6)}
+    if init_head is not None:
+        identity["init_head"] = draft_fingerprint(init_head)
     out = open_run(out, identity)
     head_dir = out / "head"
     finished = _latest_checkpoint(out)
@@ -280,9 +312,12 @@ def train(target: Target, rows: PackedRows, out: str | Path,
 
             return TrainResult(load_draft(str(head_dir), target=target), read_log(out), out)
         head_dir.rename(out / f"head-step{finished}")  # the earlier head is kept
-    draft = new_eagle3_draft(target, used_tokens=vocab.used, num_layers=config.num_layers,
-                             from_target=config.init_from_target,
-                             seed=config.seed)
+    if init_head is None:
+        draft = new_eagle3_draft(target, used_tokens=vocab.used, num_layers=config.num_layers,
+                                 from_target=config.init_from_target, seed=config.seed)
+    else:
+        params = jax.tree.map(lambda p: jnp.array(p, target.dtype, copy=True), init_head.params)
+        draft = dataclasses.replace(init_head, params=params, target=target)
     state = TrainState(draft.params, make_optimizer(config).init(draft.params))
     step_fn = _train_step(draft.config, target.config, config.core(), target.attn_impl)
     used, t2d = jnp.asarray(vocab.used), jnp.asarray(vocab.t2d)

@@ -35,12 +35,18 @@ def vocab_from_counts(counts: np.ndarray, draft_vocab_size: int) -> DraftVocab:
         raise InputError(f"draft vocabulary size must be in [1, {vocab_size}], "
                          f"got {draft_vocab_size}")
     order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id
-    used = np.sort(order[:draft_vocab_size]).astype(np.int32)
-    t2d = np.full(vocab_size, -1, np.int32)
-    t2d[used] = np.arange(draft_vocab_size, dtype=np.int32)
+    return vocab_from_used(np.sort(order[:draft_vocab_size]), counts)
+
+
+def vocab_from_used(used: np.ndarray, counts: np.ndarray) -> DraftVocab:
+    """The draft vocabulary of sorted target ids `used` (e.g. an existing head's), with
+    d2t, t2d and its coverage of `counts` [V]."""
+    used = np.asarray(used, np.int32)
+    t2d = np.full(len(counts), -1, np.int32)
+    t2d[used] = np.arange(len(used), dtype=np.int32)
     total = counts.sum()
     coverage = float(counts[used].sum() / total) if total else 0.0
-    return DraftVocab(used, (used - np.arange(draft_vocab_size)).astype(np.int32), t2d, coverage)
+    return DraftVocab(used, (used - np.arange(len(used))).astype(np.int32), t2d, coverage)
 
 
 def select_draft_vocab(rows: PackedRows, vocab_size: int, draft_vocab_size: int) -> DraftVocab:
