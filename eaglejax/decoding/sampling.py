@@ -20,7 +20,8 @@ class SamplingParams(NamedTuple):
     @staticmethod
     def make(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingParams":
         """Validate user values and pack them as arrays."""
-        if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature == temperature):
+        number = isinstance(temperature, (int, float)) and temperature == temperature
+        if not (number and temperature >= 0):
             raise InputError(f"temperature must be a number >= 0, got {temperature!r}")
         if not (isinstance(top_k, int) and top_k >= 0):
             raise InputError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
