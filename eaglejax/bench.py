@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import platform
 import time
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -84,35 +85,38 @@ def _run_batches(questions: list[Question], batch_size: int, run) -> dict[str, A
 
 
 def _header(target: Target, questions: list[Question], batch_size: int,
-            max_new_tokens: int) -> dict[str, Any]:
+            max_new_tokens: int, sampling: Mapping[str, Any] | None) -> dict[str, Any]:
     return {"model": target.source, "dtype": jnp.dtype(target.dtype).name,
             "backend": jax.default_backend(),
             "machine": platform.processor() or platform.machine(), "batch_size": batch_size,
-            "prompts": len(questions), "max_new_tokens": max_new_tokens}
+            "prompts": len(questions), "max_new_tokens": max_new_tokens,
+            "sampling": dict(sampling) if sampling else "greedy"}
 
 
 def plain_run(target: Target, questions: list[Question], *, batch_size: int = 1,
-              max_new_tokens: int = 128, chat: bool = True,
-              ignore_eos: bool = True) -> dict[str, Any]:
-    """Greedy plain decoding over `questions` in batches (after a warm-up pass): summed
-    timings, token counts and the results."""
+              max_new_tokens: int = 128, chat: bool = True, ignore_eos: bool = True,
+              sampling: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Plain decoding over `questions` in batches (after a warm-up pass): summed timings,
+    token counts and the results. `sampling`: `generate`'s temperature / top_p / top_k /
+    seed (None: greedy)."""
     run = functools.partial(generate, target=target, max_new_tokens=max_new_tokens, chat=chat,
-                            ignore_eos=ignore_eos)
+                            ignore_eos=ignore_eos, **(sampling or {}))
     return _run_batches(questions, batch_size, run)
 
 
 def bench_plain(target: Target, questions: list[Question], *, batch_size: int = 1,
-                max_new_tokens: int = 128, chat: bool = True,
-                ignore_eos: bool = True) -> dict[str, Any]:
-    """Greedy plain decoding over `questions` in batches; a warm-up pass compiles every shape."""
+                max_new_tokens: int = 128, chat: bool = True, ignore_eos: bool = True,
+                sampling: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Plain decoding over `questions` in batches (greedy, or `sampling` as in `plain_run`);
+    a warm-up pass compiles every shape."""
     t = plain_run(target, questions, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                  chat=chat, ignore_eos=ignore_eos)
+                  chat=chat, ignore_eos=ignore_eos, sampling=sampling)
     mean_context = int(np.mean(t["prompt_tokens"])) + max_new_tokens // 2
     capacity = cache_capacity(max(t["prompt_tokens"]), max_new_tokens)
     forward_ms = single_forward_ms(target, mean_context, capacity, batch=batch_size)
     decode_ms_per_step = 1e3 * t["decode_s"] / t["steps"]
     return {
-        "mode": "plain", **_header(target, questions, batch_size, max_new_tokens),
+        "mode": "plain", **_header(target, questions, batch_size, max_new_tokens, sampling),
         "new_tokens": t["new_tokens"],
         "decode_tokens_per_s": t["decode_tokens"] / t["decode_s"],
         "end_to_end_tokens_per_s": t["new_tokens"] / (t["prefill_s"] + t["decode_s"]),
@@ -126,15 +130,19 @@ def bench_plain(target: Target, questions: list[Question], *, batch_size: int = 
 def bench_speculative(target: Target, draft, questions: list[Question], *, batch_size: int = 1,
                       max_new_tokens: int = 128, speculative: SpecConfig | str | None = None,
                       chat: bool = True, ignore_eos: bool = True,
+                      sampling: Mapping[str, Any] | None = None,
                       plain: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Plain and speculative greedy decoding side by side on the same prompts (plain first,
-    then speculative, each after its own warm-up), with acceptance statistics.
-    `speculative` as in `generate` (None: the device preset); pass `plain`, an earlier
-    `plain_run` of the same prompts, to compare several configurations with one baseline."""
+    """Plain and speculative decoding side by side on the same prompts (plain first, then
+    speculative, each after its own warm-up), with acceptance statistics. Greedy, or
+    `sampling` as in `plain_run` (lossless speculative sampling: the same distribution, not
+    the same tokens). `speculative` as in `generate` (None: the device preset); pass
+    `plain`, an earlier `plain_run` of the same prompts and sampling, to compare several
+    configurations with one baseline."""
     common = dict(target=target, max_new_tokens=max_new_tokens, chat=chat,
-                  ignore_eos=ignore_eos)
+                  ignore_eos=ignore_eos, **(sampling or {}))
     plain = plain or plain_run(target, questions, batch_size=batch_size,
-                               max_new_tokens=max_new_tokens, chat=chat, ignore_eos=ignore_eos)
+                               max_new_tokens=max_new_tokens, chat=chat, ignore_eos=ignore_eos,
+                               sampling=sampling)
     spec = _run_batches(questions, batch_size, functools.partial(
         generate, draft=draft, speculative=speculative, **common))
     rows = spec["results"]
@@ -148,7 +156,8 @@ def bench_speculative(target: Target, draft, questions: list[Question], *, batch
     plain_step_ms = 1e3 * plain["decode_s"] / plain["steps"]
     spec_step_ms = 1e3 * spec["decode_s"] / spec["steps"]
     return {
-        "mode": "speculative", **_header(target, questions, batch_size, max_new_tokens),
+        "mode": "speculative",
+        **_header(target, questions, batch_size, max_new_tokens, sampling),
         "draft": draft.source, "speculative": rows[0].metrics.speculative,
         "plain_decode_tokens_per_s": plain["decode_tokens"] / plain["decode_s"],
         "spec_decode_tokens_per_s": spec["decode_tokens"] / spec["decode_s"],
@@ -162,6 +171,6 @@ def bench_speculative(target: Target, draft, questions: list[Question], *, batch
         "plain_ms_per_step": plain_step_ms,
         "spec_ms_per_round": spec_step_ms,
         "round_over_plain_step": spec_step_ms / plain_step_ms,
-        "identical_tokens": all(p.token_ids == s.token_ids
-                                for p, s in zip(plain["results"], rows)),
+        **({} if sampling else {"identical_tokens": all(
+            p.token_ids == s.token_ids for p, s in zip(plain["results"], rows))}),
     }

@@ -37,6 +37,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def _speculation(args: argparse.Namespace):
     """The SpecConfig (or "auto", or None for the device preset) the flags ask for."""
     from eaglejax.decoding.spec_config import SpecConfig
@@ -67,15 +74,13 @@ def _parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="+", help="prompt text (several run as one batch)")
     _add_model_args(gen)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
-    gen.add_argument("--seed", type=int, default=0)
+    _add_sampling_args(gen)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
 
     bench = commands.add_parser("bench", help="decoding speed on MT-bench first turns")
     _add_model_args(bench)
+    _add_sampling_args(bench)
     bench.add_argument("--batch-size", type=int, default=1)
     bench.add_argument("--num-prompts", type=int, default=16,
                        help="first N MT-bench questions (default 16; 80 is all)")
@@ -216,8 +221,10 @@ def _bench(args: argparse.Namespace) -> None:
     if args.balanced:
         questions = interleave_categories(questions)
     questions = questions[:args.num_prompts]
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    seed=args.seed) if args.temperature > 0 else None
     common = dict(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                  chat=args.chat, ignore_eos=not args.stop_at_eos)
+                  chat=args.chat, ignore_eos=not args.stop_at_eos, sampling=sampling)
     draft = _load_draft(args, target)
     if draft is None:
         report = bench_plain(target, questions, **common)

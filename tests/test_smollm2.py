@@ -113,5 +113,12 @@ def test_bench_speculative_reports_side_by_side(smollm2):
     report = bench_speculative(smollm2, new_eagle3_draft(smollm2, seed=2), questions,
                                max_new_tokens=6, speculative=eaglejax.SpecConfig.chain(2))
     assert report["identical_tokens"] is True
+    assert report["sampling"] == "greedy"
     assert report["acceptance_length"] >= 1.0
     assert set(report["acceptance_length_by_category"]) == {q.category for q in questions}
+    sampling = dict(temperature=0.8, top_p=0.9, top_k=0, seed=3)
+    sampled = bench_speculative(smollm2, new_eagle3_draft(smollm2, seed=2), questions,
+                                max_new_tokens=6, speculative=eaglejax.SpecConfig.chain(2),
+                                sampling=sampling)
+    assert sampled["sampling"] == sampling and "identical_tokens" not in sampled
+    assert sampled["acceptance_length"] >= 1.0 and sampled["spec_decode_tokens_per_s"] > 0
