@@ -136,7 +136,8 @@ def _stop_criteria(target: Target, stop: Sequence[str], ignore_eos: bool) -> Sto
     return StopCriteria(eos, tuple(sorted(set(sequences))))
 
 
-def _cut_at_stop(target: Target, ids: list[int], stop: Sequence[str]) -> tuple[list[int], str | None]:
+def _cut_at_stop(target: Target, ids: list[int],
+                 stop: Sequence[str]) -> tuple[list[int], str | None]:
     """Exact host-side stop-string check: the shortest token prefix whose text holds a stop
     string, and the text before it; (ids, None) when no stop string occurs."""
     decode = target.tokenizer.decode
@@ -216,6 +217,21 @@ def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "
     raise InputError(f"speculative must be a SpecConfig, 'auto' or None, got {speculative!r}")
 
 
+def _row_seeds(seed: int | Sequence[int], batch: int) -> list[int]:
+    """One seed per row from an int or a sequence of `batch` ints (InputError otherwise)."""
+    def is_int(value) -> bool:
+        return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+    if is_int(seed):
+        return [int(seed)] * batch
+    if not (isinstance(seed, Sequence) and all(is_int(s) for s in seed)):
+        raise InputError(f"seed must be an int or a sequence of ints (one per prompt), "
+                         f"got {seed!r:.60}")
+    if len(seed) != batch:
+        raise InputError(f"seed: got {len(seed)} seeds for {batch} prompts")
+    return [int(s) for s in seed]
+
+
 def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
              target: Target | str | None = None, draft: "Draft | None" = None,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
@@ -248,9 +264,7 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     criteria = _stop_criteria(target, stop, ignore_eos)
     encoded = _encode_prompts(prompts, target, chat)
     batch = len(encoded)
-    seeds = [seed] * batch if isinstance(seed, int) else [int(s) for s in seed]
-    if len(seeds) != batch:
-        raise InputError(f"seed: got {len(seeds)} seeds for {batch} prompts")
+    seeds = _row_seeds(seed, batch)
 
     lengths = [len(ids) for ids in encoded]
     limit = target.config.max_position_embeddings

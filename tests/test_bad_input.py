@@ -75,6 +75,8 @@ def test_missing_tensor(tmp_path, hf_family):
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"),
     (dict(seed=[1, 2]), "seed"),
+    (dict(seed=None), "seed must be an int"),
+    (dict(seed=[1.5]), "seed must be an int"),
 ])
 def test_invalid_generation_arguments(kwargs, match, target_of):
     with pytest.raises(InputError, match=match):
