@@ -14,13 +14,13 @@ import argparse
 import importlib.util
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eaglejax.bench import median_seconds
 from eaglejax.decoding import sampling as current
 
 SETTINGS = [(0.8, 0, 1.0), (0.8, 50, 1.0), (0.8, 0, 0.9)]
@@ -37,17 +37,6 @@ def module_at(revision: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def median_ms(fn, *args) -> float:
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(15):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
 
 
 def main() -> None:
@@ -67,7 +56,7 @@ def main() -> None:
             for module in (other, current):
                 params = module.SamplingParams.make(temperature, top_k, top_p)
                 fn = jax.jit(lambda x, p, k, m=module: m.sample_tokens(x, p, k, False))
-                ms.append(median_ms(fn, logits, params, keys))
+                ms.append(1e3 * median_seconds(fn, (logits, params, keys), repeats=15))
             print(f"rows {rows:3d}  temperature {temperature} top_k {top_k:3d} top_p {top_p}: "
                   f"{args.against} {ms[0]:8.2f} ms, this tree {ms[1]:7.2f} ms, "
                   f"{ms[0] / ms[1]:5.1f}x")

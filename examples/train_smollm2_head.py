@@ -57,8 +57,9 @@ PRESETS = {
                         draft_vocab_size=8192, num_layers=1, seed=0,
                         checkpoint_every=20, eval_every=500, eval_max_new_tokens=64),
 }
-REGEN = {"cpu": None, "cpu-decay": None, "full": RegenConfig(temperature=0.8, max_new_tokens=512,
-                                          max_context=1024, batch_size=16, seed=0)}
+REGEN = {"cpu": None, "cpu-decay": None,
+         "full": RegenConfig(temperature=0.8, max_new_tokens=512, max_context=1024,
+                             batch_size=16, seed=0)}
 EVAL_QUESTIONS = 8
 
 

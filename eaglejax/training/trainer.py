@@ -26,6 +26,7 @@ from tqdm import tqdm
 from eaglejax import SpecConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.draft import Draft, new_eagle3_draft
+from eaglejax.draft.head import to_target_ids
 from eaglejax.errors import InputError
 from eaglejax.generate import generate
 from eaglejax.models.llama import Params
@@ -233,7 +234,7 @@ def _draft_vocab(target: Target, rows: PackedRows, config: TrainConfig,
     if init_head.target.config != target.config:
         raise InputError(f"init head {init_head.source} was loaded for a different target "
                          f"than {target.source}")
-    used = np.asarray(init_head.d2t) + np.arange(c.draft_vocab_size)
+    used = to_target_ids(np.arange(c.draft_vocab_size), np.asarray(init_head.d2t))
     return vocab_from_used(used, supervised_token_counts(rows, target.config.vocab_size))
 
 
