@@ -6,11 +6,21 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
-from eaglejax.errors import EaglejaxError
+from eaglejax import validation
+from eaglejax.errors import EaglejaxError, InputError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+SPECULATION_FLAGS = ("num_draft_tokens", "tree", "static_tree", "auto_tree")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with eaglejax's error style: one line on stderr, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"eaglejax: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -45,30 +55,48 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _speculation(args: argparse.Namespace):
-    """The SpecConfig (or "auto", or None for the device preset) the flags ask for."""
+    """The SpecConfig (or "auto", or None for the device preset) the flags ask for;
+    InputError for a malformed shape or a shape flag without --draft."""
     from eaglejax.decoding.spec_config import SpecConfig
 
+    if args.draft is None:
+        used = [name for name in SPECULATION_FLAGS if getattr(args, name) not in (None, False)]
+        if used:
+            raise InputError(f"{validation.cli_flag(used[0])} needs --draft HEAD (it shapes "
+                             f"speculative decoding)")
+        return None
     if args.num_draft_tokens is not None:
         return SpecConfig.chain(args.num_draft_tokens)
     if args.tree is not None:
         try:
             top_k, depth, total = (int(v) for v in args.tree.split(","))
         except ValueError:
-            raise EaglejaxError(f"--tree wants TOP_K,DEPTH,TOTAL (three integers), "
-                                f"got {args.tree!r}") from None
+            raise InputError(f"--tree wants TOP_K,DEPTH,TOTAL (three integers), "
+                             f"got {args.tree!r}") from None
         return SpecConfig.tree(top_k, depth, total)
     if args.static_tree is not None:
         try:
             paths = json.loads(args.static_tree)
         except json.JSONDecodeError as e:
-            raise EaglejaxError(f"--static-tree is not valid JSON ({e}): "
-                                f"{args.static_tree!r}") from None
+            raise InputError(f"--static-tree is not valid JSON ({e}): "
+                             f"{args.static_tree!r}") from None
         return SpecConfig.static_tree(paths)
     return "auto" if args.auto_tree else None
 
 
+def _check_decoding_args(args: argparse.Namespace):
+    """Check the flags `generate` and `bench` share before any model is loaded; returns
+    the speculation shape (see `_speculation`)."""
+    validation.integer("--max-new-tokens", args.max_new_tokens, 1)
+    validation.sampling(args.temperature, args.top_k, args.top_p, name=validation.cli_flag)
+    validation.seed("--seed", args.seed)
+    if args.draft not in (None, "random"):
+        validation.existing_path("--draft", args.draft, directory=True)
+    return _speculation(args)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eaglejax", description=__doc__)
+    parser = _Parser(prog="eaglejax", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text for one or more prompts")
@@ -170,9 +198,11 @@ def _add_train_args(commands) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    speculative = _check_decoding_args(args)
+    validation.prompt_list(args.prompts)
+    validation.stop_strings(args.stop, name="--stop")
     from eaglejax import generate, load_target
 
-    speculative = _speculation(args)
     target = load_target(args.model, dtype=args.dtype)
     results = generate(args.prompts, target=target, draft=_load_draft(args, target),
                        speculative=speculative,
@@ -213,11 +243,11 @@ def _bench(args: argparse.Namespace) -> None:
     from eaglejax.bench import bench_plain, bench_speculative
     from eaglejax.datasets import interleave_categories, mt_bench_questions
 
-    if args.batch_size < 1 or args.num_prompts < 1:
-        raise EaglejaxError("--batch-size and --num-prompts must be >= 1")
-    speculative = _speculation(args)
-    target = load_target(args.model, dtype=args.dtype)
+    validation.integer("--batch-size", args.batch_size, 1)
+    validation.integer("--num-prompts", args.num_prompts, 1)
+    speculative = _check_decoding_args(args)
     questions = mt_bench_questions(args.questions)
+    target = load_target(args.model, dtype=args.dtype)
     if args.balanced:
         questions = interleave_categories(questions)
     questions = questions[:args.num_prompts]
@@ -242,6 +272,8 @@ def _convert(args: argparse.Namespace) -> None:
     from eaglejax.draft import load_draft
     from eaglejax.draft.formats import WRITERS
 
+    validation.existing_path("SRC", args.src, directory=True)
+    validation.new_output_dir("DST", args.dst)
     target = load_target(args.target, dtype=args.dtype)
     draft = load_draft(args.src, target=target)
     out = WRITERS[args.to](draft, args.dst)
@@ -257,6 +289,7 @@ def _train_draft(args: argparse.Namespace) -> None:
     from eaglejax.training.regenerate import RegenConfig
     from eaglejax.training.trainer import TrainConfig, train
 
+    _check_train_args(args)
     config = TrainConfig(
         seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
         warmup_steps=args.warmup_steps, schedule=args.schedule, weight_decay=args.weight_decay,
@@ -279,6 +312,33 @@ def _train_draft(args: argparse.Namespace) -> None:
     al = f"; acceptance length {evals[0]:.2f} at the start, {evals[-1]:.2f} at the end" \
         if evals else ""
     print(f"wrote {result.out / 'head'} (load it with --draft){al}")
+
+
+# Least values of train-draft's integer flags (cross-field rules: TrainConfig).
+_TRAIN_MINIMUM = {"seq_len": 1, "batch_size": 1, "steps": 1, "ttt_length": 1,
+                  "draft_vocab_size": 1, "num_layers": 1, "checkpoint_every": 1,
+                  "eval_every": 0, "eval_questions": 0, "eval_max_new_tokens": 1,
+                  "regen_max_new_tokens": 1, "regen_batch_size": 1, "max_conversations": 1,
+                  "warmup_steps": 0}
+
+
+def _check_train_args(args: argparse.Namespace) -> None:
+    """Check train-draft's flags and paths before a model is loaded or --out is created."""
+    for name, low in _TRAIN_MINIMUM.items():
+        value = getattr(args, name)
+        if value is not None:  # --max-conversations and --warmup-steps default to None
+            validation.integer(validation.cli_flag(name), value, low)
+    validation.seed("--seed", args.seed)
+    validation.real("--lr", args.lr, 0.0, low_open=True)
+    validation.real("--grad-clip", args.grad_clip, 0.0, low_open=True)
+    validation.real("--weight-decay", args.weight_decay, 0.0)
+    validation.real("--regen-temperature", args.regen_temperature, 0.0)
+    validation.existing_path("--data", args.data)
+    if args.init_head is not None:
+        validation.existing_path("--init-head", args.init_head, directory=True)
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out: {out} exists and is not a directory")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eaglejax import validation
 from eaglejax.decoding import plain
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculative import spec_loop, spec_prefill
@@ -98,40 +100,37 @@ def cache_capacity(prompt_tokens: int, max_new_tokens: int, extra: int = 0) -> i
     return -(-total // 128) * 128
 
 
-def _encode_prompts(prompts: str | Sequence[str] | Sequence[Sequence[int]], target: Target,
+def _encode_prompts(prompts: list[str | list[int]], target: Target,
                     chat: bool) -> list[list[int]]:
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise InputError("prompts must be a non-empty list of strings or of token-id lists")
+    """Token ids of prompts already checked by `validation.prompt_list`."""
     encoded = []
     for i, prompt in enumerate(prompts):
+        name = f"prompt {i}"
         if isinstance(prompt, str):
-            if not prompt.strip():
-                raise InputError(f"prompt {i} is empty")
             if target.tokenizer is None:
                 raise InputError(f"{target.source}: the model has no tokenizer; pass token ids")
-            ids = target.tokenizer.render_prompt(prompt, chat=chat)
-        else:
-            ids = [int(t) for t in prompt]
+            try:
+                ids = target.tokenizer.render_prompt(prompt, chat=chat)
+            except InputError as err:
+                raise InputError(f"{name}: {err}") from None
             if not ids:
-                raise InputError(f"prompt {i} is empty")
-            bad = [t for t in ids if not 0 <= t < target.config.vocab_size]
-            if bad:
-                raise InputError(f"prompt {i}: token id {bad[0]} is outside the vocabulary "
-                                 f"[0, {target.config.vocab_size})")
+                raise InputError(f"{name} encodes to no tokens")
+        else:
+            validation.in_vocabulary(name, prompt, target.config.vocab_size)
+            ids = prompt
         encoded.append(ids)
     return encoded
 
 
-def _stop_criteria(target: Target, stop: Sequence[str], ignore_eos: bool) -> StopCriteria:
+def _stop_criteria(target: Target, stop: list[str], ignore_eos: bool) -> StopCriteria:
     sequences = []
     for s in stop:
-        if not isinstance(s, str) or not s:
-            raise InputError(f"stop strings must be non-empty strings, got {s!r}")
         if target.tokenizer is None:
             raise InputError(f"{target.source}: stop strings need a tokenizer")
-        sequences.append(tuple(target.tokenizer.encode(s)))
+        ids = tuple(target.tokenizer.encode(s))
+        if not ids:
+            raise InputError(f"stop string {s!r} encodes to no tokens")
+        sequences.append(ids)
     eos = () if ignore_eos else tuple(sorted(set(target.eos_token_ids)))
     return StopCriteria(eos, tuple(sorted(set(sequences))))
 
@@ -210,26 +209,39 @@ def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "
         return SpecConfig.preset(jax.default_backend(), len(encoded))
     if isinstance(speculative, SpecConfig):
         return speculative
-    if speculative == "auto":
-        from eaglejax.autotune import cached_choice
+    from eaglejax.autotune import cached_choice  # "auto", see _check_speculation
 
-        return cached_choice(target, draft, encoded, max_new_tokens)
-    raise InputError(f"speculative must be a SpecConfig, 'auto' or None, got {speculative!r}")
+    return cached_choice(target, draft, encoded, max_new_tokens)
 
 
-def _row_seeds(seed: int | Sequence[int], batch: int) -> list[int]:
-    """One seed per row from an int or a sequence of `batch` ints (InputError otherwise)."""
-    def is_int(value) -> bool:
-        return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+def _target_source(target: object, draft: object) -> Target | str:
+    """The Target to use, or the name or path to load it from (checked, not loaded)."""
+    if isinstance(target, Target):
+        return target
+    if target is None:
+        return draft.target if draft is not None else DEFAULT_TARGET
+    if isinstance(target, (str, os.PathLike)):
+        return os.fspath(target)
+    raise InputError(f"target must be a Target, a model name or path, or None, got "
+                     f"{type(target).__name__}")
 
-    if is_int(seed):
-        return [int(seed)] * batch
-    if not (isinstance(seed, Sequence) and all(is_int(s) for s in seed)):
-        raise InputError(f"seed must be an int or a sequence of ints (one per prompt), "
-                         f"got {seed!r:.60}")
-    if len(seed) != batch:
-        raise InputError(f"seed: got {len(seed)} seeds for {batch} prompts")
-    return [int(s) for s in seed]
+
+def _check_speculation(draft: object, speculative: object) -> None:
+    """InputError unless `draft` is a Draft or None and `speculative` a SpecConfig, "auto"
+    or None, given only with a draft head."""
+    from eaglejax.draft.draft import Draft
+
+    if draft is not None and not isinstance(draft, Draft):
+        raise InputError(f"draft must be a Draft (eaglejax.load_draft(path, target=...)) or "
+                         f"None, got {type(draft).__name__}")
+    is_auto = isinstance(speculative, str) and speculative == "auto"
+    if not (speculative is None or is_auto or isinstance(speculative, SpecConfig)):
+        raise InputError(f"speculative must be a SpecConfig, 'auto' or None, "
+                         f"got {speculative!r:.60}")
+    if draft is None and speculative is not None:
+        shape = speculative.describe() if isinstance(speculative, SpecConfig) else "'auto'"
+        raise InputError(f"speculative ({shape}) needs a draft head: pass "
+                         f"draft=eaglejax.load_draft(...), or leave speculative out")
 
 
 def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
@@ -239,11 +251,14 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
              stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
              speculative: SpecConfig | str | None = None) -> list[Generation]:
     """Generate continuations of `prompts` (strings, rendered with the chat template when
-    `chat`, or token-id lists used as given) in one compiled batch.
+    `chat`, or token-id lists or integer arrays used as given) in one compiled batch.
 
-    temperature 0 is greedy; otherwise temperature, top_k (0 = off) and top_p shape the
-    distribution that is sampled. `seed` may be one int for every row or one per row: a
-    row's tokens depend only on its prompt and its seed, never on its neighbours.
+    `target`: a Target, a model name or path (loaded once and cached), or None: the
+    draft's target, else the default model. Every argument is checked before a model is
+    loaded (InputError naming it). temperature 0 is greedy; otherwise temperature, top_k
+    (0 = off) and top_p shape the distribution that is sampled. `seed` (in [0, 2**32)) may
+    be one int for every row or one per row: a row's tokens depend only on its prompt and
+    its seed, never on its neighbours.
     Generation stops at an EOS id (unless `ignore_eos`), a stop string (excluded from
     `.text`), or `max_new_tokens`. With a `draft` head (see `eaglejax.load_draft`) decoding
     is speculative, configured by `speculative`: a `SpecConfig` (chain, dynamic tree or
@@ -252,19 +267,23 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     this device and batch size, `SpecConfig.preset`). Greedy output is identical to plain
     decoding.
     """
-    if target is None or isinstance(target, str):
-        target = _cached_target(target or DEFAULT_TARGET)
+    source = _target_source(target, draft)
+    _check_speculation(draft, speculative)
+    max_new_tokens = validation.integer("max_new_tokens", max_new_tokens, 1)
+    sampling = SamplingParams.make(temperature, top_k, top_p)
+    chat = validation.flag("chat", chat)
+    ignore_eos = validation.flag("ignore_eos", ignore_eos)
+    stop = validation.stop_strings(stop)
+    prompts = validation.prompt_list(prompts)
+    seeds = validation.row_seeds(seed, len(prompts))
+
+    target = source if isinstance(source, Target) else _cached_target(source)
     if draft is not None and draft.target is not target:
         raise ConfigError(f"the draft head {draft.source} was loaded for target "
                           f"{draft.target.source}, not {target.source}; load it with this target")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    sampling = SamplingParams.make(temperature, top_k, top_p)
-    stop = [stop] if isinstance(stop, str) else list(stop or [])
     criteria = _stop_criteria(target, stop, ignore_eos)
     encoded = _encode_prompts(prompts, target, chat)
     batch = len(encoded)
-    seeds = _row_seeds(seed, batch)
 
     lengths = [len(ids) for ids in encoded]
     limit = target.config.max_position_embeddings

@@ -20,6 +20,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from eaglejax import validation
 from eaglejax.errors import InputError, LoadError
 
 # --------------------------------------------------------------------------------------------
@@ -463,8 +464,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS as the model does."""
-        if not isinstance(text, str):
-            raise InputError(f"encode expects a str, got {type(text).__name__}")
+        validation.text("text", text)
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -480,7 +480,7 @@ class Tokenizer:
         """Render ``messages`` with the chat template as Hugging Face does (tokenize=False)."""
         if self._template is None:
             raise InputError(f"{self._source}: this tokenizer has no chat template; "
-                             "encode the prompt without chat formatting")
+                             "encode the prompt without chat formatting (chat=False, --no-chat)")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InputError("messages must be a list of dicts with 'role' and 'content'")
         specials = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
@@ -499,6 +499,9 @@ class Tokenizer:
         if chat:
             rendered = self.apply_chat_template([{"role": "user", "content": text}],
                                                 add_generation_prompt=True)
+            if not rendered.strip():
+                raise InputError(f"{self._source}: the chat template renders this prompt to "
+                                 f"{rendered!r}, no text to decode from")
             return self.encode(rendered, add_special_tokens=False)
         return self.encode(text, add_special_tokens=True)
 

@@ -122,4 +122,4 @@ def test_cli_subprocess_exit_code_for_bad_sampling(tmp_path, hf_family):
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
-    assert "top_p" in proc.stderr
+    assert "--top-p" in proc.stderr

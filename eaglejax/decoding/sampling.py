@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from eaglejax.errors import InputError
+from eaglejax import validation
 
 
 class SamplingParams(NamedTuple):
@@ -20,13 +20,7 @@ class SamplingParams(NamedTuple):
     @staticmethod
     def make(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingParams":
         """Validate user values and pack them as arrays."""
-        number = isinstance(temperature, (int, float)) and temperature == temperature
-        if not (number and temperature >= 0):
-            raise InputError(f"temperature must be a number >= 0, got {temperature!r}")
-        if not (isinstance(top_k, int) and top_k >= 0):
-            raise InputError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-        if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-            raise InputError(f"top_p must be in (0, 1], got {top_p!r}")
+        temperature, top_k, top_p = validation.sampling(temperature, top_k, top_p)
         return SamplingParams(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
 
 

@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from eaglejax.errors import InputError
+
 FINISH_NONE, FINISH_EOS, FINISH_STOP, FINISH_LENGTH = 0, 1, 2, 3
 FINISH_REASONS = {FINISH_EOS: "eos", FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 
@@ -21,6 +23,11 @@ class StopCriteria:
 
     eos_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self):
+        # An empty sequence would match every row at once.
+        if any(len(seq) == 0 for seq in self.stop_sequences):
+            raise InputError("stop_sequences: a stop sequence must have at least one token")
 
 
 def _ends_with(tokens: jax.Array, counts: jax.Array, seq: tuple[int, ...]) -> jax.Array:
