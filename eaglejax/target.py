@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eaglejax import validation
 from eaglejax.config import ModelConfig
 from eaglejax.errors import InputError
 from eaglejax.models.attention import AttentionImpl
@@ -57,15 +58,9 @@ class Target:
         save_target(self, path)
 
     def _token_array(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> jax.Array:
-        array = np.asarray(token_ids)
-        if array.ndim == 1:
-            array = array[None]
-        if array.ndim != 2 or array.shape[1] == 0 or not np.issubdtype(array.dtype, np.integer):
-            raise InputError(f"token_ids must be a non-empty [batch, length] integer array of "
-                             f"equal-length rows, got shape {array.shape} dtype {array.dtype}")
-        if array.min() < 0 or array.max() >= self.config.vocab_size:
-            raise InputError(f"token_ids must lie in [0, {self.config.vocab_size}), "
-                             f"got values in [{array.min()}, {array.max()}]")
+        """[B, T] int32 ids from one row or equal-length rows of integer ids in the
+        vocabulary (InputError for floats, booleans, ragged rows or ids out of range)."""
+        array = validation.token_batch("token_ids", token_ids, self.config.vocab_size)
         return jnp.asarray(array, jnp.int32)
 
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> jax.Array:
