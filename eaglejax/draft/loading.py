@@ -32,6 +32,9 @@ def detect_format(path: Path) -> tuple[str, "HFWeights | None"]:
     if found is not None:
         raise LoadError(f"{path / 'eaglejax.json'}: format {found!r} is not a draft head "
                         f"(expected {FORMAT!r}); load targets with load_target")
+    if (path / "params").is_dir() and not (path / "config.json").exists():
+        raise LoadError(f"{path / 'eaglejax.json'}: missing, so {path} is not a complete "
+                        f"eaglejax head (its save was interrupted, or the manifest was deleted)")
     cfg = read_json(path / "config.json")
     archs = cfg.get("architectures") or []
     if is_speculators(cfg):

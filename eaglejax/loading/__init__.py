@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from eaglejax.config import ModelConfig
 from eaglejax.errors import LoadError
+from eaglejax.loading.files import require_regular_file
 from eaglejax.target import Target
 
 GGUF_MAGIC = b"GGUF"
@@ -35,7 +36,12 @@ def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = Non
         return Target(config, params, tokenizer, str(path), eos_ids)
     dtype = dtype or default_dtype()
     if path.is_dir():
+        if (path / "params").is_dir() and not (path / "config.json").exists():
+            raise LoadError(f"{path / checkpoint.MANIFEST}: missing, so {path} is not a "
+                            f"complete eaglejax checkpoint (its save was interrupted, or the "
+                            f"manifest was deleted)")
         return _load_hf_dir(path, dtype)
+    require_regular_file(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == GGUF_MAGIC or path.suffix == ".gguf":

@@ -1,9 +1,12 @@
 """eaglejax's own target checkpoint: orbax parameters + a JSON manifest + the tokenizer files.
 
 Layout of a checkpoint directory:
-  eaglejax.json   {"format": "eaglejax-target", "version": 1, "config": {...HF style...}, "dtype"}
+  eaglejax.json   {"format": "eaglejax-target", "version": 1, "config": {...HF style...}, "dtype",
+                   "files": {path: [size, crc32]} of every other file}
   params/         orbax StandardCheckpointer tree of the parameter dict
   tokenizer.json, tokenizer_config.json   when the model has a tokenizer
+
+The manifest is written last and atomically: a directory without it is an interrupted save.
 """
 
 from __future__ import annotations
@@ -40,9 +43,18 @@ def save_target(target, path: str | Path) -> Path:
         target.tokenizer.save(path)
     manifest = {"format": FORMAT, "version": VERSION, "config": target.config.to_hf_dict(),
                 "dtype": jnp.dtype(target.dtype).name, "source": target.source,
-                "eos_token_ids": list(target.eos_token_ids)}
-    (path / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+                "eos_token_ids": list(target.eos_token_ids),
+                "files": file_checksums(path, sorted(p.name for p in path.iterdir()))}
+    write_atomically(path / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return path
+
+
+def saved_dtype_of(manifest: dict, source: str) -> jnp.dtype:
+    """The parameter dtype a manifest records (float32 when absent)."""
+    try:
+        return jnp.dtype(manifest.get("dtype", "float32"))
+    except TypeError:
+        raise LoadError(f"{source}: unknown dtype {manifest.get('dtype')!r}") from None
 
 
 def load_checkpoint(path: Path, dtype: jnp.dtype | None):
@@ -56,16 +68,13 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None):
     if manifest.get("version") != VERSION:
         raise LoadError(f"{path / MANIFEST}: version {manifest.get('version')!r} is not "
                         f"supported (this eaglejax reads version {VERSION})")
+    if "files" in manifest:  # checkpoints written before checksums were recorded lack it
+        verify_checksums(path, manifest["files"], str(path / MANIFEST))
     config = ModelConfig.from_hf_dict(manifest.get("config") or {}, str(path / MANIFEST))
-    saved_dtype = jnp.dtype(manifest.get("dtype", "float32"))
+    saved_dtype = saved_dtype_of(manifest, str(path / MANIFEST))
     abstract = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, saved_dtype),
                             param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
-    try:
-        with ocp.StandardCheckpointer() as checkpointer:
-            params: Params = checkpointer.restore(path.absolute() / "params", abstract)
-    except Exception as err:  # orbax raises many kinds for missing or mismatched trees
-        raise LoadError(f"{path / 'params'}: cannot restore parameters ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    params: Params = restore_tree(path / "params", abstract)
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
         params = jax.tree.map(lambda a: a.astype(dtype), params)
     tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None

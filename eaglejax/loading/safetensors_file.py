@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from eaglejax.errors import LoadError
+from eaglejax.loading.files import require_regular_file
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -23,6 +24,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        require_regular_file(self.path)
         try:
             size = self.path.stat().st_size
             with open(self.path, "rb") as f:

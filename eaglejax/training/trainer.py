@@ -3,6 +3,8 @@
 The frozen target runs inside every step (its taps and next-token distributions are
 never stored). A run lives in one directory (see `run.py`); killed at any point, the
 same call continues from its last checkpoint and ends with bit-identical parameters.
+Each checkpoint records a CRC-32 of its state; a damaged one is set aside with a warning
+and the run resumes from the one before.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import functools
 import shutil
 import sys
 import time
+import warnings
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,8 +31,9 @@ from eaglejax import SpecConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.draft import Draft, new_eagle3_draft
 from eaglejax.draft.head import to_target_ids
-from eaglejax.errors import InputError
+from eaglejax.errors import InputError, LoadError
 from eaglejax.generate import generate
+from eaglejax.loading.orbax_io import describe_failure, silence_failed_restore_aftermath
 from eaglejax.models.llama import Params
 from eaglejax.target import Target
 from eaglejax.training.data import PackedRows
@@ -249,6 +254,65 @@ def _host_copy(tree: Any) -> Any:
     return jax.tree.map(lambda x: np.array(x, copy=True), tree)
 
 
+def _checksum(tree: Any) -> int:
+    """CRC-32 of every array's bytes, in tree order."""
+    crc = 0
+    for leaf in jax.tree.leaves(tree):
+        crc = zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8), crc)
+    return crc
+
+
+def _restore(manager: ocp.CheckpointManager, step: int, like: TrainState
+             ) -> tuple[TrainState, int]:
+    """(state, tokens seen) of checkpoint `step`, checked against its recorded checksum."""
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    state = TrainState(*restored.state)
+    recorded = restored.meta.get("state_crc32")  # absent from checkpoints of older versions
+    if recorded is not None and recorded != _checksum(state):
+        raise ValueError("its state differs from when it was saved (CRC-32 mismatch)")
+    return state, restored.meta["tokens_seen"]
+
+
+def _set_aside(out: Path, step: int) -> Path:
+    """Move checkpoint `step` to out/damaged-checkpoints/ (under a new name: never over
+    anything), so that the resumed run can write that step again."""
+    aside = out / "damaged-checkpoints"
+    aside.mkdir(exist_ok=True)
+    target, n = aside / str(step), 1
+    while target.exists():
+        target, n = aside / f"{step}.{n}", n + 1
+    (out / "checkpoints" / str(step)).rename(target)
+    return target
+
+
+def _resume(manager: ocp.CheckpointManager, out: Path, fresh: TrainState
+            ) -> tuple[int, TrainState, int]:
+    """(step, state, tokens seen) from the latest intact checkpoint, or (0, `fresh`, 0) when
+    there is none. Damaged checkpoints after it are set aside with a warning; when every
+    checkpoint is damaged, nothing is moved and LoadError says so."""
+    damaged: list[tuple[int, str]] = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            state, tokens_seen = _restore(manager, step, fresh)
+        except Exception as err:  # orbax raises many kinds for damaged files
+            silence_failed_restore_aftermath()
+            damaged.append((step, describe_failure(err)))
+            continue
+        for bad, cause in damaged:
+            warnings.warn(f"{out / 'checkpoints' / str(bad)}: damaged ({cause}); moved to "
+                          f"{_set_aside(out, bad)}, resuming from step {step}", stacklevel=3)
+        if damaged:
+            manager.reload()
+        return step, state, tokens_seen
+    if damaged:
+        causes = "; ".join(f"step {step}: {cause}" for step, cause in damaged)
+        raise LoadError(f"{out / 'checkpoints'}: no intact checkpoint ({causes}); move that "
+                        f"directory aside to start the run over")
+    return 0, fresh, 0
+
+
 class _Meter:
     """Means of the step metrics over a log interval, and tokens/s of this session."""
 
@@ -335,15 +399,8 @@ def train(target: Target, rows: PackedRows, out: str | Path,
     options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints)
     with ocp.CheckpointManager(out / "checkpoints", options=options,
                                item_names=("state", "meta")) as manager:
-        start, tokens_seen = 0, 0
-        if manager.latest_step() is not None:
-            start = manager.latest_step()
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-            restored = manager.restore(start, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-            state = TrainState(*restored.state)
-            tokens_seen = restored.meta["tokens_seen"]
-            truncate_log(out, start)
+        start, state, tokens_seen = _resume(manager, out, state)
+        truncate_log(out, start)
         bar = tqdm(total=config.steps, initial=start, unit="step", disable=not progress,
                    dynamic_ncols=True)
         bar.write(f"eaglejax train-draft: run {out}, checkpoints in {out / 'checkpoints'}; "
@@ -374,11 +431,13 @@ def train(target: Target, rows: PackedRows, out: str | Path,
                                  "tokens_per_s": session_meter.tokens_per_s})
                 meter = _Meter()
             if done % config.checkpoint_every == 0 or done == config.steps:
+                host_state = _host_copy(state)
                 manager.save(done, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(_host_copy(state)),
+                    state=ocp.args.StandardSave(host_state),
                     meta=ocp.args.JsonSave({"step": done, "tokens_seen": tokens_seen,
                                             "samples_seen": done * config.batch_size,
-                                            "seed": config.seed})))
+                                            "seed": config.seed,
+                                            "state_crc32": _checksum(host_state)})))
             if eval_prompts and config.eval_every and done % config.eval_every == 0:
                 bar.write(f"step {done}: acceptance length {evaluate(done, state.params):.3f}",
                           file=sys.stderr)

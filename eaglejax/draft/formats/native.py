@@ -2,9 +2,12 @@
 
 Layout of a head directory:
   eaglejax.json  {"format": "eaglejax-draft", "version": 1, "config": DraftConfig.to_dict(),
-                  "dtype", "tap_semantics": "entering", "source"}
+                  "dtype", "tap_semantics": "entering", "source",
+                  "files": {path: [size, crc32]} of params/ and d2t.npy}
   params/        orbax StandardCheckpointer tree of the head's parameter dict
   d2t.npy        int32 [DV] draft -> target offsets (target id = i + d2t[i])
+
+The manifest is written last and atomically: a directory without it is an interrupted save.
 """
 
 from __future__ import annotations
@@ -23,7 +26,15 @@ from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import ReadResult, prepare_output_dir, validate
 from eaglejax.draft.head import param_shapes
 from eaglejax.errors import ConfigError, LoadError
+from eaglejax.loading.checkpoint import saved_dtype_of
+from eaglejax.loading.files import (
+    file_checksums,
+    require_regular_file,
+    verify_checksums,
+    write_atomically,
+)
 from eaglejax.loading.hf_dir import read_json
+from eaglejax.loading.orbax_io import restore_tree
 
 if TYPE_CHECKING:
     from eaglejax.draft.draft import Draft
@@ -46,8 +57,9 @@ def save_draft(draft: "Draft", path: str | Path) -> Path:
     np.save(out / "d2t.npy", np.asarray(draft.d2t, np.int32))
     dtype = jnp.dtype(jax.tree.leaves(draft.params)[0].dtype).name
     manifest = {"format": FORMAT, "version": VERSION, "config": draft.config.to_dict(),
-                "dtype": dtype, "tap_semantics": "entering", "source": draft.source}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+                "dtype": dtype, "tap_semantics": "entering", "source": draft.source,
+                "files": file_checksums(out, ["params", "d2t.npy"])}
+    write_atomically(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return out
 
 
@@ -64,23 +76,21 @@ def read_native(path: Path, target: ModelConfig, weights: object = None) -> Read
     if manifest.get("tap_semantics", "entering") != "entering":
         raise ConfigError(f"{source}: tap_semantics {manifest['tap_semantics']!r} is not "
                           f"supported (expected 'entering')")
+    if "files" in manifest:  # heads written before checksums were recorded lack it
+        verify_checksums(path, manifest["files"], source)
     try:
         config = DraftConfig.from_dict(manifest["config"], source)
     except (KeyError, TypeError, ValueError) as err:
         raise LoadError(f"{source}: malformed 'config' ({type(err).__name__}: {err})") from None
-    saved_dtype = jnp.dtype(manifest.get("dtype", "float32"))
+    saved_dtype = saved_dtype_of(manifest, source)
     abstract = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, saved_dtype),
                             param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    params = restore_tree(path / "params", abstract)
+    d2t_path = path / "d2t.npy"
+    require_regular_file(d2t_path)
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
-            params = checkpointer.restore(path.absolute() / "params", abstract)
-    except Exception as err:  # orbax raises many kinds for missing or mismatched trees
-        first = str(err).splitlines()[0] if str(err) else ""
-        raise LoadError(f"{path / 'params'}: cannot restore parameters "
-                        f"({type(err).__name__}: {first})") from None
-    try:
-        d2t = np.load(path / "d2t.npy", allow_pickle=False)
-    except (OSError, ValueError) as err:
-        raise LoadError(f"{path / 'd2t.npy'}: cannot read ({err})") from None
+        d2t = np.load(d2t_path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as err:
+        raise LoadError(f"{d2t_path}: cannot read ({err}); the file is damaged") from None
     validate(config, params, d2t, target, source)
     return config, params, d2t.astype(np.int32)
