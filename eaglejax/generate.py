@@ -267,8 +267,8 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     this device and batch size, `SpecConfig.preset`). Greedy output is identical to plain
     decoding.
     """
-    source = _target_source(target, draft)
     _check_speculation(draft, speculative)
+    source = _target_source(target, draft)
     max_new_tokens = validation.integer("max_new_tokens", max_new_tokens, 1)
     sampling = SamplingParams.make(temperature, top_k, top_p)
     chat = validation.flag("chat", chat)

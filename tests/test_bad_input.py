@@ -123,3 +123,223 @@ def test_cli_subprocess_exit_code_for_bad_sampling(tmp_path, hf_family):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert "--top-p" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Bad arguments are refused by name before any model is loaded or any file is written.
+
+import dataclasses  # noqa: E402
+import importlib  # noqa: E402
+
+import tokenizers  # noqa: E402
+
+from eaglejax.decoding.stopping import StopCriteria  # noqa: E402
+from eaglejax.tokenizer import Tokenizer  # noqa: E402
+
+generate_module = importlib.import_module("eaglejax.generate")
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fail the test if generate() or the CLI tries to load a model."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(generate_module, "_cached_target", refuse)
+    monkeypatch.setattr(eaglejax, "load_target", refuse)
+
+
+@pytest.mark.parametrize("prompts,kwargs,match", [
+    ([[1, 2]], dict(seed=2**32), r"seed must lie in \[0, 2\*\*32\)"),
+    ([[1, 2]], dict(seed=-1), r"seed must lie in \[0, 2\*\*32\)"),
+    ([[1, 2], [3]], dict(seed=[0, 2**40]), r"seed\[1\] must lie in"),
+    ([[1, 2]], dict(seed=True), "seed must be an int"),
+    ([[1.7, 2]], {}, "prompt 0: token ids must be integers, got 1.7"),
+    ([[1, 2], [True, 2]], {}, "prompt 1: token ids must be integers, got True"),
+    ([["a"]], {}, "prompt 0: token ids must be integers"),
+    ([None], {}, "prompt 0 must be a string or a list of token ids"),
+    (b"hello", {}, "prompts are bytes"),
+    (["hi", b"hello"], {}, "prompt 1 is bytes"),
+    ([5], {}, "prompt 0 is a single integer"),
+    ([np.array([1.0, 2.0])], {}, "prompt 0 must be a 1-D integer array"),
+    ([np.array([True, False])], {}, "prompt 0 must be a 1-D integer array"),
+    (["\ud800"], {}, "prompt 0 is not valid Unicode"),
+    (["ok", "a\udcffb"], dict(chat=False), "prompt 1 is not valid Unicode"),
+    ([[1, 2]], dict(stop=123), "stop must be a string or a list of strings"),
+    ([[1, 2]], dict(stop=[""]), "stop strings must be non-empty"),
+    ([[1, 2]], dict(stop="\ud800"), "stop is not valid Unicode"),
+    ([[1, 2]], dict(top_k=10**12), "top_k must be an integer in"),
+    ([[1, 2]], dict(top_k=True), "top_k must be an integer in"),
+    ([[1, 2]], dict(top_k=np.float64(4)), "top_k must be an integer in"),
+    ([[1, 2]], dict(temperature=float("inf")), "temperature must be a finite number"),
+    ([[1, 2]], dict(temperature=float("nan")), "temperature must be a finite number"),
+    ([[1, 2]], dict(temperature=1e300), "temperature must be a finite number"),
+    ([[1, 2]], dict(temperature=np.bool_(True)), "temperature must be a finite number"),
+    ([[1, 2]], dict(top_p=float("nan")), "top_p must be a finite number"),
+    ([[1, 2]], dict(max_new_tokens=True), "max_new_tokens must be an integer"),
+    ([[1, 2]], dict(max_new_tokens=2.0), "max_new_tokens must be an integer"),
+    ([[1, 2]], dict(chat="no"), "chat must be True or False"),
+    ([[1, 2]], dict(ignore_eos=1), "ignore_eos must be True or False"),
+    ([[1, 2]], dict(target=5), "target must be a Target"),
+    ([[1, 2]], dict(draft="head-dir"), "draft must be a Draft"),
+    ([[1, 2]], dict(speculative="bogus"), "speculative must be a SpecConfig"),
+    ([[1, 2]], dict(speculative=eaglejax.SpecConfig.chain(3)),
+     r"speculative \(chain K=3\) needs a draft head"),
+    ([[1, 2]], dict(speculative="auto"), r"speculative \('auto'\) needs a draft head"),
+])
+def test_generate_refuses_bad_arguments_before_loading(prompts, kwargs, match, no_model_loading):
+    with pytest.raises(InputError, match=match):
+        eaglejax.generate(prompts, **kwargs)
+
+
+def test_numpy_integers_are_token_ids_seeds_and_counts(target_of):
+    target = target_of("llama")
+    sampled = dict(temperature=0.9, top_k=20, top_p=0.95, max_new_tokens=4)
+    expected = eaglejax.generate([[1, 2, 3], [4, 5, 6]], target=target, seed=[5, 6], **sampled)
+    for prompts, seed in [(np.array([[1, 2, 3], [4, 5, 6]], np.int32), np.array([5, 6])),
+                          ([np.array([1, 2, 3]), [np.int64(4), np.uint8(5), 6]],
+                           [np.uint32(5), np.int16(6)])]:
+        got = eaglejax.generate(prompts, target=target, seed=seed,
+                                **{**sampled, "max_new_tokens": np.int64(4),
+                                   "top_k": np.int32(20), "temperature": np.float32(0.9)})
+        assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+
+
+@pytest.mark.parametrize("token_ids,match", [
+    ([[1.0, 2]], "token_ids row 0: token ids must be integers, got 1.0"),
+    ([[1, True]], "token_ids row 0: token ids must be integers, got True"),
+    ([1, False], "token_ids row 0: token ids must be integers, got False"),
+    ([[None]], "token_ids row 0: token ids must be integers, got None"),
+    ([[1], [1, 2]], "rows have different lengths"),
+    (np.array([[0.5, 1.0]]), "must be a 1-D integer array"),
+    (np.array([[True]]), "must be a 1-D integer array"),
+    ([[2**70]], "outside the vocabulary"),
+    (np.array([[1, 97]], np.uint64), "outside the vocabulary"),
+    ("abc", r"token_ids must be a \[batch, length\]"),
+])
+def test_target_refuses_non_integer_token_ids(token_ids, match, target_of):
+    with pytest.raises(InputError, match=match):
+        target_of("llama").logits(token_ids)
+
+
+def test_target_takes_numpy_integer_ids_like_lists(target_of):
+    target = target_of("llama")
+    expected = np.asarray(target.logits([[1, 2, 3]]))
+    for ids in (np.array([[1, 2, 3]], np.int16), np.array([1, 2, 3], np.uint64),
+                [np.int64(1), np.int8(2), 3]):
+        np.testing.assert_array_equal(np.asarray(target.logits(ids)), expected)
+
+
+def _word_tokenizer(template: str) -> Tokenizer:
+    """A tiny word-level tokenizer (ids below the test models' vocabulary of 97)."""
+    words = ["[UNK]", "hello", "world", "skip"]
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return Tokenizer(backend, chat_template=template, unk_token="[UNK]")
+
+
+@pytest.mark.parametrize("template", [
+    "{% for m in messages %}{% if m.content != 'skip' %}{{ m.content }}{% endif %}{% endfor %}",
+    "{% for m in messages %}{% if m.content != 'skip' %}{{ m.content }}{% else %}  \n"
+    "{% endif %}{% endfor %}",
+])
+def test_chat_template_rendering_nothing_is_refused(template, target_of):
+    target = dataclasses.replace(target_of("llama"), tokenizer=_word_tokenizer(template))
+    assert target.tokenizer.render_prompt("hello world", chat=True) == [1, 2]
+    with pytest.raises(InputError, match="prompt 1: .*chat template renders this prompt to"):
+        eaglejax.generate(["hello", "skip"], target=target)
+
+
+def test_stop_string_without_tokens_is_refused(target_of):
+    target = dataclasses.replace(target_of("llama"), tokenizer=_word_tokenizer("{{ '' }}"))
+    with pytest.raises(InputError, match="stop string ' ' encodes to no tokens"):
+        eaglejax.generate([[1, 2]], target=target, stop=[" "])
+    with pytest.raises(InputError, match="stop sequence"):
+        StopCriteria((), ((1,), ()))
+
+
+def test_tokenizer_refuses_lone_surrogates():
+    with pytest.raises(InputError, match="text is not valid Unicode: lone surrogate"):
+        _word_tokenizer("{{ '' }}").encode("hello \ud800")
+
+
+def test_draft_without_target_uses_the_drafts_target(target_of, no_model_loading):
+    from eaglejax.draft.draft import new_eagle3_draft
+
+    target = target_of("llama")
+    draft = new_eagle3_draft(target)
+    spec = eaglejax.generate([[1, 2, 3]], draft=draft, max_new_tokens=3,
+                             speculative=eaglejax.SpecConfig.chain(2))
+    plain = eaglejax.generate([[1, 2, 3]], target=target, max_new_tokens=3)
+    assert spec[0].token_ids == plain[0].token_ids
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str]:
+    """Run the CLI in this process: exit status and stderr (argparse errors exit directly)."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
+_TRAIN = ["train-draft", "--data", "README.md"]
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["generate", "hi", "--seed", "-1"], "--seed must lie in [0, 2**32)"),
+    (["generate", "hi", "--seed", str(2**32)], "--seed must lie in [0, 2**32)"),
+    (["generate", "hi", "--seed", "x"], "argument --seed: invalid int value"),
+    (["generate", "hi", "--temperature", "inf"], "--temperature must be a finite number"),
+    (["generate", "hi", "--temperature", "nan"], "--temperature must be a finite number"),
+    (["generate", "hi", "--top-k", str(10**12)], "--top-k must be an integer"),
+    (["generate", "hi", "--top-p", "0"], "--top-p must be a finite number in (0, 1]"),
+    (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be an integer"),
+    (["generate", "hi", "--stop", ""], "--stop strings must be non-empty"),
+    (["generate", "hi", "--stop", "\udcff"], "--stop is not valid Unicode"),
+    (["generate", "hi", "\udcff"], "prompt 1 is not valid Unicode"),
+    (["generate", "hi", "  "], "prompt 1 is empty"),
+    (["generate", "hi", "--num-draft-tokens", "3"], "--num-draft-tokens needs --draft"),
+    (["generate", "hi", "--tree", "4,4,12"], "--tree needs --draft"),
+    (["generate", "hi", "--static-tree", "[[0]]"], "--static-tree needs --draft"),
+    (["generate", "hi", "--auto-tree"], "--auto-tree needs --draft"),
+    (["generate", "hi", "--draft", "random", "--tree", "4,4"], "--tree wants TOP_K,DEPTH,TOTAL"),
+    (["generate", "hi", "--draft", "/no/such/head"], "--draft: /no/such/head: no such file"),
+    (["bench", "--seed", str(2**32)], "--seed must lie in [0, 2**32)"),
+    (["bench", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["bench", "--batch-size", "0"], "--batch-size must be an integer"),
+    (["bench", "--num-prompts", "0"], "--num-prompts must be an integer"),
+    (["bench", "--auto-tree"], "--auto-tree needs --draft"),
+    (["bench", "--questions", "/no/such.jsonl"], "/no/such.jsonl: MT-bench question file"),
+    (["convert", "/no/such/head", "{tmp}/out", "--target", "x"], "SRC: /no/such/head"),
+    (["convert", "{tmp}", "{tmp}", "--target", "x"], "already exists and is not empty"),
+    (_TRAIN + ["--out", "{tmp}/run", "--seed", str(2**32)], "--seed must lie in [0, 2**32)"),
+    (_TRAIN + ["--out", "{tmp}/run", "--seed", "-5"], "--seed must lie in [0, 2**32)"),
+    (_TRAIN + ["--out", "{tmp}/run", "--lr", "inf"], "--lr must be a finite number > 0"),
+    (_TRAIN + ["--out", "{tmp}/run", "--steps", "0"], "--steps must be an integer"),
+    (_TRAIN + ["--out", "{tmp}/run", "--regen-temperature", "nan"], "--regen-temperature"),
+    (_TRAIN + ["--out", "{tmp}/run", "--init-head", "/no/head"], "--init-head: /no/head"),
+    (_TRAIN + ["--out", "README.md"], "--out: README.md exists and is not a directory"),
+    (["train-draft", "--data", "/no/data.jsonl", "--out", "{tmp}/run"], "--data: /no/data"),
+])
+def test_cli_refuses_bad_arguments_in_one_line_before_loading(argv, flag, tmp_path, capsys,
+                                                              no_model_loading):
+    (tmp_path / "keep").write_text("a user's file")
+    before = sorted(tmp_path.rglob("*"))
+    code, err = _cli([a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("eaglejax: error: ")
+    assert flag in err
+    assert sorted(tmp_path.rglob("*")) == before  # no run folder, no output written
+
+
+def test_cli_train_draft_bad_seed_exits_2_without_a_run_folder(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "eaglejax.cli", "train-draft", "--data",
+                           "README.md", "--out", str(out), "--seed", str(2**32)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["eaglejax: error: --seed must lie in "
+                                                "[0, 2**32), got 4294967296"]
+    assert not out.exists()
