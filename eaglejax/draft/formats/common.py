@@ -190,13 +190,29 @@ def to_numpy(tree: Params) -> Params:
     return jax.tree.map(np.asarray, tree)
 
 
-def legacy_rope(decoder_dict: dict[str, Any]) -> dict[str, Any]:
-    """Rewrite `rope_parameters` as the older `rope_theta` / `rope_scaling` keys that the
-    reference EAGLE code, SGLang and vLLM's older transformers read."""
-    out = dict(decoder_dict)
-    rope = dict(out.pop("rope_parameters", None) or {})
-    out["rope_theta"] = rope.pop("rope_theta", 10000.0)
-    out["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+# Llama config entries that transformers' LlamaConfig fills in by default but that some
+# consumers read with no default: vLLM builds a bare PretrainedConfig from
+# `transformer_layer_config` (and reads `hidden_act`), the reference EAGLE code reads
+# `pretraining_tp`, transformers' attention reads `attention_dropout`.
+_LLAMA_DEFAULTS = {"hidden_act": "silu", "mlp_bias": False, "attention_dropout": 0.0,
+                   "pretraining_tp": 1}
+
+
+def consumer_layer_config(decoder: ModelConfig, dtype: str) -> dict[str, Any]:
+    """A head decoder's config.json entries as the EAGLE-3 consumers (vLLM, speculators,
+    SGLang, the reference code) read them: `to_hf_dict` plus the Llama defaults they read
+    without a fallback, RoPE both as transformers 5 `rope_parameters` and as the older
+    `rope_theta` / `rope_scaling`, `layer_types` when the decoder has a sliding window
+    (vLLM and speculators apply a window only to layers typed "sliding_attention"), untied
+    embeddings (a head's lm_head is its own) and the weights' `torch_dtype` (transformers 5
+    reads it as `dtype`)."""
+    out = {**decoder.to_hf_dict(), **_LLAMA_DEFAULTS, "tie_word_embeddings": False}
+    scaling = dict(out["rope_parameters"])
+    out["rope_theta"] = scaling.pop("rope_theta")
+    out["rope_scaling"] = scaling if scaling["rope_type"] != "default" else None
+    if decoder.sliding_window:
+        out["layer_types"] = ["sliding_attention"] * decoder.num_layers
+    out["torch_dtype"] = dtype
     return out
 
 

@@ -17,8 +17,8 @@ import numpy as np
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import (
-    ReadResult, dtype_name, flag, layer_ids, legacy_rope, open_weights, parse_decoder,
-    prepare_output_dir, refuse_unsupported, t2d_for, to_numpy)
+    ReadResult, consumer_layer_config, dtype_name, flag, layer_ids, open_weights,
+    parse_decoder, prepare_output_dir, refuse_unsupported, t2d_for, to_numpy)
 from eaglejax.draft.formats.eagle3_tensors import (
     REFERENCE_FIRST, read_eagle3_weights, tensors_from_params)
 from eaglejax.errors import ConfigError
@@ -112,11 +112,9 @@ def export_reference(draft: "Draft", path: str | Path) -> Path:
     d2t = np.asarray(draft.d2t).astype(np.int64)
     tensors["d2t"], tensors["t2d"] = d2t, t2d_for(d2t, c.decoder.vocab_size)
     save_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
-    config = legacy_rope(c.decoder.to_hf_dict())
+    config = consumer_layer_config(c.decoder, dtype_name(params))
     config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
-                  num_hidden_layers=1, draft_vocab_size=c.draft_vocab_size,
-                  target_hidden_size=c.target_hidden_size, hidden_act="silu",
-                  tie_word_embeddings=False, torch_dtype=dtype_name(params))
+                  draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size)
     if c.fc_norm:
         config["fc_norm"] = True
     if c.tap_layers != default:

@@ -1,25 +1,28 @@
 """EAGLE-3 heads in the speculators layout (vllm-project/speculators; what vLLM reads).
 
 `config.json`: `speculators_model_type: "eagle3"`, a nested `transformer_layer_config` (a
-Llama/Qwen3 config whose vocab_size is the TARGET's), `draft_vocab_size`, `target_hidden_size`,
-`norm_before_residual` (true when absent, as in vLLM), `norm_before_fc`, `fc_norm` and
-`eagle_aux_hidden_state_layer_ids` (layers ENTERED, vLLM's semantics, the same as eaglejax's).
+complete Llama/Qwen3 config whose vocab_size is the TARGET's: vLLM turns it into a bare
+PretrainedConfig, so every key its layers read must be written), `draft_vocab_size`,
+`target_hidden_size`, `norm_before_residual` (true when absent, as in vLLM), `norm_before_fc`,
+`fc_norm` and `eagle_aux_hidden_state_layer_ids` (layers ENTERED, vLLM's semantics, the same
+as eaglejax's).
 Weights: `layers.0.*` (2H attention input), standard `layers.1..`, `norm`, `lm_head`, d2t, t2d.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import (
-    ReadResult, dtype_name, flag, layer_ids, legacy_rope, open_weights, parse_decoder,
-    prepare_output_dir, refuse_unsupported, t2d_for, to_numpy)
+    ReadResult, consumer_layer_config, dtype_name, flag, layer_ids, open_weights,
+    parse_decoder, prepare_output_dir, refuse_unsupported, t2d_for, to_numpy)
 from eaglejax.draft.formats.eagle3_tensors import (
     SPECULATORS_FIRST, read_eagle3_weights, tensors_from_params)
 from eaglejax.errors import ConfigError
@@ -71,23 +74,40 @@ def read_speculators(path: Path, target: ModelConfig, weights: "HFWeights | None
 
 
 def export_speculators(draft: "Draft", path: str | Path, speculative_tokens: int = 3) -> Path:
-    """Write `draft` in the speculators layout as vLLM reads it (config.json with
-    `speculators_config`, model.safetensors with d2t int64 and t2d bool)."""
+    """Write `draft` in the speculators layout as vLLM and the speculators package read it
+    (config.json with `speculators_config`, model.safetensors with d2t int64 and t2d bool)."""
     c = draft.config
+    why = None
     if c.kind != "eagle3":
-        raise ConfigError(f"cannot export {draft.source} in the speculators layout: it is an "
-                          f"{c.kind} head (the speculators eagle3 layout holds EAGLE-3 heads only)")
+        why = f"it is an {c.kind} head (the speculators eagle3 layout holds EAGLE-3 heads only)"
+    elif c.decoder.attention_bias:
+        why = ("its layer has q/k/v biases without an o_proj bias, which the consumers' "
+               "llama/qwen3 layers (biases on q, k, v and o together, or none) cannot hold")
+    if why is not None:
+        raise ConfigError(f"cannot export {draft.source} in the speculators layout: {why}")
     out = prepare_output_dir(path)
     params = to_numpy(draft.params)
     tensors = tensors_from_params(c, params, SPECULATORS_FIRST)
     d2t = np.asarray(draft.d2t).astype(np.int64)
     tensors["d2t"], tensors["t2d"] = d2t, t2d_for(d2t, c.decoder.vocab_size)
     save_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
-    layer_config = legacy_rope(c.decoder.to_hf_dict())
-    if layer_config["model_type"] == "mistral":  # the same decoder; vLLM maps llama/qwen3 only
-        layer_config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (out / "config.json").write_text(json.dumps(_config_json(draft, speculative_tokens),
+                                                indent=2) + "\n")
+    return out
+
+
+def _config_json(draft: "Draft", speculative_tokens: int) -> dict[str, Any]:
+    """The config.json of a bias-free EAGLE-3 head in the speculators layout."""
+    c = draft.config
+    dtype = dtype_name(draft.params)
+    decoder = c.decoder
+    if decoder.model_type == "mistral":  # the same layer; vLLM and speculators take llama/qwen3
+        decoder = dataclasses.replace(decoder, model_type="llama")
+    layer_config = consumer_layer_config(decoder, dtype)
+    # vLLM sizes fc from `num_aux_hidden_states` (else 3 taps), not from the tap list
+    layer_config["num_aux_hidden_states"] = len(c.tap_layers)
     target = draft.target
-    config = {
+    return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "draft_vocab_size": c.draft_vocab_size,
@@ -96,6 +116,7 @@ def export_speculators(draft: "Draft", path: str | Path, speculative_tokens: int
         "norm_before_residual": c.norm_before_residual,
         "norm_before_fc": c.input_norm,
         "fc_norm": c.fc_norm,
+        "norm_output": False,
         "transformer_layer_config": layer_config,
         "speculators_config": {
             "algorithm": "eagle3",
@@ -106,7 +127,5 @@ def export_speculators(draft: "Draft", path: str | Path, speculative_tokens: int
             "verifier": {"name_or_path": target.source,
                          "architectures": target.config.to_hf_dict()["architectures"]},
         },
-        "torch_dtype": dtype_name(params),
+        "torch_dtype": dtype,
     }
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
