@@ -48,14 +48,17 @@ def integer(name: str, value: Any, low: int, high: int = INT32_MAX) -> int:
 def real(name: str, value: Any, low: float, high: float = FLOAT32_MAX, *,
          low_open: bool = False) -> float:
     """`value` as a finite float in [low, high] ((low, high] when `low_open`)."""
-    ok = is_real(value) and math.isfinite(value) and low <= value <= high
-    if not ok or (low_open and value == low):
+    try:
+        number = float(value) if is_real(value) else math.nan
+    except OverflowError:  # an int beyond any float
+        number = math.inf
+    if not (math.isfinite(number) and low <= number <= high) or (low_open and number == low):
         if high == FLOAT32_MAX:
             bound = f"> {low:g}" if low_open else f">= {low:g}"
         else:
             bound = f"in ({low:g}, {high:g}]" if low_open else f"in [{low:g}, {high:g}]"
         raise InputError(f"{name} must be a finite number {bound}, got {_short(value)}")
-    return float(value)
+    return number
 
 
 def flag(name: str, value: Any) -> bool:
@@ -180,7 +183,10 @@ def prompt_list(value: Any) -> list[str | list[int]]:
         raise InputError("prompts are bytes; decode them to a str first")
     if isinstance(value, str):
         value = [value]
-    elif isinstance(value, np.ndarray) and value.ndim == 2:
+    elif isinstance(value, np.ndarray):
+        if value.ndim != 2:
+            raise InputError(f"prompts: an array of token ids must be 2-D [batch, length], "
+                             f"got shape {value.shape} (one prompt: [ids])")
         value = list(value)
     if not isinstance(value, Sequence) or len(value) == 0:
         raise InputError("prompts must be a non-empty list of strings or of token-id lists")
