@@ -20,7 +20,9 @@ import orbax.checkpoint as ocp
 
 from eaglejax.config import ModelConfig
 from eaglejax.errors import EaglejaxError, LoadError
+from eaglejax.loading.files import file_checksums, verify_checksums, write_atomically
 from eaglejax.loading.hf_dir import read_json
+from eaglejax.loading.orbax_io import restore_tree
 from eaglejax.models.llama import Params, param_shapes
 
 MANIFEST = "eaglejax.json"

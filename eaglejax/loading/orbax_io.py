@@ -4,7 +4,7 @@ A damaged orbax checkpoint fails deep inside TensorStore: the exception's messag
 the whole TensorStore spec, and the reads still in flight when the restore gives up report
 `RuntimeError: Event loop is closed` (or an exception "ignored in" an orbax coroutine)
 through `sys.unraisablehook`, tens of tracebacks after the error has been handled. Here the
-failure becomes one line and, once a restore has failed, that aftermath is dropped.
+failure becomes one line and that debris is dropped.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def describe_failure(err: BaseException, limit: int = 240) -> str:
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
 
-def _is_aftermath(unraisable: Any) -> bool:
+def _is_debris(unraisable: Any) -> bool:
     """Whether an unraisable exception is the debris of a failed orbax restore."""
     value, origin = unraisable.exc_value, unraisable.object
     if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
@@ -44,15 +44,16 @@ def _is_aftermath(unraisable: Any) -> bool:
             and "orbax" in origin.cr_code.co_filename.replace("\\", "/"))
 
 
-def silence_failed_restore_aftermath() -> None:
+def drop_failed_restore_debris() -> None:
     """From now on, drop the unraisable exceptions a failed orbax restore leaves behind
-    (see the module docstring); every other one still reaches the previous hook."""
+    (see the module docstring); every other one still reaches the previous hook. Call it
+    before restoring: the debris can arrive before the failure is raised."""
     previous = sys.unraisablehook
     if getattr(previous, "_eaglejax_filter", False):
         return
 
     def hook(unraisable: Any) -> None:
-        if not _is_aftermath(unraisable):
+        if not _is_debris(unraisable):
             previous(unraisable)
 
     hook._eaglejax_filter = True  # type: ignore[attr-defined]
@@ -62,10 +63,10 @@ def silence_failed_restore_aftermath() -> None:
 def restore_tree(directory: Path, abstract: Any) -> Any:
     """The pytree saved by `ocp.StandardCheckpointer` in `directory`, shaped like `abstract`;
     LoadError naming the directory and the cause when it cannot be read."""
+    drop_failed_restore_debris()
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             return checkpointer.restore(directory.absolute(), abstract)
     except Exception as err:  # orbax raises many kinds for missing, damaged or mismatched trees
-        silence_failed_restore_aftermath()
         raise LoadError(f"{directory}: cannot restore parameters ({describe_failure(err)}); "
                         f"the checkpoint is damaged, incomplete or not for this model") from None

@@ -133,7 +133,7 @@ def read_log(out: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     numbered = [(n, line) for n, line in enumerate(path.read_bytes().split(b"\n"), 1)
-                if line.strip(b" \t\r\0")]
+                if line.strip()]
     entries = []
     for n, line in numbered:
         entry = _log_entry(line)

@@ -33,7 +33,7 @@ from eaglejax.draft.draft import Draft, new_eagle3_draft
 from eaglejax.draft.head import to_target_ids
 from eaglejax.errors import InputError, LoadError
 from eaglejax.generate import generate
-from eaglejax.loading.orbax_io import describe_failure, silence_failed_restore_aftermath
+from eaglejax.loading.orbax_io import describe_failure, drop_failed_restore_debris
 from eaglejax.models.llama import Params
 from eaglejax.target import Target
 from eaglejax.training.data import PackedRows
@@ -293,11 +293,11 @@ def _resume(manager: ocp.CheckpointManager, out: Path, fresh: TrainState
     there is none. Damaged checkpoints after it are set aside with a warning; when every
     checkpoint is damaged, nothing is moved and LoadError says so."""
     damaged: list[tuple[int, str]] = []
+    drop_failed_restore_debris()
     for step in sorted(manager.all_steps(), reverse=True):
         try:
             state, tokens_seen = _restore(manager, step, fresh)
         except Exception as err:  # orbax raises many kinds for damaged files
-            silence_failed_restore_aftermath()
             damaged.append((step, describe_failure(err)))
             continue
         for bad, cause in damaged:
