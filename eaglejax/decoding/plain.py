@@ -18,7 +18,7 @@ from eaglejax.decoding.sampling import SamplingParams, sample_tokens
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
-from eaglejax.models.llama import Params, forward, lm_head
+from eaglejax.models.llama import Params, forward, forward_chunked, lm_head
 
 
 class DecodeState(NamedTuple):
@@ -31,33 +31,55 @@ class DecodeState(NamedTuple):
     forwards: jax.Array  # int32 scalar: target forwards run by the loop
 
 
+PREFILL_CHUNK = 512  # prompt tokens per prefill block
+
+
+class Prefilled(NamedTuple):
+    """A prefilled prompt batch: the cache (lengths = prompt lengths), the logits at each
+    row's last prompt token [B,V], and every position's final-normed hidden state [B,P,H]
+    and taps (or None)."""
+
+    cache: kv_cache.KVCache
+    logits: jax.Array
+    hidden: jax.Array
+    taps: jax.Array | None
+
+
 def prefill_target(params: Params, config: ModelConfig, prompt: jax.Array,
                    prompt_lengths: jax.Array, capacity: int, tap_layers: tuple[int, ...] = (),
-                   attn_impl: AttentionImpl = "auto"):
+                   attn_impl: AttentionImpl = "auto", chunk: int = PREFILL_CHUNK) -> Prefilled:
     """Run right-padded prompts [B,P] into a fresh cache of `capacity` slots.
 
-    Returns (cache, logits at each row's last prompt token [B,V], forward output)."""
+    A prompt longer than `chunk` runs `chunk` tokens at a time, each block attending to the
+    cache written so far plus itself, so memory grows linearly with P."""
     batch, prompt_len = prompt.shape
-    positions = jnp.broadcast_to(jnp.arange(prompt_len)[None], (batch, prompt_len))
-    out = forward(params, config, prompt, positions, None, tap_layers=tap_layers,
-                  attn_impl=attn_impl)
     cache = kv_cache.init_cache(config.num_layers, batch, capacity, config.num_kv_heads,
                                 config.head_dim, params["embed"].dtype)
-    cache = kv_cache.append(cache, out.k_new, out.v_new, prompt_lengths)
-    last_hidden = out.hidden[jnp.arange(batch), prompt_lengths - 1]
-    return cache, lm_head(params, last_hidden), out
+    if prompt_len <= chunk:
+        positions = jnp.broadcast_to(jnp.arange(prompt_len)[None], (batch, prompt_len))
+        out = forward(params, config, prompt, positions, None, tap_layers=tap_layers,
+                      attn_impl=attn_impl)
+        cache = kv_cache.append(cache, out.k_new, out.v_new, prompt_lengths)
+        hidden, taps = out.hidden, out.taps
+    else:
+        hidden, taps, cache = forward_chunked(params, config, prompt, cache, chunk=chunk,
+                                              tap_layers=tap_layers, attn_impl=attn_impl)
+        cache = cache._replace(lengths=prompt_lengths)
+    last_hidden = hidden[jnp.arange(batch), prompt_lengths - 1]
+    return Prefilled(cache, lm_head(params, last_hidden), hidden, taps)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "max_tokens", "greedy",
-                                             "stop", "attn_impl"))
+                                             "stop", "attn_impl", "prefill_chunk"))
 def prefill(params: Params, config: ModelConfig, prompt: jax.Array, prompt_lengths: jax.Array,
             row_keys: jax.Array, sampling: SamplingParams, max_new_tokens: jax.Array, *,
             capacity: int, max_tokens: int, greedy: bool, stop: StopCriteria,
-            attn_impl: AttentionImpl = "auto") -> DecodeState:
-    """Run the right-padded prompts [B,P], fill the cache and record the first new token."""
+            attn_impl: AttentionImpl = "auto", prefill_chunk: int = PREFILL_CHUNK) -> DecodeState:
+    """Run the right-padded prompts [B,P] (`prefill_chunk` tokens at a time), fill the cache
+    and record the first new token."""
     batch = prompt.shape[0]
-    cache, logits, _ = prefill_target(params, config, prompt, prompt_lengths, capacity,
-                                      attn_impl=attn_impl)
+    cache, logits, _, _ = prefill_target(params, config, prompt, prompt_lengths, capacity,
+                                         attn_impl=attn_impl, chunk=prefill_chunk)
     out = empty_output(batch, max_tokens)
     first = sample_tokens(logits, sampling, row_step_keys(row_keys, out.counts), greedy)
     out = record(out, first, out.running, stop, max_new_tokens)

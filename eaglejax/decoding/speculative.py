@@ -32,13 +32,13 @@ from eaglejax.decoding.acceptance import (
 from eaglejax.decoding.drafting import (
     Head, Root, draft_chain, draft_dynamic_tree, draft_static_tree)
 from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
-from eaglejax.decoding.plain import prefill_target
+from eaglejax.decoding.plain import PREFILL_CHUNK, Prefilled, prefill_target
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.decoding.tree import chain_tree, static_shape
 from eaglejax.draft.config import DraftConfig
-from eaglejax.draft.head import draft_forward, head_logits, to_target_ids
+from eaglejax.draft.head import draft_forward, draft_forward_chunked, head_logits, to_target_ids
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import ForwardOutput, Params, forward, lm_head
@@ -59,42 +59,61 @@ class SpecState(NamedTuple):
     size_accepted: jax.Array  # [B,S] draft tokens the best s-node subtrees would have accepted
 
 
-def _features(out: ForwardOutput, draft_config: DraftConfig) -> jax.Array:
+def _features(out: ForwardOutput | Prefilled, draft_config: DraftConfig) -> jax.Array:
     """The target features the head consumes: taps (EAGLE-3) or final normed hidden (EAGLE-1)."""
     return out.taps if draft_config.tap_layers else out.hidden
 
 
 def _catch_up(draft_params: Params, draft_config: DraftConfig, target_params: Params,
               cache: kv_cache.KVCache, tokens: jax.Array, features: jax.Array,
-              n_accepted: jax.Array, attn_impl: AttentionImpl, fresh: bool = False):
+              n_accepted: jax.Array, attn_impl: AttentionImpl):
     """Run the head over a block of new positions starting at each row's cache length, keep
-    the first n_accepted [B] rows, and return (cache, logits, hidden) at the last kept one.
-    `fresh`: the cache is empty (prefill), so attention runs among the new rows only."""
+    the first n_accepted [B] rows, and return (cache, logits, hidden) at the last kept one."""
     batch, block = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(block)[None, :]
     out = draft_forward(draft_params, draft_config, target_params, tokens, features, positions,
-                        None if fresh else cache, attn_impl=attn_impl)
+                        cache, attn_impl=attn_impl)
     hidden = out.hidden[jnp.arange(batch), n_accepted - 1]
-    if fresh:
-        cache = kv_cache.append(cache, out.k_new, out.v_new, n_accepted)
+    cache = out.cache._replace(lengths=cache.lengths + n_accepted)
+    return cache, head_logits(draft_params, draft_config, target_params, hidden), hidden
+
+
+def _draft_prefill(draft_params: Params, draft_config: DraftConfig, target_params: Params,
+                   cache: kv_cache.KVCache, tokens: jax.Array, features: jax.Array,
+                   prompt_lengths: jax.Array, attn_impl: AttentionImpl, chunk: int):
+    """Run the head over the whole (shifted) prompt into its empty cache, `chunk` positions
+    at a time when longer; return (cache, logits, hidden) at each row's last position."""
+    batch, prompt_len = tokens.shape
+    if prompt_len <= chunk:  # attention among the new rows only
+        positions = jnp.broadcast_to(jnp.arange(prompt_len)[None], (batch, prompt_len))
+        out = draft_forward(draft_params, draft_config, target_params, tokens, features,
+                            positions, attn_impl=attn_impl)
+        cache = kv_cache.append(cache, out.k_new, out.v_new, prompt_lengths)
+        hidden = out.hidden
     else:
-        cache = out.cache._replace(lengths=cache.lengths + n_accepted)
+        hidden, cache = draft_forward_chunked(draft_params, draft_config, target_params, tokens,
+                                              features, cache, chunk=chunk, attn_impl=attn_impl)
+        cache = cache._replace(lengths=prompt_lengths)
+    hidden = hidden[jnp.arange(batch), prompt_lengths - 1]
     return cache, head_logits(draft_params, draft_config, target_params, hidden), hidden
 
 
 @functools.partial(jax.jit, static_argnames=("config", "draft_config", "capacity", "max_tokens",
                                              "spec", "greedy", "stop", "attn_impl",
-                                             "calibration_sizes"))
+                                             "calibration_sizes", "prefill_chunk"))
 def spec_prefill(params: Params, config: ModelConfig, draft_params: Params,
                  draft_config: DraftConfig, prompt: jax.Array, prompt_lengths: jax.Array,
                  row_keys: jax.Array, sampling: SamplingParams, max_new_tokens: jax.Array, *,
                  capacity: int, max_tokens: int, spec: SpecConfig, greedy: bool,
                  stop: StopCriteria, attn_impl: AttentionImpl = "auto",
-                 calibration_sizes: tuple[int, ...] = ()) -> SpecState:
-    """Prefill the target and the head on right-padded prompts; record the first token."""
-    batch, prompt_len = prompt.shape
-    cache, logits, out = prefill_target(params, config, prompt, prompt_lengths, capacity,
-                                        draft_config.tap_layers, attn_impl)
+                 calibration_sizes: tuple[int, ...] = (),
+                 prefill_chunk: int = PREFILL_CHUNK) -> SpecState:
+    """Prefill the target and the head on right-padded prompts (`prefill_chunk` positions at
+    a time); record the first token."""
+    batch = prompt.shape[0]
+    prefilled = prefill_target(params, config, prompt, prompt_lengths, capacity,
+                               draft_config.tap_layers, attn_impl, prefill_chunk)
+    cache, logits = prefilled.cache, prefilled.logits
     output = empty_output(batch, max_tokens)
     first = sample_tokens(logits, sampling, row_step_keys(row_keys, output.counts), greedy)
     output = record(output, first, output.running, stop, max_new_tokens)
@@ -105,9 +124,9 @@ def spec_prefill(params: Params, config: ModelConfig, draft_params: Params,
     d = draft_config.decoder
     draft_cache = kv_cache.init_cache(d.num_layers, batch, capacity, d.num_kv_heads,
                                       d.head_dim, params["embed"].dtype)
-    draft_cache, draft_logits, draft_hidden = _catch_up(
-        draft_params, draft_config, params, draft_cache, shifted, _features(out, draft_config),
-        prompt_lengths, attn_impl, fresh=True)
+    draft_cache, draft_logits, draft_hidden = _draft_prefill(
+        draft_params, draft_config, params, draft_cache, shifted,
+        _features(prefilled, draft_config), prompt_lengths, attn_impl, prefill_chunk)
     return SpecState(cache, draft_cache, first, draft_logits, draft_hidden, output, row_keys,
                      jnp.zeros((batch, spec.max_depth + 1), jnp.int32), jnp.int32(0),
                      jnp.zeros((batch, len(calibration_sizes)), jnp.int32))

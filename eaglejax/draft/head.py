@@ -21,7 +21,7 @@ from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.kv_cache import KVCache
 from eaglejax.models.llama import (
     Params, causal_mask, decoder_layer, empty_cache, linear, logical_axes as decoder_axes,
-    param_shapes as decoder_shapes, random_params, rms_norm, rope_for)
+    param_shapes as decoder_shapes, random_params, rms_norm, rope_for, scan_chunks)
 
 
 class DraftOutput(NamedTuple):
@@ -138,6 +138,22 @@ def draft_forward(params: Params, config: DraftConfig, target_params: Params, to
             out.append(value)
     staged = None if given is None else KVCache(tuple(k_bufs), tuple(v_bufs), cache.lengths)
     return DraftOutput(x, tuple(k_new), tuple(v_new), staged)
+
+
+def draft_forward_chunked(params: Params, config: DraftConfig, target_params: Params,
+                          tokens: jax.Array, features: jax.Array, cache: KVCache, *, chunk: int,
+                          attn_impl: AttentionImpl = "auto") -> tuple[jax.Array, KVCache]:
+    """`draft_forward` from target features over tokens [B,P] at positions cache.lengths +
+    [0, P) (causal), `chunk` positions at a time (see `llama.scan_chunks`).
+
+    Returns (un-normed hidden [B,P,H], the cache with all P rows staged, lengths unchanged)."""
+    def run(carry: KVCache, block: tuple[jax.Array, ...], positions: jax.Array):
+        out = draft_forward(params, config, target_params, block[0], block[1], positions, carry,
+                            attn_impl=attn_impl)
+        return out.cache, out.hidden
+
+    staged, hidden = scan_chunks(run, cache, (tokens, features), chunk)
+    return hidden, staged
 
 
 def head_logits(params: Params, config: DraftConfig, target_params: Params,

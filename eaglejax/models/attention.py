@@ -1,4 +1,9 @@
-"""The single attention interface: every attention call in eaglejax goes through here."""
+"""The single attention interface: every attention call in eaglejax goes through here.
+
+On the XLA path, queries over a long cache (chunked prefill, verification over a long
+prompt) read the cache in key blocks with an online softmax (running max and sum), and only
+the blocks up to the longest row's valid length: the scores never span the whole cache.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,9 @@ import pallas_kernels
 
 AttentionImpl = Literal["auto", "pallas", "xla"]
 IMPLS = ("auto", "pallas", "xla")
+
+KEY_BLOCK = 512  # cache keys per online-softmax step on the XLA path
+BLOCKED_MIN_SCORES = 1 << 22  # blocked XLA attention when Hq * T * S reaches this (per row)
 
 
 def resolve_impl(impl: str) -> str:
@@ -33,5 +41,65 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_length
         return pallas_kernels.tree_attention(
             q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, kv_layout="bhsd",
             interpret=jax.default_backend() == "cpu")
+    _, t_new, n_q_heads, _ = q.shape
+    s_cache = k_cache.shape[2]
+    if s_cache > KEY_BLOCK and n_q_heads * t_new * s_cache >= BLOCKED_MIN_SCORES:
+        return blocked_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
+                                 block=KEY_BLOCK)
     return pallas_kernels.tree_attention_reference(
         q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, kv_layout="bhsd")
+
+
+def _online_update(state: tuple[jax.Array, jax.Array, jax.Array], scores: jax.Array,
+                   values: jax.Array, values_dims: str):
+    """Fold one key block into the running (max, sum, weighted values) of every query.
+
+    state: max and sum [B,Hkv,Q], accumulator [B,Hkv,Q,D]; scores [B,Hkv,keys,Q] (-inf where
+    hidden); values in `values_dims` layout ("bksd" or "bskd")."""
+    row_max, row_sum, acc = state
+    new_max = jnp.maximum(row_max, jnp.max(scores, axis=2))
+    # A query that has seen nothing yet keeps max -inf; shift by 0 there instead (no NaN).
+    shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    rescale = jnp.exp(row_max - shift)
+    weights = jnp.exp(scores - shift[:, :, None])
+    row_sum = row_sum * rescale + jnp.sum(weights, axis=2)
+    acc = acc * rescale[..., None] + jnp.einsum(f"bksq,{values_dims}->bkqd", weights, values)
+    return new_max, row_sum, acc
+
+
+def blocked_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                      cache_lengths: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                      mask: jax.Array, *, block: int) -> jax.Array:
+    """`tree_attention_reference` (bhsd layout) computed flash-style: the cache is read in
+    blocks of `block` keys, only up to the longest row's length, then the new tokens are
+    folded in; scores never exceed [B,Hkv,block,T*G]. Needs S >= block. Float32 inside."""
+    batch, t_new, n_q_heads, head_dim = q.shape
+    n_kv_heads, s_cache = k_new.shape[2], k_cache.shape[2]
+    group = n_q_heads // n_kv_heads
+    f32 = jnp.float32
+    queries = jnp.swapaxes(q.astype(f32).reshape(batch, t_new, n_kv_heads, group, head_dim), 1, 2)
+    queries = queries.reshape(batch, n_kv_heads, t_new * group, head_dim) * head_dim**-0.5
+
+    def cache_block(j, state):
+        start = jnp.minimum(j * block, s_cache - block)  # the last block may overlap the one before
+        keys = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=2).astype(f32)
+        values = jax.lax.dynamic_slice_in_dim(v_cache, start, block, axis=2).astype(f32)
+        slots = start + jnp.arange(block)
+        visible = (slots[None, :] >= j * block) & (slots[None, :] < cache_lengths[:, None])
+        scores = jnp.einsum("bksd,bkqd->bksq", keys, queries)
+        scores = jnp.where(visible[:, None, :, None], scores, -jnp.inf)
+        return _online_update(state, scores, values, "bksd")
+
+    n_queries = t_new * group
+    state = (jnp.full((batch, n_kv_heads, n_queries), -jnp.inf, f32),
+             jnp.zeros((batch, n_kv_heads, n_queries), f32),
+             jnp.zeros((batch, n_kv_heads, n_queries, head_dim), f32))
+    n_blocks = jnp.minimum((jnp.max(cache_lengths) + block - 1) // block, -(-s_cache // block))
+    state = jax.lax.fori_loop(0, n_blocks, cache_block, state)
+    scores_new = jnp.einsum("bskd,bkqd->bksq", k_new.astype(f32), queries)
+    new_visible = jnp.repeat(jnp.swapaxes(mask.astype(bool), 1, 2), group, axis=2)  # [B,key,T*G]
+    scores_new = jnp.where(new_visible[:, None], scores_new, -jnp.inf)
+    _, row_sum, acc = _online_update(state, scores_new, v_new.astype(f32), "bskd")
+    out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
+    out = jnp.swapaxes(out.reshape(batch, n_kv_heads, t_new, group, head_dim), 1, 2)
+    return out.reshape(batch, t_new, n_q_heads, head_dim).astype(q.dtype)

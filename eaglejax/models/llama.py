@@ -5,12 +5,13 @@ Parameters are a plain dict pytree with one dict per layer;
 One `forward` serves prefill, single-token decode and tree verification: it takes any
 number of new tokens per row with explicit positions and an optional mask among them,
 attends over the cache's valid prefix, and returns the new K/V rows without writing
-them (the caller commits what it accepts).
+them (the caller commits what it accepts). `forward_chunked` runs a long prompt through
+`forward` a block at a time, so attention memory stays bounded by the block size.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -209,6 +210,57 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     staged = None if given is None else KVCache(tuple(k_bufs), tuple(v_bufs), cache.lengths)
     return ForwardOutput(rms_norm(h, params["final_norm"], config.rms_norm_eps),
                          tuple(k_new), tuple(v_new), taps, staged)
+
+
+def scan_chunks(run: Callable[[KVCache, tuple[jax.Array, ...], jax.Array], tuple[KVCache, Any]],
+                cache: KVCache, inputs: tuple[jax.Array, ...], chunk: int) -> tuple[KVCache, Any]:
+    """Feed inputs [B,P,...] to `run(cache, block, positions)` `chunk` positions at a time
+    under `lax.scan` (static block count; the last block zero-padded).
+
+    Block i sits at positions cache.lengths + i * chunk + [0, chunk); `run` returns the cache
+    with the block's rows staged after the valid prefix, and per-position outputs
+    [B,chunk,...]. Each block thus attends to the rows of the blocks before it plus itself.
+    Returns the cache with every row staged (lengths unchanged; rows past the capacity are
+    dropped) and the outputs [B,P,...].
+    """
+    batch, total = inputs[0].shape[:2]
+    n_blocks = -(-total // chunk)
+    pad = n_blocks * chunk - total
+
+    def blocks(x: jax.Array) -> jax.Array:
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.swapaxes(x.reshape(batch, n_blocks, chunk, *x.shape[2:]), 0, 1)
+
+    def unblock(y: jax.Array) -> jax.Array:
+        y = jnp.swapaxes(y, 0, 1).reshape(batch, n_blocks * chunk, *y.shape[3:])
+        return y[:, :total]
+
+    def body(carry: KVCache, block: tuple[jax.Array, ...]):
+        positions = carry.lengths[:, None] + jnp.arange(chunk)[None, :]
+        staged, outputs = run(carry, block, positions)
+        return staged._replace(lengths=carry.lengths + chunk), outputs
+
+    staged, outputs = jax.lax.scan(body, cache, tuple(blocks(x) for x in inputs))
+    return staged._replace(lengths=cache.lengths), jax.tree.map(unblock, outputs)
+
+
+def forward_chunked(params: Params, config: ModelConfig, tokens: jax.Array, cache: KVCache, *,
+                    chunk: int, tap_layers: tuple[int, ...] = (),
+                    attn_impl: AttentionImpl = "auto"
+                    ) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """`forward` of tokens [B,P] at positions cache.lengths + [0, P) (causal), `chunk`
+    tokens at a time (see `scan_chunks`): the same hidden states and taps to float
+    tolerance, with attention scores no larger than chunk x key block.
+
+    Returns (hidden [B,P,H], taps or None, the cache with all P rows staged, lengths
+    unchanged)."""
+    def run(carry: KVCache, block: tuple[jax.Array, ...], positions: jax.Array):
+        out = forward(params, config, block[0], positions, carry, tap_layers=tap_layers,
+                      attn_impl=attn_impl)
+        return out.cache, (out.hidden, out.taps)
+
+    staged, (hidden, taps) = scan_chunks(run, cache, (tokens,), chunk)
+    return hidden, taps, staged
 
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
