@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import platform
 import time
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -15,6 +14,7 @@ import numpy as np
 from eaglejax.datasets import Question
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.generate import cache_capacity, generate
+from eaglejax.hardware import machine_report, memory_floor_ms
 from eaglejax.models import kv_cache
 from eaglejax.models.llama import forward, lm_head
 from eaglejax.target import Target
@@ -62,6 +62,19 @@ def single_forward_ms(target: Target, context: int, capacity: int, batch: int = 
     return float(np.median(times) * 1e3)
 
 
+def decode_step_bytes(target: Target, context: int, batch: int = 1) -> int:
+    """Bytes one plain decode step must read: every weight once (an untied embedding table
+    only the looked-up rows) and each row's `context` cached keys and values."""
+    config = target.config
+    weights = sum(leaf.nbytes for leaf in jax.tree.leaves(target.params))
+    if not config.tie_word_embeddings:
+        embed = target.params["embed"]
+        weights -= embed.nbytes - batch * embed.nbytes // embed.shape[0]
+    itemsize = jnp.dtype(target.dtype).itemsize
+    cache = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+    return int(weights + batch * context * cache)
+
+
 def _run_batches(questions: list[Question], batch_size: int, run) -> dict[str, Any]:
     """Warm every shape up, then run all batches once; sum timings and tokens."""
     batches = [[q.prompt for q in questions[i:i + batch_size]]
@@ -87,8 +100,7 @@ def _run_batches(questions: list[Question], batch_size: int, run) -> dict[str, A
 def _header(target: Target, questions: list[Question], batch_size: int,
             max_new_tokens: int, sampling: Mapping[str, Any] | None) -> dict[str, Any]:
     return {"model": target.source, "dtype": jnp.dtype(target.dtype).name,
-            "backend": jax.default_backend(),
-            "machine": platform.processor() or platform.machine(), "batch_size": batch_size,
+            "machine": machine_report(), "batch_size": batch_size,
             "prompts": len(questions), "max_new_tokens": max_new_tokens,
             "sampling": dict(sampling) if sampling else "greedy"}
 
@@ -115,8 +127,11 @@ def bench_plain(target: Target, questions: list[Question], *, batch_size: int = 
     capacity = cache_capacity(max(t["prompt_tokens"]), max_new_tokens)
     forward_ms = single_forward_ms(target, mean_context, capacity, batch=batch_size)
     decode_ms_per_step = 1e3 * t["decode_s"] / t["steps"]
+    header = _header(target, questions, batch_size, max_new_tokens, sampling)
+    step_bytes = decode_step_bytes(target, mean_context, batch_size)
+    floor_ms = memory_floor_ms(step_bytes, header["machine"]["copy_bandwidth_gb_s"])
     return {
-        "mode": "plain", **_header(target, questions, batch_size, max_new_tokens, sampling),
+        "mode": "plain", **header,
         "new_tokens": t["new_tokens"],
         "decode_tokens_per_s": t["decode_tokens"] / t["decode_s"],
         "end_to_end_tokens_per_s": t["new_tokens"] / (t["prefill_s"] + t["decode_s"]),
@@ -124,6 +139,9 @@ def bench_plain(target: Target, questions: list[Question], *, batch_size: int = 
         "decode_ms_per_step": decode_ms_per_step,
         "single_forward_ms": forward_ms,
         "step_over_forward": decode_ms_per_step / forward_ms,
+        "step_bytes": step_bytes,
+        "memory_floor_ms": floor_ms,
+        "step_over_memory_floor": decode_ms_per_step / floor_ms,
     }
 
 
@@ -155,9 +173,12 @@ def bench_speculative(target: Target, draft, questions: list[Question], *, batch
         by_category.setdefault(question.category, []).append((row.metrics.acceptance_length, n))
     plain_step_ms = 1e3 * plain["decode_s"] / plain["steps"]
     spec_step_ms = 1e3 * spec["decode_s"] / spec["steps"]
+    header = _header(target, questions, batch_size, max_new_tokens, sampling)
+    mean_context = int(np.mean(plain["prompt_tokens"])) + max_new_tokens // 2
+    floor_ms = memory_floor_ms(decode_step_bytes(target, mean_context, batch_size),
+                               header["machine"]["copy_bandwidth_gb_s"])
     return {
-        "mode": "speculative",
-        **_header(target, questions, batch_size, max_new_tokens, sampling),
+        "mode": "speculative", **header,
         "draft": draft.source, "speculative": rows[0].metrics.speculative,
         "plain_decode_tokens_per_s": plain["decode_tokens"] / plain["decode_s"],
         "spec_decode_tokens_per_s": spec["decode_tokens"] / spec["decode_s"],
@@ -169,6 +190,8 @@ def bench_speculative(target: Target, draft, questions: list[Question], *, batch
             category: float(np.average([al for al, _ in pairs], weights=[n for _, n in pairs]))
             for category, pairs in sorted(by_category.items())},
         "plain_ms_per_step": plain_step_ms,
+        "memory_floor_ms": floor_ms,
+        "plain_step_over_memory_floor": plain_step_ms / floor_ms,
         "spec_ms_per_round": spec_step_ms,
         "round_over_plain_step": spec_step_ms / plain_step_ms,
         **({} if sampling else {"identical_tokens": all(

@@ -29,6 +29,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              f"checkpoint (default: {DEFAULT_MODEL})")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    parser.add_argument("--weight-dtype", default=None, choices=["bfloat16", "float16"],
+                        help="store the weight matrices in this dtype and compute in --dtype "
+                             "(bfloat16 halves the bytes a CPU decode step reads; see "
+                             "BENCHMARKS.md for its speed and agreement)")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="render prompts with the model's chat template (default: on)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -203,7 +207,7 @@ def _generate(args: argparse.Namespace) -> None:
     validation.stop_strings(args.stop, name="--stop")
     from eaglejax import generate, load_target
 
-    target = load_target(args.model, dtype=args.dtype)
+    target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype)
     results = generate(args.prompts, target=target, draft=_load_draft(args, target),
                        speculative=speculative,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -247,7 +251,7 @@ def _bench(args: argparse.Namespace) -> None:
     validation.integer("--num-prompts", args.num_prompts, 1)
     speculative = _check_decoding_args(args)
     questions = mt_bench_questions(args.questions)
-    target = load_target(args.model, dtype=args.dtype)
+    target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype)
     if args.balanced:
         questions = interleave_categories(questions)
     questions = questions[:args.num_prompts]

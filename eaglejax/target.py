@@ -14,10 +14,14 @@ from eaglejax import validation
 from eaglejax.config import ModelConfig
 from eaglejax.errors import InputError
 from eaglejax.models.attention import AttentionImpl
-from eaglejax.models.llama import Params, forward, lm_head
+from eaglejax.models.llama import Params, compute_dtype, forward, lm_head
 
 if TYPE_CHECKING:
     from eaglejax.tokenizer import Tokenizer
+
+
+MATRICES = frozenset({"embed", "lm_head", "wqkv", "wo", "w_gate_up", "w_down"})
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
@@ -49,7 +53,25 @@ class Target:
 
     @property
     def dtype(self) -> jnp.dtype:
+        """The compute dtype (activations, KV cache); see `weight_dtype` for storage."""
+        return compute_dtype(self.params)
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        """The dtype the weight matrices are stored in."""
         return self.params["embed"].dtype
+
+    def with_weight_dtype(self, dtype: jnp.dtype | str) -> "Target":
+        """This target with its matrices (embedding, projections, output head) stored in
+        `dtype` and everything else unchanged: activations, norms and the KV cache keep the
+        compute dtype. bfloat16 halves the bytes a decode step reads."""
+        dtype = validation.dtype("weight_dtype", dtype, FLOAT_DTYPES)
+
+        def store(path, leaf):
+            return leaf.astype(dtype) if path[-1].key in MATRICES else leaf
+
+        params = jax.tree_util.tree_map_with_path(store, self.params)
+        return dataclasses.replace(self, params=params)
 
     def save(self, path: str) -> None:
         """Write an eaglejax checkpoint (loads much faster than re-converting GGUF/HF files)."""
@@ -78,8 +100,13 @@ class Target:
         """Residual streams entering `layer_ids` (default `(2, L//2, L-3)`), concatenated:
         [B,T,len(layer_ids)*H]."""
         num_layers = self.config.num_layers
-        layers = tuple(layer_ids) if layer_ids is not None else default_tap_layers(num_layers)
-        bad = [i for i in layers if not 0 <= i <= num_layers]
+        if layer_ids is None:
+            layers = default_tap_layers(num_layers)
+        elif isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Sequence):
+            raise InputError(f"layer_ids must be a sequence of layer indices, got {layer_ids!r}")
+        else:
+            layers = tuple(layer_ids)
+        bad = [i for i in layers if not validation.is_int(i) or not 0 <= i <= num_layers]
         if not layers or bad:
             raise InputError(f"layer_ids must be non-empty and within [0, {num_layers}], "
                              f"got {layers}")

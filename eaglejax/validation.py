@@ -225,6 +225,19 @@ def sampling(temperature: Any, top_k: Any, top_p: Any,
                            real(name("top_p"), top_p, 0.0, 1.0, low_open=True))
 
 
+def dtype(name: str, value: Any, allowed: Sequence[str]) -> Any:
+    """`value` (a name or dtype) as a JAX dtype among `allowed` names."""
+    import jax.numpy as jnp
+
+    try:
+        parsed = jnp.dtype(value)
+    except TypeError:
+        parsed = None
+    if parsed is None or parsed.name not in allowed:
+        raise InputError(f"{name} must be one of {list(allowed)}, got {_short(value)}")
+    return parsed
+
+
 def cli_flag(argument: str) -> str:
     """The CLI flag of an API argument name: `top_k` -> `--top-k`."""
     return "--" + argument.replace("_", "-")

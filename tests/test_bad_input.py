@@ -346,3 +346,24 @@ def test_cli_train_draft_bad_seed_exits_2_without_a_run_folder(tmp_path):
     assert proc.stderr.strip().splitlines() == ["eaglejax: error: --seed must lie in "
                                                 "[0, 2**32), got 4294967296"]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(dtype="bogus"), "dtype"), (dict(dtype="int8"), "dtype"),
+    (dict(weight_dtype="float64"), "weight_dtype"), (dict(weight_dtype=3), "weight_dtype"),
+])
+def test_load_target_refuses_bad_dtypes_before_loading(kwargs, named):
+    with pytest.raises(InputError, match=named):
+        eaglejax.load_target("/tmp/no-such-model", **kwargs)  # checked before the path
+
+
+@pytest.mark.parametrize("path", [None, 5, ["a"]])
+def test_load_target_refuses_what_is_not_a_path(path):
+    with pytest.raises(InputError, match="model name or path"):
+        eaglejax.load_target(path)
+
+
+@pytest.mark.parametrize("layer_ids", ["a", [1.5], [True], [], [99]])
+def test_features_refuses_bad_layer_ids(layer_ids, target_of):
+    with pytest.raises(InputError, match="layer_ids"):
+        target_of("llama").features([[1, 2, 3]], layer_ids=layer_ids)

@@ -18,7 +18,7 @@ from eaglejax.decoding.sampling import SamplingParams, sample_tokens
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
-from eaglejax.models.llama import Params, forward, forward_chunked, lm_head
+from eaglejax.models.llama import Params, compute_dtype, forward, forward_chunked, lm_head
 
 
 class DecodeState(NamedTuple):
@@ -54,7 +54,7 @@ def prefill_target(params: Params, config: ModelConfig, prompt: jax.Array,
     cache written so far plus itself, so memory grows linearly with P."""
     batch, prompt_len = prompt.shape
     cache = kv_cache.init_cache(config.num_layers, batch, capacity, config.num_kv_heads,
-                                config.head_dim, params["embed"].dtype)
+                                config.head_dim, compute_dtype(params))
     if prompt_len <= chunk:
         positions = jnp.broadcast_to(jnp.arange(prompt_len)[None], (batch, prompt_len))
         out = forward(params, config, prompt, positions, None, tap_layers=tap_layers,

@@ -41,7 +41,7 @@ from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.head import draft_forward, draft_forward_chunked, head_logits, to_target_ids
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
-from eaglejax.models.llama import ForwardOutput, Params, forward, lm_head
+from eaglejax.models.llama import ForwardOutput, Params, compute_dtype, forward, lm_head
 
 
 class SpecState(NamedTuple):
@@ -123,7 +123,7 @@ def spec_prefill(params: Params, config: ModelConfig, draft_params: Params,
     shifted = shifted.at[rows, prompt_lengths - 1].set(first)
     d = draft_config.decoder
     draft_cache = kv_cache.init_cache(d.num_layers, batch, capacity, d.num_kv_heads,
-                                      d.head_dim, params["embed"].dtype)
+                                      d.head_dim, compute_dtype(params))
     draft_cache, draft_logits, draft_hidden = _draft_prefill(
         draft_params, draft_config, params, draft_cache, shifted,
         _features(prefilled, draft_config), prompt_lengths, attn_impl, prefill_chunk)

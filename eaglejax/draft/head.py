@@ -115,9 +115,10 @@ def draft_forward(params: Params, config: DraftConfig, target_params: Params, to
     mask = causal_mask(batch, t_new) if mask is None else mask
     given = cache
     embed_table = params.get("embed", target_params["embed"])
-    cache = empty_cache(d, batch, embed_table.dtype) if cache is None else cache
+    dtype = params["fc"].dtype  # the head computes in its own dtype; the table may be 16-bit
+    cache = empty_cache(d, batch, dtype) if cache is None else cache
     rope = rope_for(d, positions)
-    embeds = embed_table[tokens]
+    embeds = embed_table[tokens].astype(dtype)
     first = params["layers"][0]
     if config.kind == "eagle3":
         x = _fc_input(params, config, inputs) if from_features else inputs

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from eaglejax.config import ModelConfig
-from eaglejax.errors import LoadError
+from eaglejax import validation
+from eaglejax.errors import InputError, LoadError
 from eaglejax.loading.files import require_regular_file
-from eaglejax.target import Target
+from eaglejax.target import FLOAT_DTYPES, Target
 
 GGUF_MAGIC = b"GGUF"
 
@@ -20,8 +22,22 @@ def default_dtype() -> jnp.dtype:
     return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
 
 
-def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = None) -> Target:
-    """Load a target from a built-in name, a GGUF file, an HF directory or an eaglejax checkpoint."""
+def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = None,
+                weight_dtype: jnp.dtype | str | None = None) -> Target:
+    """Load a target from a built-in name, a GGUF file, an HF directory or an eaglejax
+    checkpoint. `dtype`: compute and parameter dtype; `weight_dtype`: store the matrices
+    in another (e.g. bfloat16 under float32 compute: `Target.with_weight_dtype`)."""
+    if not isinstance(path_or_name, (str, os.PathLike)):
+        raise InputError(f"load_target wants a model name or path, got {path_or_name!r}")
+    if dtype is not None:
+        dtype = validation.dtype("dtype", dtype, FLOAT_DTYPES)
+    if weight_dtype is not None:
+        weight_dtype = validation.dtype("weight_dtype", weight_dtype, FLOAT_DTYPES)
+    target = _load(path_or_name, dtype)
+    return target if weight_dtype is None else target.with_weight_dtype(weight_dtype)
+
+
+def _load(path_or_name: str | Path, dtype: jnp.dtype | str | None) -> Target:
     from eaglejax.loading import checkpoint
     from eaglejax.loading.builtin import resolve_builtin
 
