@@ -99,3 +99,15 @@ def test_weights_are_never_widened_in_the_compiled_step(target_of):
     compiled = jax.jit(step).lower(stored.params, jnp.ones((1, 1), jnp.int32)).compile()
     smallest_widened = 4 * min(leaf.size for leaf in matrices)
     assert compiled.memory_analysis().temp_size_in_bytes < smallest_widened
+
+
+def test_saved_16_bit_storage_reloads_as_saved(target_of, tmp_path):
+    stored = target_of("tied").with_weight_dtype("bfloat16")
+    stored.save(str(tmp_path / "ckpt"))
+    loaded = eaglejax.load_target(tmp_path / "ckpt")
+    assert loaded.dtype == jnp.float32 and loaded.weight_dtype == jnp.bfloat16
+    for a, b in zip(jax.tree.leaves(stored.params), jax.tree.leaves(loaded.params)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32),
+                                                     np.asarray(b, np.float32))
+    ids = [[3, 4, 5, 6]]
+    assert np.array_equal(np.asarray(stored.logits(ids)), np.asarray(loaded.logits(ids)))

@@ -24,6 +24,7 @@ from eaglejax.loading.files import file_checksums, verify_checksums, write_atomi
 from eaglejax.loading.hf_dir import read_json
 from eaglejax.loading.orbax_io import restore_tree
 from eaglejax.models.llama import Params, param_shapes
+from eaglejax.target import MATRICES
 
 MANIFEST = "eaglejax.json"
 FORMAT, VERSION = "eaglejax-target", 1
@@ -44,19 +45,22 @@ def save_target(target, path: str | Path) -> Path:
     if target.tokenizer is not None:
         target.tokenizer.save(path)
     manifest = {"format": FORMAT, "version": VERSION, "config": target.config.to_hf_dict(),
-                "dtype": jnp.dtype(target.dtype).name, "source": target.source,
+                "dtype": jnp.dtype(target.dtype).name,
+                "weight_dtype": jnp.dtype(target.weight_dtype).name, "source": target.source,
                 "eos_token_ids": list(target.eos_token_ids),
                 "files": file_checksums(path, sorted(p.name for p in path.iterdir()))}
     write_atomically(path / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return path
 
 
-def saved_dtype_of(manifest: dict, source: str) -> jnp.dtype:
-    """The parameter dtype a manifest records (float32 when absent)."""
+def saved_dtype_of(manifest: dict, source: str, key: str = "dtype") -> jnp.dtype:
+    """The parameter dtype a manifest records under `key` ("weight_dtype": the matrices';
+    both float32 when absent, the weight dtype defaulting to the parameter dtype)."""
+    value = manifest.get(key, manifest.get("dtype", "float32"))
     try:
-        return jnp.dtype(manifest.get("dtype", "float32"))
+        return jnp.dtype(value)
     except TypeError:
-        raise LoadError(f"{source}: unknown dtype {manifest.get('dtype')!r}") from None
+        raise LoadError(f"{source}: unknown {key} {value!r}") from None
 
 
 def load_checkpoint(path: Path, dtype: jnp.dtype | None):
@@ -74,8 +78,14 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None):
         verify_checksums(path, manifest["files"], str(path / MANIFEST))
     config = ModelConfig.from_hf_dict(manifest.get("config") or {}, str(path / MANIFEST))
     saved_dtype = saved_dtype_of(manifest, str(path / MANIFEST))
-    abstract = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, saved_dtype),
-                            param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    weight_dtype = saved_dtype_of(manifest, str(path / MANIFEST), "weight_dtype")
+
+    def stored(key_path, shape):
+        leaf_dtype = weight_dtype if key_path[-1].key in MATRICES else saved_dtype
+        return jax.ShapeDtypeStruct(shape, leaf_dtype)
+
+    abstract = jax.tree_util.tree_map_with_path(stored, param_shapes(config),
+                                                is_leaf=lambda x: isinstance(x, tuple))
     params: Params = restore_tree(path / "params", abstract)
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
         params = jax.tree.map(lambda a: a.astype(dtype), params)
