@@ -49,6 +49,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--auto-tree", action="store_true",
                        help="time the target and pick the dynamic tree size (speculative='auto')")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.add_argument("--no-compilation-cache", action="store_true",
+                        help="do not keep compiled programs in eaglejax's persistent cache "
+                             "($EAGLEJAX_CACHE/jax-compilation or ~/.cache/eaglejax/"
+                             "jax-compilation; also EAGLEJAX_COMPILATION_CACHE=0)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +100,20 @@ def _check_decoding_args(args: argparse.Namespace):
     validation.seed("--seed", args.seed)
     if args.draft not in (None, "random"):
         validation.existing_path("--draft", args.draft, directory=True)
-    return _speculation(args)
+    speculative = _speculation(args)
+    _set_compilation_cache(args.no_compilation_cache)
+    return speculative
+
+
+def _set_compilation_cache(off: bool) -> None:
+    """--no-compilation-cache; otherwise a malformed $EAGLEJAX_COMPILATION_CACHE fails here,
+    before any model is loaded."""
+    from eaglejax import compilation_cache
+
+    if off:
+        compilation_cache.disable()
+    else:
+        compilation_cache.enabled()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -225,8 +242,9 @@ def _generate(args: argparse.Namespace) -> None:
         m = r.metrics
         al = f", {m.speculative}" if m.speculative else ""
         al += f", AL {m.acceptance_length:.2f}" if m.acceptance_length else ""
-        print(f"[{m.new_tokens} tokens, finish: {r.finish_reason}, prefill {m.prefill_s:.3f} s, "
-              f"decode {m.decode_tokens_per_s:.1f} tok/s{al}]", file=sys.stderr)
+        print(f"[{m.new_tokens} tokens, finish: {r.finish_reason}, compile {m.compile_s:.2f} s, "
+              f"prefill {m.prefill_s:.3f} s, decode {m.decode_tokens_per_s:.1f} tok/s{al}]",
+              file=sys.stderr)
 
 
 def _load_draft(args: argparse.Namespace, target):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax import validation
+from eaglejax import compilation_cache, validation
 from eaglejax.decoding import plain
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculative import spec_loop, spec_prefill
@@ -31,9 +31,11 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 class GenerationMetrics:
     """Timings are shared by the rows of one call; tokens/s counts this row's tokens.
 
-    `decode_tokens_per_s` excludes the first new token (it comes from the prefill). The
-    first call with new shapes also compiles, inside prefill_s and decode_s; `eaglejax
-    bench` warms every shape up before it measures.
+    `decode_tokens_per_s` excludes the first new token (it comes from the prefill).
+    `compile_s` is the time this call spent compiling the prefill and decode programs (or
+    loading them from the persistent compilation cache, see `eaglejax.compilation_cache`;
+    about 0 when this process already compiled the same shapes); `prefill_s`, `decode_s`
+    and tokens/s exclude it.
     Speculative runs add the acceptance length (AL): mean tokens per verification round
     INCLUDING the target's bonus token (plain decoding would be 1.0; AL - 1 is the mean of
     accepted draft tokens), per-position acceptance (share of rounds whose accepted path
@@ -44,6 +46,7 @@ class GenerationMetrics:
 
     prompt_tokens: int
     new_tokens: int
+    compile_s: float
     prefill_s: float
     decode_s: float
     decode_tokens_per_s: float
@@ -155,11 +158,31 @@ def _cut_at_stop(target: Target, ids: list[int],
 
 
 class DecodeRun(NamedTuple):
-    """A finished decode: the loop's final state and its timings."""
+    """A finished decode: the loop's final state and its timings (compiling excluded from
+    prefill_s and decode_s)."""
 
     state: object
+    compile_s: float
     prefill_s: float
     decode_s: float
+
+
+class _Timed(NamedTuple):
+    result: object
+    compile_s: float
+    run_s: float
+
+
+def _compile_then_run(fn, *args, **kwargs) -> _Timed:
+    """Compile jitted `fn` for these arguments ahead of time (a lookup when this process
+    already did; maybe a persistent cache load), then run it: compiling and running are
+    timed apart. The call reuses the program `lower().compile()` built."""
+    start = time.perf_counter()
+    with compilation_cache.caching_every_program():
+        fn.lower(*args, **kwargs).compile()
+    compiled = time.perf_counter()
+    result = jax.block_until_ready(fn(*args, **kwargs))
+    return _Timed(result, compiled - start, time.perf_counter() - compiled)
 
 
 def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seeds: list[int],
@@ -181,25 +204,21 @@ def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seed
     args = (target.params, target.config)
     prompt, prompt_lengths = jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32)
 
-    start = time.perf_counter()
     if draft is None:
-        state = plain.prefill(*args, prompt, prompt_lengths, row_keys, sampling, max_new,
-                              capacity=capacity, max_tokens=max_tokens, greedy=greedy, **common)
+        prefilled = _compile_then_run(
+            plain.prefill, *args, prompt, prompt_lengths, row_keys, sampling, max_new,
+            capacity=capacity, max_tokens=max_tokens, greedy=greedy, **common)
+        decoded = _compile_then_run(plain.decode_loop, *args, prefilled.result, sampling,
+                                    max_new, greedy=greedy, **common)
     else:
         spec_args = dict(spec=spec, greedy=greedy, calibration_sizes=calibration_sizes, **common)
-        state = spec_prefill(*args, draft.params, draft.config, prompt, prompt_lengths,
-                             row_keys, sampling, max_new, capacity=capacity,
-                             max_tokens=max_tokens, **spec_args)
-    jax.block_until_ready(state)
-    prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    if draft is None:
-        state = plain.decode_loop(*args, state, sampling, max_new, greedy=greedy, **common)
-    else:
-        state = spec_loop(*args, draft.params, draft.config, draft.d2t, state, sampling,
-                          max_new, **spec_args)
-    jax.block_until_ready(state)
-    return DecodeRun(state, prefill_s, time.perf_counter() - start)
+        prefilled = _compile_then_run(
+            spec_prefill, *args, draft.params, draft.config, prompt, prompt_lengths, row_keys,
+            sampling, max_new, capacity=capacity, max_tokens=max_tokens, **spec_args)
+        decoded = _compile_then_run(spec_loop, *args, draft.params, draft.config, draft.d2t,
+                                    prefilled.result, sampling, max_new, **spec_args)
+    return DecodeRun(decoded.result, prefilled.compile_s + decoded.compile_s,
+                     prefilled.run_s, decoded.run_s)
 
 
 def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "Draft",
@@ -315,8 +334,8 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
             else:
                 text = target.tokenizer.decode(ids)
         metrics = GenerationMetrics(
-            prompt_tokens=lengths[i], new_tokens=len(ids), prefill_s=run.prefill_s,
-            decode_s=run.decode_s,
+            prompt_tokens=lengths[i], new_tokens=len(ids), compile_s=run.compile_s,
+            prefill_s=run.prefill_s, decode_s=run.decode_s,
             decode_tokens_per_s=(int(counts[i]) - 1) / run.decode_s if run.decode_s > 0 else 0.0,
             target_forwards=int(forwards) + 1, batch_size=batch,
             speculative=shape,
