@@ -35,7 +35,9 @@ class GenerationMetrics:
     `compile_s` is the time this call spent compiling the prefill and decode programs (or
     loading them from the persistent compilation cache, see `eaglejax.compilation_cache`;
     about 0 when this process already compiled the same shapes); `prefill_s`, `decode_s`
-    and tokens/s exclude it.
+    and tokens/s exclude it. On a CPU the first run of a new program still builds its
+    XNNPACK (YNN) kernel pipelines (about 0.5 s for SmolLM2's prefill on 2 cores), inside
+    `prefill_s`.
     Speculative runs add the acceptance length (AL): mean tokens per verification round
     INCLUDING the target's bonus token (plain decoding would be 1.0; AL - 1 is the mean of
     accepted draft tokens), per-position acceptance (share of rounds whose accepted path
@@ -168,6 +170,8 @@ class DecodeRun(NamedTuple):
 
 
 class _Timed(NamedTuple):
+    """A jitted call's result, the seconds spent compiling it and running it."""
+
     result: object
     compile_s: float
     run_s: float
