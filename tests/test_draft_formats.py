@@ -7,6 +7,7 @@ Llama target of conftest (3 layers, hidden 64, 4 heads / 2 KV heads, vocab 97).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -21,10 +22,10 @@ from eaglejax.cli import main as cli_main
 from eaglejax.draft import (Draft, export_reference, export_speculators, load_draft,
                             save_draft)
 from eaglejax.errors import ConfigError, EaglejaxError, LoadError
+from tolerances import HEAD_UNITS, assert_close_scaled
 
 V, HT, L = 97, 64, 3  # the target's vocabulary, hidden size and layer count
 EPS = 1e-5
-TOL = 1e-5
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,12 +225,9 @@ def tokens():
 
 
 def _assert_logits(got, want):
-    got = np.asarray(got, np.float64)
-    assert got.shape == want.shape
-    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
-    finite = np.isfinite(want)
-    err = np.abs(got[finite] - want[finite]).max()
-    assert err <= TOL, f"max abs error {err:.3g}"
+    """Within float32 noise of the float64 oracle for one head step (tolerances.HEAD_UNITS):
+    -inf outside the draft vocabulary in both, noise at most 6.4 units of about 3e-7."""
+    assert_close_scaled(got, want, units=HEAD_UNITS, what="draft logits")
 
 
 def _first_step(draft: Draft, tokens):
@@ -360,6 +358,37 @@ def test_speculators_layout_matches_oracle(tmp_path, name, target, target_weight
         with pytest.raises(ConfigError, match="2 decoder layers"):
             export_reference(draft, tmp_path / "ref")
         assert not (tmp_path / "ref").exists()
+
+
+@pytest.mark.parametrize("name,wrong", [
+    ("multi-layer-norm-before-fc", dict(rms_norm_eps=1e-6)),
+    ("reference-head-dim", dict(rope_theta=10000.0)),
+], ids=["rms_norm_eps", "rope_theta"])
+def test_oracle_check_rejects_a_wrong_norm_epsilon_or_rope_base(tmp_path, name, wrong, target,
+                                                                target_weights, tokens):
+    """Negative control: `_assert_logits` fails for a head run with the target's epsilon
+    1e-6 instead of its own 1e-5 (the hardest case: 1.1e-5 off, 39 units), or with the
+    default rope_theta 1e4 instead of its 5e4."""
+    if name in SPECULATORS_CASES:
+        case = SPECULATORS_CASES[name]
+        s = case["spec"]
+        sd = eagle3_tensors(2, s, first="layers.0.", input_norm=True, embed=True)
+        path = write_head(tmp_path / name, _speculators_config(s, **case["top"]), sd,
+                          case["weights"])
+        oracle = dict(first="layers.0.", input_norm=True, norm_before_residual=True)
+    else:
+        case = REFERENCE_CASES[name]
+        s = case["spec"]
+        path, sd = _reference_head(tmp_path, name, case)
+        oracle = {}
+    draft = load_draft(path, target=target)
+    toks, feats = _first_step(draft, tokens)
+    want = eagle3_oracle(sd, s, toks, feats, target_weights[0], **oracle)
+    _assert_logits(draft.logits(toks, feats), want)
+    decoder = dataclasses.replace(draft.config.decoder, **wrong)
+    bad = dataclasses.replace(draft, config=dataclasses.replace(draft.config, decoder=decoder))
+    with pytest.raises(AssertionError, match="noise units"):
+        _assert_logits(bad.logits(toks, feats), want)
 
 
 def test_speculators_export_config(tmp_path, target):

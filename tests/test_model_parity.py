@@ -1,5 +1,7 @@
 """Logits and feature taps against Hugging Face transformers (PyTorch, float32)."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,16 +11,33 @@ import eaglejax
 from eaglejax.models import kv_cache
 from eaglejax.models.llama import forward, lm_head
 from hf_oracle import FAMILIES, hf_logits, make_hf_model
-
-TOL = 1e-4
+from tolerances import BF16_UNITS, FORWARD_UNITS, assert_close_scaled
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_match_transformers(family, hf_family, target_of):
     _, model = hf_family(family)
     ids = np.random.RandomState(0).randint(0, 97, size=(2, 48))
-    got = np.asarray(target_of(family).logits(ids))
-    np.testing.assert_allclose(got, hf_logits(model, ids), atol=TOL, rtol=0)
+    target = target_of(family)
+    got = np.asarray(target.logits(ids))
+    # Logits reach about 2.5: noise is 2e-6 to 3e-6 (at most 5.8 units of 4.9e-7 through 3
+    # layers); the bound, 40 units, is about 2e-5.
+    assert_close_scaled(got, hf_logits(model, ids), units=FORWARD_UNITS,
+                        depth=target.config.num_layers)
+
+
+@pytest.mark.parametrize("wrong", [dict(rms_norm_eps=1e-5), dict(rope_theta=10000.0)],
+                         ids=["rms_norm_eps", "rope_theta"])
+def test_logits_check_rejects_a_wrong_norm_epsilon_or_rope_base(wrong, hf_family, target_of):
+    """Negative control: the Llama-3 model (rms_norm_eps 1e-6, rope_theta 5e5) run with the
+    common defaults 1e-5 (2.3e-3 off: 4,800 units) or 1e4 fails the check above."""
+    _, model = hf_family("llama3")
+    target = target_of("llama3")
+    ids = np.random.RandomState(0).randint(0, 97, size=(2, 48))
+    bad = dataclasses.replace(target, config=dataclasses.replace(target.config, **wrong))
+    with pytest.raises(AssertionError, match="noise units"):
+        assert_close_scaled(np.asarray(bad.logits(ids)), hf_logits(model, ids),
+                            units=FORWARD_UNITS, depth=target.config.num_layers)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -30,11 +49,13 @@ def test_features_are_hidden_states_entering_layers(family, hf_family, target_of
     target = target_of(family)
     got = np.asarray(target.features(ids, layer_ids=(0, 1, 2)))
     want = np.concatenate([states[i].numpy() for i in (0, 1, 2)], axis=-1)
-    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+    # The deepest tap has been through 2 layers: noise at most 5 units; a wrong epsilon
+    # (1e-7 or 1e-5 for 1e-6) 309 units or more.
+    assert_close_scaled(got, want, units=FORWARD_UNITS, depth=2)
     # Default taps (2, L//2, L-3) for L=3 layers are (2, 1, 0).
     default = np.asarray(target.features(ids))
-    np.testing.assert_allclose(default, np.concatenate(
-        [states[i].numpy() for i in (2, 1, 0)], axis=-1), atol=TOL, rtol=0)
+    assert_close_scaled(default, np.concatenate([states[i].numpy() for i in (2, 1, 0)], axis=-1),
+                        units=FORWARD_UNITS, depth=2)
 
 
 @pytest.mark.parametrize("layout", ["bin", "sharded"])
@@ -48,7 +69,8 @@ def test_other_weight_layouts_load(layout, tmp_path, hf_family):
         assert (tmp_path / "model.safetensors.index.json").exists()
     ids = np.random.RandomState(2).randint(0, 97, size=(1, 16))
     got = np.asarray(eaglejax.load_target(tmp_path).logits(ids))
-    np.testing.assert_allclose(got, hf_logits(model, ids), atol=TOL, rtol=0)
+    assert_close_scaled(got, hf_logits(model, ids), units=FORWARD_UNITS,
+                        depth=model.config.num_hidden_layers)
 
 
 def test_cached_chunks_and_tree_mask_agree_with_full_sequence(target_of):
@@ -76,8 +98,9 @@ def test_cached_chunks_and_tree_mask_agree_with_full_sequence(target_of):
     for node in range(4):
         path = [n for n in range(4) if mask[node, n]]
         seq = np.concatenate([prefix[0], tokens[path]])[None]
-        np.testing.assert_allclose(tree_logits[node], np.asarray(target.logits(seq))[0, -1],
-                                   atol=TOL, rtol=0)
+        # Noise at most 3.5 units; a tree node one position off: 550,000 units.
+        assert_close_scaled(tree_logits[node], np.asarray(target.logits(seq))[0, -1],
+                            units=FORWARD_UNITS, depth=cfg.num_layers)
 
 
 def test_bfloat16_weights_stay_close(hf_family):
@@ -87,7 +110,9 @@ def test_bfloat16_weights_stay_close(hf_family):
     ids = np.random.RandomState(4).randint(0, 97, size=(1, 16))
     ref = hf_logits(model, ids)
     got = np.asarray(target.logits(ids))
-    assert np.abs(got - ref).max() < 0.1 * np.abs(ref).max()
+    # bfloat16 weights and activations: 0.91 units of bfloat16 noise through 3 layers
+    # (2.5e-2 for logits up to 2); the bound is 4 units.
+    assert_close_scaled(got, ref, units=BF16_UNITS, depth=3, dtype=jnp.bfloat16)
 
 
 def test_untied_random_model_differs_from_tied(tmp_path):

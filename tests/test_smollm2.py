@@ -1,5 +1,6 @@
 """The default real model, SmolLM2-135M-Instruct from its GGUF, against transformers."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import eaglejax
+from tolerances import FORWARD_UNITS, assert_close_scaled
 
 pytestmark = pytest.mark.slow
 
@@ -20,20 +22,39 @@ CHAT_PROMPTS = [
 ]
 
 
+def _logits(model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(ids)).logits.numpy()
+
+
 @pytest.mark.parametrize("prompt", CHAT_PROMPTS)
 def test_logits_match_transformers(prompt, smollm2, smollm2_hf):
+    """eaglejax's logits are within float32 noise (tolerances.FORWARD_UNITS through 30
+    layers) of transformers' float64 forward and of its float32 one. Logits reach about 40
+    and residual streams 25,000: the largest differences, 9e-5 here and 1.6e-4 on an Intel
+    Xeon, are 4 to 6 units of 2.6e-5; the bound is 40 units, 1.05e-3."""
     ids = np.array([smollm2.tokenizer.render_prompt(prompt, chat=True)])
-    with torch.no_grad():
-        want = smollm2_hf(torch.as_tensor(ids)).logits.numpy()
-        exact = smollm2_hf.double()(torch.as_tensor(ids)).logits.numpy()
+    want = _logits(smollm2_hf, ids)
+    exact = _logits(smollm2_hf.double(), ids)
     smollm2_hf.float()
     got = np.asarray(smollm2.logits(ids))
-    # Logits reach about 38 and residual streams 25000, so float32 rounding alone moves
-    # logits by about 9e-5 (transformers' float32 vs its float64 forward). Measured here:
-    # 0.9e-4 to 1.13e-4 against transformers' float32. eaglejax must be as close to the
-    # float64 truth as transformers' own float32 forward is.
-    assert np.abs(got - exact).max() <= 1.5 * np.abs(want - exact).max()
-    assert np.abs(got - want).max() <= 1.5e-4
+    depth = smollm2.config.num_layers
+    assert_close_scaled(got, exact, units=FORWARD_UNITS, depth=depth, what="vs float64")
+    assert_close_scaled(got, want, units=FORWARD_UNITS, depth=depth, what="vs float32")
+
+
+@pytest.mark.parametrize("wrong", [dict(rms_norm_eps=1e-6), dict(rope_theta=10000.0)],
+                         ids=["rms_norm_eps", "rope_theta"])
+def test_logits_check_rejects_a_wrong_norm_epsilon_or_rope_base(wrong, smollm2, smollm2_hf):
+    """Negative control: the check above fails for SmolLM2 run with Llama's usual defaults
+    instead of its own rms_norm_eps 1e-5 (3.1e-2 off: 1,270 units) or rope_theta 1e5 (10 off:
+    about 400,000 units)."""
+    ids = np.array([smollm2.tokenizer.render_prompt(CHAT_PROMPTS[0], chat=True)])
+    config = dataclasses.replace(smollm2.config, **wrong)
+    bad = np.asarray(dataclasses.replace(smollm2, config=config).logits(ids))
+    with pytest.raises(AssertionError, match="noise units"):
+        assert_close_scaled(bad, _logits(smollm2_hf, ids), units=FORWARD_UNITS,
+                            depth=smollm2.config.num_layers)
 
 
 def test_greedy_chat_continuations_match_transformers_for_64_tokens(smollm2, smollm2_hf):

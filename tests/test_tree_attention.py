@@ -13,9 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import tree_attention, tree_attention_reference
+from tolerances import BF16_UNITS, FORWARD_UNITS, assert_close_scaled
 
-F32_TOL = 1e-5
-BF16_TOL = 2e-2
 LAYOUTS = ("bshd", "bhsd")  # k/v cache [B,S,Hkv,D] (the default) or head-major [B,Hkv,S,D]
 
 # One compiled program per shape: the eager reference compiles op by op (~1 s per shape).
@@ -87,13 +86,16 @@ def to_layout(args: tuple[jax.Array, ...], kv_layout: str) -> tuple[jax.Array, .
 
 
 def assert_close(out: jax.Array, ref: jax.Array, dtype) -> None:
+    """Equal within rounding noise of ``dtype`` for one attention call (tolerances.py):
+    float32 noise at most 2.6 units (kernel vs reference), bfloat16 0.67 units (one
+    bfloat16 rounding of outputs up to about 3)."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.all(np.isfinite(out))
     if dtype == jnp.float32:
-        np.testing.assert_allclose(out, ref, atol=F32_TOL, rtol=0)
+        assert_close_scaled(out, ref, units=FORWARD_UNITS)
     else:
-        np.testing.assert_allclose(out, ref, atol=BF16_TOL, rtol=BF16_TOL)
+        assert_close_scaled(out, ref, units=BF16_UNITS, dtype=dtype)
 
 
 # ------------------------------------------------------------- the reference vs numpy
@@ -130,7 +132,7 @@ def test_reference_matches_numpy_loop(mask_kind, kv_layout):
     args = (*args[:6], args[6].at[0, 1].set(False))  # row 0 token 1 also sees nothing
     ref = reference(*to_layout(args, kv_layout), scale=0.3, kv_layout=kv_layout)
     expected = numpy_tree_attention(*args, scale=0.3)
-    np.testing.assert_allclose(np.asarray(ref), expected, atol=1e-5)
+    assert_close_scaled(ref, expected, units=FORWARD_UNITS)  # noise at most 5.3 units
     assert np.all(np.asarray(ref)[0, 1] == 0.0)
 
 
@@ -141,16 +143,12 @@ def test_reference_layouts_agree(dtype):
     args = make_inputs(4, batch=3, t_new=6, n_q=8, n_kv=2, head_dim=32, s_cache=19,
                        dtype=dtype, mask_kind="tree")
     by_layout = {lay: reference(*to_layout(args, lay), kv_layout=lay) for lay in LAYOUTS}
-    tol = 1e-6 if dtype == jnp.float32 else BF16_TOL
     assert by_layout["bhsd"].dtype == by_layout["bshd"].dtype == dtype
-    np.testing.assert_allclose(np.asarray(by_layout["bhsd"], np.float32),
-                               np.asarray(by_layout["bshd"], np.float32), atol=tol, rtol=tol)
+    assert_close(by_layout["bhsd"], by_layout["bshd"], dtype)
     eager = tree_attention_reference(*to_layout(args, "bhsd"), kv_layout="bhsd")
-    np.testing.assert_allclose(np.asarray(eager, np.float32),
-                               np.asarray(by_layout["bhsd"], np.float32), atol=tol, rtol=tol)
+    assert_close(eager, by_layout["bhsd"], dtype)
     if dtype == jnp.float32:
-        np.testing.assert_allclose(np.asarray(by_layout["bhsd"]), numpy_tree_attention(*args),
-                                   atol=F32_TOL)
+        assert_close_scaled(by_layout["bhsd"], numpy_tree_attention(*args), units=FORWARD_UNITS)
 
 
 def test_reference_rejects_unknown_layout():
@@ -210,6 +208,29 @@ def test_tpu_kernel_matches_reference(case, kv_layout):
     assert_close(out, f32_reference(args, kv_layout), dtype)
 
 
+@pytest.mark.parametrize("case,wrong", [
+    (GPU_CASES[1], "scale"), (GPU_CASES[1], "one key dropped"),
+    (GPU_CASES[6], "padded head dim scale"), (GPU_CASES[6], "one key dropped"),
+], ids=lambda v: v if isinstance(v, str) else _case_id(v))
+def test_parity_check_rejects_a_wrong_reference(case, wrong):
+    """Negative control: the kernel's output fails `assert_close` against a reference with a
+    real bug. float32: softmax scale 1% off (2.2e-2: 67,000 units), the last cached key of
+    each row dropped (0.35: 1.1 million units); bfloat16: scale 1/sqrt(128) for head dim 64
+    (0.48: 26 units), a key dropped (0.37: 20 units)."""
+    b, t, hq, hkv, d, s, dtype, mask_kind, block_k, splits = case
+    args = make_inputs(_seed(case), b, t, hq, hkv, d, s, dtype, mask_kind)
+    out = tree_attention(*args, interpret=True, backend="gpu", block_k=block_k,
+                         num_splits=splits)
+    q, k_cache, v_cache, lengths, k_new, v_new, mask = (
+        x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in args)
+    if wrong == "one key dropped":
+        lengths = jnp.maximum(lengths - 1, 0)
+    scale = {"scale": 1.01 * d**-0.5, "padded head dim scale": 128**-0.5}.get(wrong)
+    bad = reference(q, k_cache, v_cache, lengths, k_new, v_new, mask, scale=scale)
+    with pytest.raises(AssertionError, match="noise units"):
+        assert_close(out, bad.astype(dtype), dtype)
+
+
 @pytest.mark.parametrize("kv_layout", LAYOUTS)
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_edge_cases(backend, kv_layout):
@@ -229,8 +250,7 @@ def test_edge_cases(backend, kv_layout):
                       kv_layout)
     assert_close(out, reference(*clean, kv_layout=kv_layout), jnp.float32)
     group = hq // hkv
-    np.testing.assert_allclose(np.asarray(out[0]), np.repeat(np.asarray(vn[0]), group, axis=1),
-                               atol=F32_TOL)
+    assert_close_scaled(out[0], np.repeat(np.asarray(vn[0]), group, axis=1), units=FORWARD_UNITS)
     blind = to_layout((q, kc, vc, jnp.zeros_like(lengths), kn, vn, jnp.zeros_like(mask)),
                       kv_layout)
     out = tree_attention(*blind, interpret=True, backend=backend, block_k=16,
