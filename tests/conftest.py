@@ -4,6 +4,9 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite does not write to the user's persistent compilation cache; the cache's own tests
+# turn it on in subprocesses with a temporary folder.
+os.environ.setdefault("EAGLEJAX_COMPILATION_CACHE", "0")
 
 import pytest  # noqa: E402
 
