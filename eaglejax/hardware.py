@@ -30,8 +30,11 @@ def _cpuinfo_field(name: str) -> str | None:
 
 
 def cpu_model() -> str:
-    """The CPU's model name, e.g. 'AMD EPYC 9R14' or 'Intel(R) Xeon(R) Platinum 8488C'."""
-    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    """The CPU's model name with its family/model numbers (virtual machines often show
+    only 'AMD EPYC'; family 25 model 17 is Zen 4), e.g. 'AMD EPYC (family 25, model 17)'."""
+    name = _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    family, model = _cpuinfo_field("cpu family"), _cpuinfo_field("model")
+    return f"{name} (family {family}, model {model})" if family and model else name
 
 
 def cpu_cores() -> int:

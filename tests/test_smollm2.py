@@ -135,6 +135,8 @@ def test_bench_speculative_reports_side_by_side(smollm2):
                                max_new_tokens=6, speculative=eaglejax.SpecConfig.chain(2))
     assert report["identical_tokens"] is True
     assert report["sampling"] == "greedy"
+    assert report["machine"]["cpu"] and report["machine"]["copy_bandwidth_gb_s"] > 0
+    assert report["memory_floor_ms"] > 0 and report["plain_step_over_memory_floor"] > 0
     assert report["acceptance_length"] >= 1.0
     assert set(report["acceptance_length_by_category"]) == {q.category for q in questions}
     sampling = dict(temperature=0.8, top_p=0.9, top_k=0, seed=3)
