@@ -9,6 +9,7 @@ from transformers.generation.logits_process import (
 import eaglejax
 from eaglejax.decoding.sampling import SamplingParams, target_log_probs
 from hf_oracle import hf_greedy
+from tolerances import SOFTMAX_UNITS, assert_close_scaled
 
 PROMPT_LENGTHS = (5, 23, 2, 40)
 
@@ -77,19 +78,46 @@ def test_sampling_is_seeded_and_row_independent(target_of):
     assert [r.token_ids for r in batch] != [r.token_ids for r in other]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 0, 0.8),
-                                                     (1.3, 5, 1.0), (0.5, 20, 0.6)])
-def test_warped_distribution_matches_transformers_warpers(temperature, top_k, top_p):
-    logits = torch.tensor(np.random.RandomState(5).randn(3, 200).astype(np.float32) * 3)
-    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+def _hf_warped(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    scores = TemperatureLogitsWarper(temperature)(None, torch.tensor(logits))
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)
-    want = torch.softmax(scores, -1).numpy()
-    got = np.exp(np.asarray(target_log_probs(logits.numpy(), SamplingParams.make(
-        temperature, top_k, top_p))))
-    np.testing.assert_allclose(got, want, atol=1e-6)
+    return torch.softmax(scores, -1).numpy()
+
+
+def _our_warped(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    return np.exp(np.asarray(target_log_probs(logits, SamplingParams.make(temperature, top_k,
+                                                                          top_p))))
+
+
+def _assert_same_law(got: np.ndarray, want: np.ndarray, logits: np.ndarray, temperature: float):
+    """Probabilities equal within float32 noise of the log domain (tolerances.SOFTMAX_UNITS
+    units of eps * max|logits / temperature|): measured at most 0.1 units."""
+    scale = np.abs(logits[np.isfinite(logits)]).max() / temperature
+    assert_close_scaled(got, want, units=SOFTMAX_UNITS, scale=scale, what="probabilities")
+
+
+WARPINGS = [(0.7, 0, 1.0), (1.0, 0, 0.8), (1.3, 5, 1.0), (0.5, 20, 0.6)]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", WARPINGS)
+def test_warped_distribution_matches_transformers_warpers(temperature, top_k, top_p):
+    logits = np.random.RandomState(5).randn(3, 200).astype(np.float32) * 3
+    want = _hf_warped(logits, temperature, top_k, top_p)
+    _assert_same_law(_our_warped(logits, temperature, top_k, top_p), want, logits, temperature)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", WARPINGS)
+def test_warper_check_rejects_a_temperature_off_by_a_thousandth(temperature, top_k, top_p):
+    """Negative control: a temperature 0.1% off moves the probabilities by 53 units or more
+    (1.3e-4 to 3.5e-4)."""
+    logits = np.random.RandomState(5).randn(3, 200).astype(np.float32) * 3
+    want = _hf_warped(logits, temperature, top_k, top_p)
+    with pytest.raises(AssertionError, match="noise units"):
+        _assert_same_law(_our_warped(logits, temperature * 1.001, top_k, top_p), want, logits,
+                         temperature)
 
 
 @pytest.mark.parametrize("top_k,top_p", [(7, 1.0), (0, 0.5), (30, 0.9)])
@@ -104,15 +132,10 @@ def test_warpers_on_a_full_vocabulary_with_ties_and_masked_tokens(top_k, top_p):
     else:
         logits = rng.randint(-40, 12, size=(2, 49152)).astype(np.float32)
     logits[:, rng.choice(49152, 500, replace=False)] = -np.inf
-    scores = torch.tensor(logits)
-    if top_k:
-        scores = TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    want = torch.softmax(scores, -1).numpy()
-    got = np.exp(np.asarray(target_log_probs(logits, SamplingParams.make(1.0, top_k, top_p))))
+    want = _hf_warped(logits, 1.0, top_k, top_p)
+    got = _our_warped(logits, 1.0, top_k, top_p)
     assert ((got > 0) == (want > 0)).all()
-    np.testing.assert_allclose(got, want, atol=1e-6)
+    _assert_same_law(got, want, logits, 1.0)
 
 
 def test_first_token_distribution_matches_exact_probabilities(target_of):

@@ -46,6 +46,7 @@ from eaglejax.training.ttt import (
     ttt_unroll,
 )
 from eaglejax.training.vocab import select_draft_vocab, vocab_from_counts
+from tolerances import FORWARD_UNITS, assert_close_scaled
 
 V = 64  # the tiny target's vocabulary: small, so every step is fast
 PERM = np.random.RandomState(5).permutation(V)
@@ -300,11 +301,13 @@ def test_unrolled_steps_equal_the_decoding_chain(tiny_target):
             cache = kv_cache.append(empty, caught_up.k_new, caught_up.v_new,
                                     jnp.array([root + 1]))
             hidden = caught_up.hidden[:, root]
-            np.testing.assert_allclose(hiddens[0][:, root], hidden, atol=1e-4)
+            # Step k has been through k + 1 head steps: noise at most 2.5 units.
+            assert_close_scaled(hiddens[0][:, root], hidden, units=FORWARD_UNITS)
             for k in range(1, steps):
                 cache, hidden = _chain_step(params, config, tiny_target.params, cache,
                                             drafted[:, root + k], hidden)
-                np.testing.assert_allclose(hiddens[k][:, root], hidden, atol=1e-4)
+                assert_close_scaled(hiddens[k][:, root], hidden, units=FORWARD_UNITS,
+                                    depth=k + 1)
 
 
 def test_packed_segments_do_not_see_each_other(tiny_target):
@@ -328,8 +331,16 @@ def test_packed_segments_do_not_see_each_other(tiny_target):
 
     packed = unrolled(rows.tokens[0], rows.segments[0], rows.positions[0])
     alone = unrolled(second.astype(np.int32), np.ones(9, np.int32), np.arange(9))
+    # Noise at most 2.3 units. Negative control: the same row with one segment id for both
+    # sequences (the second sees the first) fails the check, by 3.8 million units or more.
+    leaky = unrolled(rows.tokens[0], (rows.segments[0] > 0).astype(np.int32), rows.positions[0])
+    depth = tiny_target.config.num_layers + 1  # the target's layers, then k + 1 head steps
     for k in range(3):  # roots whose step-k token lies inside the second sequence
-        np.testing.assert_allclose(packed[k][0, 7:16 - 1 - k], alone[k][0, :9 - 1 - k], atol=1e-4)
+        assert_close_scaled(packed[k][0, 7:16 - 1 - k], alone[k][0, :9 - 1 - k],
+                            units=FORWARD_UNITS, depth=depth + k)
+        with pytest.raises(AssertionError, match="noise units"):
+            assert_close_scaled(leaky[k][0, 7:16 - 1 - k], alone[k][0, :9 - 1 - k],
+                                units=FORWARD_UNITS, depth=depth + k)
 
 
 def test_ttt_loss_matches_a_direct_computation(tiny_target):
@@ -353,8 +364,11 @@ def test_ttt_loss_matches_a_direct_computation(tiny_target):
         for segment in range(1, rows.segments[r].max() + 1):
             where = np.flatnonzero(rows.segments[r] == segment)
             logits = np.asarray(tiny_target.logits(rows.tokens[r, where][None]))[0]
-            np.testing.assert_allclose(probs[r, where],
-                                       jax.nn.softmax(logits[:, draft_vocab], axis=-1), atol=1e-5)
+            # A softmax moves by at most the noise of its logits (4 layers deep): the scale
+            # is the logits' magnitude, not the probabilities'. Noise at most 0.7 units.
+            assert_close_scaled(probs[r, where], jax.nn.softmax(logits[:, draft_vocab], axis=-1),
+                                units=FORWARD_UNITS, depth=tiny_target.config.num_layers,
+                                scale=np.abs(logits[:, draft_vocab]).max())
             np.testing.assert_array_equal(draft_argmax[r, where], t2d[logits.argmax(-1)])
     assert (draft_argmax == -1).any() and (draft_argmax >= 0).any()
 
@@ -378,7 +392,7 @@ def test_ttt_loss_matches_a_direct_computation(tiny_target):
                     hits += int(log_q[r, t].argmax() == label)
                     count += 1
         assert count > 5
-        np.testing.assert_allclose(losses[k], cross_entropy / count, rtol=1e-5)
+        assert_close_scaled(losses[k], cross_entropy / count, units=FORWARD_UNITS)  # 0.65 units
         np.testing.assert_allclose(accuracies[k], hits / count, rtol=1e-6)
     np.testing.assert_allclose(total, sum(0.8**k * losses[k] for k in range(steps)), rtol=1e-6)
 
@@ -597,6 +611,6 @@ def test_warm_start_reads_the_deepest_tap_through_the_target_output_layer(tiny_t
                   tap_layers=(deepest,))
     lens = lm_head(tiny_target.params, rms_norm(out.taps, tiny_target.params["final_norm"],
                                                 tiny_target.config.rms_norm_eps))
-    np.testing.assert_allclose(got, np.asarray(lens)[..., used], rtol=1e-5, atol=1e-5)
+    assert_close_scaled(got, np.asarray(lens)[..., used], units=FORWARD_UNITS)  # 2.5 units
     assert not np.shares_memory(np.asarray(draft.params["final_norm"]),
                                 np.asarray(tiny_target.params["final_norm"]))

@@ -45,7 +45,7 @@ HEAD_UNITS = 16.0
 
 # Probabilities of sampling warpers (temperature, top-k, top-p) vs transformers' warpers, in
 # units of eps * max|logits / temperature| (the log-domain magnitude whose rounding moves a
-# probability): noise at most 0.06 units; a temperature 0.1% off at least 55 units.
+# probability): noise at most 0.1 units; a temperature 0.1% off 53 units or more.
 SOFTMAX_UNITS = 2.0
 
 # bfloat16 values (eps = 2**-7) vs a float32 reference: a bf16 tree-attention kernel 0.67
@@ -68,7 +68,7 @@ def noise_unit(want, *, depth: int = 1, scale: float | None = None, dtype=np.flo
         finite = np.asarray(want, np.float64)
         finite = finite[np.isfinite(finite)]
         scale = float(np.abs(finite).max()) if finite.size else 0.0
-    return eps(dtype) * scale * math.sqrt(depth)
+    return eps(dtype) * float(scale) * math.sqrt(depth)
 
 
 def scaled_error(got, want, *, depth: int = 1, scale: float | None = None,
