@@ -17,7 +17,8 @@ noise measured and the smallest error of a real bug. Noise was measured on an AM
 PyTorch's ATen at its scalar and AVX2 kernels, MKL in compatibility mode, 16 PyTorch threads;
 plus the Intel Xeon (AVX-512) CI failure that opened issue 12 (SmolLM2 logits off by 1.60e-4,
 6.1 units). Real bugs were injected as negative controls, which the tests keep: a wrong RMSNorm
-epsilon, a wrong RoPE base, a wrong softmax scale, a key dropped, a position off by one.
+epsilon, a wrong RoPE base, a wrong softmax scale, a cached key dropped, packed sequences that
+see each other, a sampling temperature 0.1% off.
 """
 
 from __future__ import annotations
