@@ -152,7 +152,10 @@ def in_vocabulary(name: str, ids: Sequence[int], vocab_size: int) -> None:
 
 def token_batch(name: str, value: Any, vocab_size: int) -> np.ndarray:
     """An int64 [batch, length] array from one row or equal-length rows of token ids
-    (lists or integer arrays)."""
+    (lists, numpy or JAX integer arrays)."""
+    if hasattr(value, "__array__") and not isinstance(value, np.ndarray):
+        value = np.asarray(value)  # a JAX (or other) array: its values, read once
+
     def is_row(v: Any) -> bool:
         return isinstance(v, np.ndarray) or (isinstance(v, Sequence) and
                                              not isinstance(v, (str, bytes, bytearray)))

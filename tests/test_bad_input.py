@@ -367,3 +367,16 @@ def test_load_target_refuses_what_is_not_a_path(path):
 def test_features_refuses_bad_layer_ids(layer_ids, target_of):
     with pytest.raises(InputError, match="layer_ids"):
         target_of("llama").features([[1, 2, 3]], layer_ids=layer_ids)
+
+
+def test_jax_token_arrays_are_accepted(target_of):
+    import jax.numpy as jnp
+
+    target = target_of("llama")
+    ids = [[1, 2, 3], [4, 5, 6]]
+    want = np.asarray(target.logits(ids))
+    assert np.array_equal(np.asarray(target.logits(jnp.asarray(ids))), want)
+    assert np.array_equal(np.asarray(target.features(jnp.asarray(ids, jnp.int32))),
+                          np.asarray(target.features(ids)))
+    with pytest.raises(InputError, match="token_ids"):
+        target.logits(jnp.asarray([[1.5, 2.0]]))
