@@ -8,8 +8,8 @@ compiled beforehand) and transformers (one `model(ids, logits_to_keep=1)` forwar
     python examples/bench_prefill.py [--lengths 1024 4096 8192] [--repeats 3] [--json]
 
 End-to-end mode runs one request of --prompt-tokens tokens plus --max-new-tokens new ones,
-plain or speculative, in a fresh process, compilation included (run it under
-`/usr/bin/time -v` for the peak memory):
+plain or speculative, twice in a fresh process: cold (compilation included) and warm (run
+it under `/usr/bin/time -v` for the peak memory):
 
     python examples/bench_prefill.py --end-to-end plain [--prompt-tokens 8184] [--json]
     python examples/bench_prefill.py --end-to-end spec --draft checkpoints/smollm2-135m-instruct-eagle3
@@ -77,7 +77,7 @@ def bench_prefill(lengths: list[int], repeats: int) -> list[dict[str, float]]:
 
 def end_to_end(mode: str, prompt_tokens: int, max_new_tokens: int, draft_path: str | None
                ) -> dict[str, object]:
-    """One request, compilation included, in this fresh process."""
+    """One request twice in this fresh process: cold (compilation included), then warm."""
     target = eaglejax.load_target("smollm2-135m-instruct")
     draft = None
     if mode == "spec":
@@ -85,14 +85,18 @@ def end_to_end(mode: str, prompt_tokens: int, max_new_tokens: int, draft_path: s
             raise SystemExit("--end-to-end spec needs --draft HEAD")
         draft = eaglejax.load_draft(draft_path, target=target)
     ids = long_prompt(target, prompt_tokens)
-    start = time.perf_counter()
-    (result,) = eaglejax.generate([ids], target=target, draft=draft,
-                                  max_new_tokens=max_new_tokens, ignore_eos=True)
-    m = result.metrics
-    return {"mode": mode, "prompt_tokens": m.prompt_tokens, "new_tokens": m.new_tokens,
-            "total_s": time.perf_counter() - start, "prefill_s": m.prefill_s,
-            "decode_s": m.decode_s, "speculative": m.speculative,
-            "acceptance_length": m.acceptance_length, "token_ids": result.token_ids}
+    report: dict[str, object] = {"mode": mode, "prompt_tokens": len(ids)}
+    for run in ("cold", "warm"):
+        start = time.perf_counter()
+        (result,) = eaglejax.generate([ids], target=target, draft=draft,
+                                      max_new_tokens=max_new_tokens, ignore_eos=True)
+        m = result.metrics
+        report.update({f"{run}_total_s": time.perf_counter() - start,
+                       f"{run}_compile_s": getattr(m, "compile_s", None),
+                       f"{run}_prefill_s": m.prefill_s, f"{run}_decode_s": m.decode_s})
+    report.update(new_tokens=m.new_tokens, speculative=m.speculative,
+                  acceptance_length=m.acceptance_length, token_ids=result.token_ids)
+    return report
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """The single attention interface: every attention call in eaglejax goes through here.
 
-On the XLA path, queries over a long cache (chunked prefill, verification over a long
-prompt) read the cache in key blocks with an online softmax (running max and sum), and only
-the blocks up to the longest row's valid length: the scores never span the whole cache.
+On the XLA path, many queries over a long cache (the blocks of a chunked prefill) read the
+cache in key blocks with an online softmax (running max and sum), and only the blocks up to
+the longest row's valid length: their scores never span the whole cache. Few queries
+(decoding, verification) take the one-pass reference, which is as fast there.
 """
 
 from __future__ import annotations
