@@ -40,14 +40,20 @@ _disabled = False
 _our_dir: str | None = None  # the folder eaglejax gave JAX, once it has
 
 
-def default_dir() -> Path:
-    """eaglejax's compilation cache folder (see the module docstring)."""
+def cache_root() -> Path:
+    """eaglejax's cache folder: $EAGLEJAX_CACHE, else $XDG_CACHE_HOME/eaglejax, else
+    ~/.cache/eaglejax."""
     root = os.environ.get(ROOT_ENV)
     if root:
-        return Path(root).expanduser() / "jax-compilation"
+        return Path(root).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "eaglejax" / "jax-compilation"
+    return base / "eaglejax"
+
+
+def default_dir() -> Path:
+    """eaglejax's compilation cache folder (see the module docstring)."""
+    return cache_root() / "jax-compilation"
 
 
 def enabled() -> bool:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from eaglejax.config import ModelConfig
 from eaglejax.models.attention import AttentionImpl, attention
 from eaglejax.models.kv_cache import KVCache, write_block
+from eaglejax.native import few_row_matmul
 from eaglejax.models.rope import apply_rope, inverse_frequencies, rope_tables
 
 Params = dict[str, Any]
@@ -122,9 +123,12 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     (a higher-rank weight gets a transposed copy every call) and multiplies a few rows
     (verification blocks) markedly faster than with the weight on the right.
     A 16-bit weight under float32 activations is stored-only: see `split_precision_linear`.
+    A few float32 rows on CPU go to the native kernel (`eaglejax.native.few_row_matmul`).
     """
     if x.dtype == jnp.float32 and weight.dtype in (jnp.bfloat16, jnp.float16):
         return split_precision_linear(x, weight)
+    if few_row_matmul.applies(x, weight):
+        return few_row_matmul.linear(x, weight)
     return jnp.einsum("oi,...i->...o", weight, x)
 
 

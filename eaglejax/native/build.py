@@ -1,0 +1,91 @@
+"""Compile a C++ XLA FFI kernel of this folder into a shared library, once per source and
+machine, and load it.
+
+The library is built with `-march=native` (the kernels are tuned to the CPU that runs
+them) into `<eaglejax cache>/native/<key>/`, where the key hashes the source, the jaxlib
+version, the compiler and the CPU; a build goes to a temporary name and is renamed into
+place, so concurrent processes never load a half-written file. `$CXX` picks the compiler
+(default `g++`, then `c++`, then `clang++`); `EAGLEJAX_NATIVE=0` turns native kernels off.
+A failed build is reported once (a warning with the compiler's message) and returns None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import jax
+import jaxlib
+
+from eaglejax import hardware
+from eaglejax.compilation_cache import cache_root
+from eaglejax.errors import ConfigError
+
+SWITCH_ENV = "EAGLEJAX_NATIVE"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+_SOURCE_DIR = Path(__file__).parent
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def enabled() -> bool:
+    """False with $EAGLEJAX_NATIVE off; ConfigError naming the variable for other values."""
+    value = os.environ.get(SWITCH_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "true", "false", "on", "off", "yes", "no"):
+        raise ConfigError(f"${SWITCH_ENV} must be 1 or 0, got {value!r}")
+    return value not in ("0", "false", "off", "no")
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use, or None when there is none."""
+    for name in filter(None, (os.environ.get("CXX"), "g++", "c++", "clang++")):
+        if path := shutil.which(name):
+            return path
+    return None
+
+
+def _build(source: Path, cxx: str) -> Path:
+    text = source.read_bytes()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(b"\0".join([
+        text, jaxlib.__version__.encode(), version.encode(), " ".join(FLAGS).encode(),
+        repr(sorted(hardware.isa_features())).encode(), hardware.cpu_model().encode(),
+    ])).hexdigest()[:16]
+    target = cache_root() / "native" / key / f"{source.stem}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        command = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(partial)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr.strip()[-2000:]}")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The built library of `<name>.cc`, or None (switched off, no compiler, or the build
+    failed: warned once)."""
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = None
+            cxx = compiler()
+            if enabled() and cxx is not None:
+                try:
+                    _loaded[name] = ctypes.cdll.LoadLibrary(str(_build(_SOURCE_DIR / f"{name}.cc", cxx)))
+                except (OSError, RuntimeError) as err:
+                    warnings.warn(f"eaglejax: native kernel {name} unavailable, using XLA's "
+                                  f"instead: {err}", RuntimeWarning, stacklevel=2)
+        return _loaded[name]

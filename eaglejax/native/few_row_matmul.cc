@@ -1,0 +1,162 @@
+// y[M,N] = x[M,K] . w[N,K]^T in float32 for a few rows M, reading w exactly once.
+//
+// Verification blocks (2-16 rows) multiply every weight matrix of the model. XLA:CPU's
+// matrix-matrix kernels run such shapes well below memory bandwidth, although each weight
+// element is needed only M times: this kernel streams w row by row, keeps a tile of x rows
+// in L1 and does M fused multiply-adds per weight element loaded. The float32 sum of every
+// output element runs over k in the same order whatever M is, so a row's result does not
+// depend on the other rows in the block (a verify block reproduces the single-token step).
+// Work is split over XLA's intra-op thread pool in chunks of w rows claimed atomically;
+// the calling thread works too and then waits only for chunks already claimed.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;  // one zmm register
+constexpr int kRowsX = 6;   // x rows per tile: 6 x 4 accumulators + 4 w + 1 x registers
+#else
+constexpr int kLanes = 8;   // one ymm register (AVX2) or two xmm registers
+constexpr int kRowsX = 3;   // 3 x 4 accumulators in 16 registers
+#endif
+constexpr int kRowsW = 4;   // w rows per tile (8 when M <= 2)
+constexpr int64_t kChunk = 32;  // w rows per unit of threaded work
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Pairwise: halves added until one lane is left (a fixed order).
+inline float lane_sum(Vec v) {
+#if defined(__AVX512F__)
+  auto h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  auto h8 = v;
+#endif
+  auto h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  auto h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
+  return h2[0] + h2[1];
+}
+
+// Output rows m0..m0+MX-1, columns n0..n0+RW-1.
+template <int MX, int RW>
+void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0,
+          int64_t n0) {
+  Vec acc[MX][RW] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    Vec wv[RW];
+    for (int r = 0; r < RW; ++r) wv[r] = load(w + (n0 + r) * K + k);
+    for (int m = 0; m < MX; ++m) {
+      Vec xv = load(x + (m0 + m) * K + k);
+      asm("" : "+v"(xv));  // keep xv in a register: folding it into each FMA reloads it RW times
+      for (int r = 0; r < RW; ++r) acc[m][r] += xv * wv[r];
+    }
+  }
+  for (int m = 0; m < MX; ++m) {
+    for (int r = 0; r < RW; ++r) {
+      float s = lane_sum(acc[m][r]);
+      for (int64_t j = k; j < K; ++j) s += x[(m0 + m) * K + j] * w[(n0 + r) * K + j];
+      y[(m0 + m) * N + n0 + r] = s;
+    }
+  }
+}
+
+template <int RW>
+void columns_small(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+                   int64_t n0) {
+  if (M == 1) tile<1, RW>(x, w, y, K, N, 0, n0);
+  else tile<2, RW>(x, w, y, K, N, 0, n0);
+}
+
+template <int RW>
+void columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+             int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + kRowsX <= M; m0 += kRowsX) tile<kRowsX, RW>(x, w, y, K, N, m0, n0);
+  switch (M - m0) {
+#if defined(__AVX512F__)
+    case 5: tile<5, RW>(x, w, y, K, N, m0, n0); break;
+    case 4: tile<4, RW>(x, w, y, K, N, m0, n0); break;
+    case 3: tile<3, RW>(x, w, y, K, N, m0, n0); break;
+#endif
+    case 2: tile<2, RW>(x, w, y, K, N, m0, n0); break;
+    case 1: tile<1, RW>(x, w, y, K, N, m0, n0); break;
+    default: break;
+  }
+}
+
+struct Job {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t M, K, N, n_chunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void run_chunk(const Job& job, int64_t chunk) {
+  const int64_t begin = chunk * kChunk, end = std::min(job.N, begin + kChunk);
+  int64_t n0 = begin;
+  if (job.M <= 2) {  // few accumulators: take more w rows per tile
+    for (; n0 + 2 * kRowsW <= end; n0 += 2 * kRowsW) {
+      columns_small<2 * kRowsW>(job.x, job.w, job.y, job.M, job.K, job.N, n0);
+    }
+  }
+  for (; n0 + kRowsW <= end; n0 += kRowsW) {
+    columns<kRowsW>(job.x, job.w, job.y, job.M, job.K, job.N, n0);
+  }
+  for (; n0 < end; ++n0) columns<1>(job.x, job.w, job.y, job.M, job.K, job.N, n0);
+}
+
+void work(Job& job) {
+  for (int64_t c; (c = job.next.fetch_add(1, std::memory_order_relaxed)) < job.n_chunks;) {
+    run_chunk(job, c);
+    job.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error few_row_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("few_row_matmul: expected x [M,K] and w [N,K]");
+  }
+  auto job = std::make_shared<Job>();
+  job->x = x.typed_data();
+  job->w = w.typed_data();
+  job->y = y->typed_data();
+  job->M = xd[0];
+  job->K = xd[1];
+  job->N = wd[0];
+  job->n_chunks = (job->N + kChunk - 1) / kChunk;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->n_chunks) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { work(*job); });
+  work(*job);
+  while (job->done.load(std::memory_order_acquire) < job->n_chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EaglejaxFewRowMatmul, few_row_matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
