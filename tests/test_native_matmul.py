@@ -1,0 +1,139 @@
+"""The native few-row float32 product (eaglejax.native.few_row_matmul) against a float64
+oracle, its row independence (a verify block reproduces the decode step bit for bit), its
+gradient, its dispatch (CPU only; exports for GPU/TPU keep XLA's dot) and its build."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eaglejax.errors import ConfigError
+from eaglejax.models.llama import linear
+from eaglejax.native import build, few_row_matmul
+from tolerances import assert_close_scaled, scaled_error
+
+needs_compiler = pytest.mark.skipif(build.compiler() is None or not build.enabled(),
+                                    reason="no C++ compiler here (or EAGLEJAX_NATIVE=0): "
+                                           "XLA's dot is used, which the other tests cover")
+
+# Error in units of eps32 * max_n sum_k |x_k w_nk| (the size of the summed terms, so
+# cancellation does not shrink the unit). Float32 sums of K <= 1536 terms over the shapes
+# below: the kernel measured 0.70 units at most (AVX-512), XLA's dot 0.50; leaving out the
+# last of 576 or 1536 terms: 54,000 units and more; the K tail or a shifted weight row:
+# 3 x 10^6. 4 units is 5.7x the noise.
+PRODUCT_UNITS = 4.0
+
+
+def _oracle(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    return x64 @ w64.T, float((np.abs(x64) @ np.abs(w64).T).max())
+
+
+def _operands(rows: int, k: int, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((rows, k)).astype(np.float32),
+            (0.05 * rng.standard_normal((n, k))).astype(np.float32))
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 12, 16])
+@pytest.mark.parametrize("k,n", [(576, 100), (1536, 33), (37, 7), (9, 1)])
+def test_product_matches_float64(rows, k, n):
+    assert few_row_matmul.available()
+    x, w = _operands(rows, k, n)
+    got = np.asarray(jax.jit(linear)(jnp.asarray(x), jnp.asarray(w)))
+    want, scale = _oracle(x, w)
+    assert_close_scaled(got, want, units=PRODUCT_UNITS, scale=scale, what="kernel product")
+
+
+@needs_compiler
+def test_negative_controls_fail_the_bound():
+    """The bound rejects a product missing the K tail or one weight row."""
+    x, w = _operands(6, 37, 7)
+    want, scale = _oracle(x, w)
+    no_tail, _ = _oracle(x[:, :32], w[:, :32])
+    assert scaled_error(no_tail, want, scale=scale) > 1000 * PRODUCT_UNITS
+    shifted, _ = _oracle(x, np.roll(w, 1, axis=0))
+    assert scaled_error(shifted, want, scale=scale) > 1000 * PRODUCT_UNITS
+    x, w = _operands(6, 1536, 50)
+    want, scale = _oracle(x, w)
+    one_term_short, _ = _oracle(x[:, :-1], w[:, :-1])
+    assert scaled_error(one_term_short, want, scale=scale) > 1000 * PRODUCT_UNITS
+
+
+@needs_compiler
+def test_rows_do_not_depend_on_the_block():
+    """Each row of a block equals the same row multiplied alone, bit for bit."""
+    x, w = _operands(16, 576, 200, seed=1)
+    product = jax.jit(linear)
+    block = np.asarray(product(jnp.asarray(x), jnp.asarray(w)))
+    for i in range(16):
+        np.testing.assert_array_equal(np.asarray(product(jnp.asarray(x[i:i + 1]), jnp.asarray(w)))[0],
+                                      block[i])
+    np.testing.assert_array_equal(np.asarray(product(jnp.asarray(x[3:9]), jnp.asarray(w))),
+                                  block[3:9])
+
+
+@needs_compiler
+def test_batched_shapes_and_gradient():
+    x, w = _operands(6, 64, 40, seed=2)
+    x3 = jnp.asarray(x.reshape(2, 3, 64))
+    assert few_row_matmul.applies(x3, jnp.asarray(w))
+    got = np.asarray(jax.jit(linear)(x3, jnp.asarray(w)))
+    assert got.shape == (2, 3, 40)
+    want, scale = _oracle(x, w)
+    assert_close_scaled(got.reshape(6, 40), want, units=PRODUCT_UNITS, scale=scale)
+
+    def loss(fn, a, b):
+        return jnp.sum(jnp.sin(fn(a, b)))
+
+    grads = jax.grad(lambda a, b: loss(linear, a, b), argnums=(0, 1))(x3, jnp.asarray(w))
+    ref = jax.grad(lambda a, b: loss(lambda p, q: jnp.einsum("oi,...i->...o", q, p), a, b),
+                   argnums=(0, 1))(x3, jnp.asarray(w))
+    for g, r in zip(grads, ref):
+        assert_close_scaled(g, r, units=PRODUCT_UNITS, scale=float(np.abs(r).max()) * 64)
+
+
+def test_dispatch_rules():
+    w = jnp.zeros((8, 16), jnp.float32)
+    assert not few_row_matmul.applies(jnp.zeros((17, 16)), w)  # a prefill-sized block: XLA
+    assert not few_row_matmul.applies(jnp.zeros((2, 16), jnp.bfloat16), w.astype(jnp.bfloat16))
+    assert not few_row_matmul.applies(jnp.zeros((0, 16)), w)
+
+
+@needs_compiler
+def test_exports_for_accelerators_keep_xlas_dot():
+    x, w = jnp.zeros((6, 64)), jnp.zeros((40, 64))
+    for platform in ("cuda", "tpu"):
+        text = jax.export.export(jax.jit(linear), platforms=[platform])(x, w).mlir_module()
+        assert few_row_matmul.TARGET not in text and "dot_general" in text
+    assert few_row_matmul.TARGET in jax.jit(linear).lower(x, w).as_text()
+
+
+def test_switch_is_validated(monkeypatch):
+    monkeypatch.setenv(build.SWITCH_ENV, "0")
+    assert not build.enabled()
+    monkeypatch.setenv(build.SWITCH_ENV, "maybe")
+    with pytest.raises(ConfigError, match=build.SWITCH_ENV):
+        build.enabled()
+
+
+@needs_compiler
+def test_a_failed_build_names_the_command(tmp_path, monkeypatch):
+    """A source that does not compile raises with the compiler's message (load() turns it
+    into a warning and XLA's path), and leaves no partial library behind."""
+    monkeypatch.setenv("EAGLEJAX_CACHE", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++\n")
+    with pytest.raises(RuntimeError, match="broken.cc"):
+        build._build(broken, build.compiler())
+    assert not list((tmp_path / "cache").rglob("*.so"))
+    monkeypatch.setattr(build, "_SOURCE_DIR", tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert build.load("broken") is None
+    assert any("broken" in str(c.message) for c in caught)
