@@ -51,6 +51,21 @@ def test_product_matches_float64(rows, k, n):
 
 
 @needs_compiler
+@pytest.mark.parametrize("rows", [1, 2, 6, 9, 16])
+def test_bfloat16_weights_give_float32_products(rows):
+    """bfloat16 storage: the kernel widens the weights exactly, so its products are those of
+    float32 x and the stored weights (the float64 oracle of the same bfloat16 values)."""
+    x, w = _operands(rows, 584, 70, seed=3)
+    w16 = jnp.asarray(w, jnp.bfloat16)
+    assert few_row_matmul.applies(jnp.asarray(x), w16)
+    got = np.asarray(jax.jit(linear)(jnp.asarray(x), w16))
+    want, scale = _oracle(x, np.asarray(w16.astype(jnp.float32)))
+    assert_close_scaled(got, want, units=PRODUCT_UNITS, scale=scale, what="bf16-weight product")
+    # the weights' own rounding is far outside the bound: the kernel did not read float32
+    assert scaled_error(_oracle(x, w)[0], want, scale=scale) > 100 * PRODUCT_UNITS
+
+
+@needs_compiler
 def test_negative_controls_fail_the_bound():
     """The bound rejects a product missing the K tail or one weight row."""
     x, w = _operands(6, 37, 7)
@@ -103,6 +118,7 @@ def test_dispatch_rules():
     assert not few_row_matmul.applies(jnp.zeros((17, 16)), w)  # a prefill-sized block: XLA
     assert not few_row_matmul.applies(jnp.zeros((2, 16), jnp.bfloat16), w.astype(jnp.bfloat16))
     assert not few_row_matmul.applies(jnp.zeros((0, 16)), w)
+    assert not few_row_matmul.applies(jnp.zeros((2, 16)), w.astype(jnp.float16))
 
 
 @needs_compiler
@@ -110,8 +126,8 @@ def test_exports_for_accelerators_keep_xlas_dot():
     x, w = jnp.zeros((6, 64)), jnp.zeros((40, 64))
     for platform in ("cuda", "tpu"):
         text = jax.export.export(jax.jit(linear), platforms=[platform])(x, w).mlir_module()
-        assert few_row_matmul.TARGET not in text and "dot_general" in text
-    assert few_row_matmul.TARGET in jax.jit(linear).lower(x, w).as_text()
+        assert "eaglejax_few_row_matmul" not in text and "dot_general" in text
+    assert few_row_matmul.TARGETS[jnp.dtype(jnp.float32)] in jax.jit(linear).lower(x, w).as_text()
 
 
 def test_switch_is_validated(monkeypatch):

@@ -126,9 +126,15 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     A few float32 rows on CPU go to the native kernel (`eaglejax.native.few_row_matmul`).
     """
     if x.dtype == jnp.float32 and weight.dtype in (jnp.bfloat16, jnp.float16):
-        return split_precision_linear(x, weight)
+        product = split_precision_linear
+    else:
+        product = _dot
     if few_row_matmul.applies(x, weight):
-        return few_row_matmul.linear(x, weight)
+        return few_row_matmul.linear(x, weight, default=product)
+    return product(x, weight)
+
+
+def _dot(x: jax.Array, weight: jax.Array) -> jax.Array:
     return jnp.einsum("oi,...i->...o", weight, x)
 
 

@@ -1,4 +1,5 @@
-// y[M,N] = x[M,K] . w[N,K]^T in float32 for a few rows M, reading w exactly once.
+// y[M,N] = x[M,K] . w[N,K]^T in float32 for a few rows M, reading w exactly once; w is
+// float32 or bfloat16 (widened exactly in registers: the products are those of float32).
 //
 // Verification blocks (2-16 rows) multiply every weight matrix of the model. XLA:CPU's
 // matrix-matrix kernels run such shapes well below memory bandwidth, although each weight
@@ -34,10 +35,32 @@ constexpr int64_t kChunk = 32;  // w rows per unit of threaded work
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
+typedef uint16_t Half __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t Word __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
 inline Vec load(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+// bfloat16 is the top half of a float32: widen by shifting into place.
+inline Vec load(const uint16_t* p) {
+  Half h;
+  std::memcpy(&h, p, sizeof h);
+  const Word bits = __builtin_convertvector(h, Word) << 16;
+  Vec v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline float scalar(float v) { return v; }
+
+inline float scalar(uint16_t v) {
+  const uint32_t bits = uint32_t{v} << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 // Pairwise: halves added until one lane is left (a fixed order).
@@ -54,8 +77,8 @@ inline float lane_sum(Vec v) {
 }
 
 // Output rows m0..m0+MX-1, columns n0..n0+RW-1.
-template <int MX, int RW>
-void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0,
+template <int MX, int RW, typename W>
+void tile(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t m0,
           int64_t n0) {
   Vec acc[MX][RW] = {};
   int64_t k = 0;
@@ -71,75 +94,79 @@ void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_
   for (int m = 0; m < MX; ++m) {
     for (int r = 0; r < RW; ++r) {
       float s = lane_sum(acc[m][r]);
-      for (int64_t j = k; j < K; ++j) s += x[(m0 + m) * K + j] * w[(n0 + r) * K + j];
+      for (int64_t j = k; j < K; ++j) s += x[(m0 + m) * K + j] * scalar(w[(n0 + r) * K + j]);
       y[(m0 + m) * N + n0 + r] = s;
     }
   }
 }
 
-template <int RW>
-void columns_small(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+template <int RW, typename W>
+void columns_small(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N,
                    int64_t n0) {
-  if (M == 1) tile<1, RW>(x, w, y, K, N, 0, n0);
-  else tile<2, RW>(x, w, y, K, N, 0, n0);
+  if (M == 1) tile<1, RW, W>(x, w, y, K, N, 0, n0);
+  else tile<2, RW, W>(x, w, y, K, N, 0, n0);
 }
 
-template <int RW>
-void columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+template <int RW, typename W>
+void columns(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N,
              int64_t n0) {
   int64_t m0 = 0;
-  for (; m0 + kRowsX <= M; m0 += kRowsX) tile<kRowsX, RW>(x, w, y, K, N, m0, n0);
+  for (; m0 + kRowsX <= M; m0 += kRowsX) tile<kRowsX, RW, W>(x, w, y, K, N, m0, n0);
   switch (M - m0) {
 #if defined(__AVX512F__)
-    case 5: tile<5, RW>(x, w, y, K, N, m0, n0); break;
-    case 4: tile<4, RW>(x, w, y, K, N, m0, n0); break;
-    case 3: tile<3, RW>(x, w, y, K, N, m0, n0); break;
+    case 5: tile<5, RW, W>(x, w, y, K, N, m0, n0); break;
+    case 4: tile<4, RW, W>(x, w, y, K, N, m0, n0); break;
+    case 3: tile<3, RW, W>(x, w, y, K, N, m0, n0); break;
 #endif
-    case 2: tile<2, RW>(x, w, y, K, N, m0, n0); break;
-    case 1: tile<1, RW>(x, w, y, K, N, m0, n0); break;
+    case 2: tile<2, RW, W>(x, w, y, K, N, m0, n0); break;
+    case 1: tile<1, RW, W>(x, w, y, K, N, m0, n0); break;
     default: break;
   }
 }
 
+template <typename W>
 struct Job {
   const float* x;
-  const float* w;
+  const W* w;
   float* y;
   int64_t M, K, N, n_chunks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
 
-void run_chunk(const Job& job, int64_t chunk) {
+template <typename W>
+void run_chunk(const Job<W>& job, int64_t chunk) {
   const int64_t begin = chunk * kChunk, end = std::min(job.N, begin + kChunk);
   int64_t n0 = begin;
   if (job.M <= 2) {  // few accumulators: take more w rows per tile
     for (; n0 + 2 * kRowsW <= end; n0 += 2 * kRowsW) {
-      columns_small<2 * kRowsW>(job.x, job.w, job.y, job.M, job.K, job.N, n0);
+      columns_small<2 * kRowsW, W>(job.x, job.w, job.y, job.M, job.K, job.N, n0);
     }
   }
   for (; n0 + kRowsW <= end; n0 += kRowsW) {
-    columns<kRowsW>(job.x, job.w, job.y, job.M, job.K, job.N, n0);
+    columns<kRowsW, W>(job.x, job.w, job.y, job.M, job.K, job.N, n0);
   }
-  for (; n0 < end; ++n0) columns<1>(job.x, job.w, job.y, job.M, job.K, job.N, n0);
+  for (; n0 < end; ++n0) columns<1, W>(job.x, job.w, job.y, job.M, job.K, job.N, n0);
 }
 
-void work(Job& job) {
+template <typename W>
+void work(Job<W>& job) {
   for (int64_t c; (c = job.next.fetch_add(1, std::memory_order_relaxed)) < job.n_chunks;) {
     run_chunk(job, c);
     job.done.fetch_add(1, std::memory_order_release);
   }
 }
 
-ffi::Error few_row_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                          ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+template <typename W, typename WBuffer>
+ffi::Error few_row_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuffer w,
+                          ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("few_row_matmul: expected x [M,K] and w [N,K]");
   }
-  auto job = std::make_shared<Job>();
+  auto job = std::make_shared<Job<W>>();
   job->x = x.typed_data();
-  job->w = w.typed_data();
+  job->w = reinterpret_cast<const W*>(w.untyped_data());
   job->y = y->typed_data();
   job->M = xd[0];
   job->K = xd[1];
@@ -154,9 +181,18 @@ ffi::Error few_row_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EaglejaxFewRowMatmul, few_row_matmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EaglejaxFewRowMatmul,
+                              (few_row_matmul<float, ffi::Buffer<ffi::F32>>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EaglejaxFewRowMatmulBf16,
+                              (few_row_matmul<uint16_t, ffi::Buffer<ffi::BF16>>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

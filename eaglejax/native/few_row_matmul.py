@@ -1,5 +1,6 @@
 """x [..., K] . w[N,K]^T in float32 for a few rows of x (verification blocks, decode steps,
-draft-head steps) with the native CPU kernel `few_row_matmul.cc`.
+draft-head steps) with the native CPU kernel `few_row_matmul.cc`; w is float32, or
+bfloat16 storage (widened exactly in registers: half the bytes read, float32 products).
 
 XLA:CPU multiplies 2-16 rows at about half the bandwidth it reaches for one row; the kernel
 reads each weight once and does all rows' multiply-adds on it, and sums every output in an
@@ -11,8 +12,10 @@ contain the kernel). Gradients are XLA dots.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +23,9 @@ import jax.numpy as jnp
 from eaglejax.native import build
 
 MAX_ROWS = 16  # beyond this XLA's matrix-matrix kernels are as fast (BENCHMARKS.md)
-TARGET = "eaglejax_few_row_matmul"
+TARGETS = {jnp.dtype(jnp.float32): "eaglejax_few_row_matmul",
+           jnp.dtype(jnp.bfloat16): "eaglejax_few_row_matmul_bf16"}
+_xla_only = False
 
 
 @functools.cache
@@ -29,26 +34,36 @@ def available() -> bool:
     library = build.load("few_row_matmul")
     if library is None:
         return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.EaglejaxFewRowMatmul),
-                                platform="cpu")
+    for target, symbol in zip(TARGETS.values(), (library.EaglejaxFewRowMatmul,
+                                                 library.EaglejaxFewRowMatmulBf16)):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     return True
 
 
+@contextlib.contextmanager
+def xla_only() -> Iterator[None]:
+    """Trace with XLA's dot instead of the kernel inside the block (side-by-side comparisons;
+    a function keeps the path it was traced with, so jit a fresh one inside)."""
+    global _xla_only
+    saved, _xla_only = _xla_only, True
+    try:
+        yield
+    finally:
+        _xla_only = saved
+
+
 def applies(x: jax.Array, weight: jax.Array) -> bool:
-    """Whether `linear(x, weight)` runs the kernel on CPU: float32 operands, a 2-D weight,
-    1 to MAX_ROWS rows, and the kernel available."""
-    return (x.dtype == jnp.float32 and weight.dtype == jnp.float32 and weight.ndim == 2
+    """Whether `linear(x, weight)` runs the kernel on CPU: float32 x, a 2-D float32 or
+    bfloat16 weight, 1 to MAX_ROWS rows, the kernel available, and not inside `xla_only()`."""
+    return (not _xla_only and x.dtype == jnp.float32 and weight.dtype in TARGETS
+            and weight.ndim == 2
             and 1 <= math.prod(x.shape[:-1]) <= MAX_ROWS and available())
-
-
-def _xla_product(rows: jax.Array, weight: jax.Array) -> jax.Array:
-    return jnp.einsum("oi,ri->ro", weight, rows)
 
 
 @jax.custom_vjp
 def _native_product(rows: jax.Array, weight: jax.Array) -> jax.Array:
     out = jax.ShapeDtypeStruct((rows.shape[0], weight.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(rows, weight)
+    return jax.ffi.ffi_call(TARGETS[weight.dtype], out, vmap_method="sequential")(rows, weight)
 
 
 def _forward(rows: jax.Array, weight: jax.Array):
@@ -57,14 +72,16 @@ def _forward(rows: jax.Array, weight: jax.Array):
 
 def _backward(residuals, grad: jax.Array):
     rows, weight = residuals
-    return grad @ weight, grad.T @ rows
+    return grad @ weight.astype(grad.dtype), (grad.T @ rows).astype(weight.dtype)
 
 
 _native_product.defvjp(_forward, _backward)
 
 
-def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x [..., K] times weight [N, K] (call only where `applies`)."""
+def linear(x: jax.Array, weight: jax.Array,
+           default: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """x [..., K] times weight [N, K] (call only where `applies`): the kernel on CPU,
+    `default(rows [M,K], weight)` on other platforms."""
     rows = x.reshape(-1, x.shape[-1])
-    y = jax.lax.platform_dependent(rows, weight, cpu=_native_product, default=_xla_product)
+    y = jax.lax.platform_dependent(rows, weight, cpu=_native_product, default=default)
     return y.reshape(*x.shape[:-1], weight.shape[0])
