@@ -32,6 +32,9 @@ constexpr int kRowsX = 3;   // 3 x 4 accumulators in 16 registers
 #endif
 constexpr int kRowsW = 4;   // w rows per tile (8 when M <= 2)
 constexpr int64_t kChunk = 32;  // w rows per unit of threaded work
+// With 3 or more x rows a tile computes long enough that hardware prefetching alone leaves
+// the core waiting on memory: fetch each w stream this many floats (32 KB) ahead as well.
+constexpr int64_t kPrefetchAhead = 8192;
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
@@ -81,10 +84,14 @@ template <int MX, int RW, typename W>
 void tile(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t m0,
           int64_t n0) {
   Vec acc[MX][RW] = {};
+  const bool prefetch = MX >= 3 && m0 == 0;  // later x tiles find w in cache
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     Vec wv[RW];
-    for (int r = 0; r < RW; ++r) wv[r] = load(w + (n0 + r) * K + k);
+    for (int r = 0; r < RW; ++r) {
+      wv[r] = load(w + (n0 + r) * K + k);
+      if (prefetch) __builtin_prefetch(w + (n0 + r) * K + k + kPrefetchAhead);
+    }
     for (int m = 0; m < MX; ++m) {
       Vec xv = load(x + (m0 + m) * K + k);
       asm("" : "+v"(xv));  // keep xv in a register: folding it into each FMA reloads it RW times
