@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from eaglejax.config import ModelConfig
 from eaglejax.models.attention import AttentionImpl, attention
 from eaglejax.models.kv_cache import KVCache, write_block
-from eaglejax.native import few_row_matmul
 from eaglejax.models.rope import apply_rope, inverse_frequencies, rope_tables
+from eaglejax.native import few_row_matmul
 
 Params = dict[str, Any]
 
@@ -123,7 +123,8 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     (a higher-rank weight gets a transposed copy every call) and multiplies a few rows
     (verification blocks) markedly faster than with the weight on the right.
     A 16-bit weight under float32 activations is stored-only: see `split_precision_linear`.
-    A few float32 rows on CPU go to the native kernel (`eaglejax.native.few_row_matmul`).
+    A few rows of float32 x on CPU (float32 or bfloat16 weights) go to the native kernel
+    (`eaglejax.native.few_row_matmul`).
     """
     if x.dtype == jnp.float32 and weight.dtype in (jnp.bfloat16, jnp.float16):
         product = split_precision_linear

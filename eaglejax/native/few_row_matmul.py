@@ -22,7 +22,9 @@ import jax.numpy as jnp
 
 from eaglejax.native import build
 
-MAX_ROWS = 16  # beyond this XLA's matrix-matrix kernels are as fast (BENCHMARKS.md)
+# Decode steps, verification blocks and head steps; measured faster than XLA's dot up to
+# here (BENCHMARKS.md). Prefill blocks (hundreds of rows) keep XLA's matrix kernels.
+MAX_ROWS = 16
 TARGETS = {jnp.dtype(jnp.float32): "eaglejax_few_row_matmul",
            jnp.dtype(jnp.bfloat16): "eaglejax_few_row_matmul_bf16"}
 _xla_only = False
