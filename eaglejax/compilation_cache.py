@@ -56,13 +56,19 @@ def default_dir() -> Path:
     return cache_root() / "jax-compilation"
 
 
+def switched_on(variable: str) -> bool:
+    """An on/off environment variable that is on when unset (1/true/yes/on or 0/false/no/off,
+    any case); ConfigError naming the variable for any other value."""
+    value = os.environ.get(variable, "").strip().lower()
+    if value not in _ON + _OFF:
+        raise ConfigError(f"${variable} must be 1 or 0, got {value!r}")
+    return value not in _OFF
+
+
 def enabled() -> bool:
     """False after `disable()` or with $EAGLEJAX_COMPILATION_CACHE off; ConfigError naming
     the variable for a value that is neither on nor off."""
-    value = os.environ.get(SWITCH_ENV, "").strip().lower()
-    if value not in _ON + _OFF:
-        raise ConfigError(f"${SWITCH_ENV} must be 1 or 0, got {value!r}")
-    return not _disabled and value not in _OFF
+    return switched_on(SWITCH_ENV) and not _disabled
 
 
 def disable() -> None:

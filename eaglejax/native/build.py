@@ -25,8 +25,7 @@ import jax
 import jaxlib
 
 from eaglejax import hardware
-from eaglejax.compilation_cache import cache_root
-from eaglejax.errors import ConfigError
+from eaglejax.compilation_cache import cache_root, switched_on
 
 SWITCH_ENV = "EAGLEJAX_NATIVE"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -37,10 +36,7 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 
 def enabled() -> bool:
     """False with $EAGLEJAX_NATIVE off; ConfigError naming the variable for other values."""
-    value = os.environ.get(SWITCH_ENV, "").strip().lower()
-    if value not in ("", "0", "1", "true", "false", "on", "off", "yes", "no"):
-        raise ConfigError(f"${SWITCH_ENV} must be 1 or 0, got {value!r}")
-    return value not in ("0", "false", "off", "no")
+    return switched_on(SWITCH_ENV)
 
 
 def compiler() -> str | None:
