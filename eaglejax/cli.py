@@ -211,7 +211,8 @@ def _add_train_args(commands) -> None:
                             "(cached on disk, resumable)")
     train.add_argument("--regen-temperature", type=float, default=r.temperature)
     train.add_argument("--regen-max-new-tokens", type=int, default=r.max_new_tokens)
-    train.add_argument("--regen-batch-size", type=int, default=r.batch_size)
+    train.add_argument("--regen-slots", type=int, default=r.num_slots,
+                       help="conversations regenerated at once (continuous batching)")
     train.add_argument("--regen-cache", default=None,
                        help="regeneration cache folder (default: $EAGLEJAX_CACHE/regenerated "
                             "or ~/.cache/eaglejax/regenerated)")
@@ -321,7 +322,7 @@ def _train_draft(args: argparse.Namespace) -> None:
         checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
         eval_max_new_tokens=args.eval_max_new_tokens)
     regen = RegenConfig(args.regen_temperature, args.regen_max_new_tokens, args.seq_len,
-                        args.regen_batch_size, args.seed) if args.regenerate else None
+                        args.regen_slots, args.seed) if args.regenerate else None
     target = load_target(args.target, dtype=args.dtype)
     rows = prepare_rows(target, args.data, seq_len=args.seq_len,
                         max_conversations=args.max_conversations, regen=regen,
@@ -340,7 +341,7 @@ def _train_draft(args: argparse.Namespace) -> None:
 _TRAIN_MINIMUM = {"seq_len": 1, "batch_size": 1, "steps": 1, "ttt_length": 1,
                   "draft_vocab_size": 1, "num_layers": 1, "checkpoint_every": 1,
                   "eval_every": 0, "eval_questions": 0, "eval_max_new_tokens": 1,
-                  "regen_max_new_tokens": 1, "regen_batch_size": 1, "max_conversations": 1,
+                  "regen_max_new_tokens": 1, "regen_slots": 1, "max_conversations": 1,
                   "warmup_steps": 0}
 
 

@@ -59,7 +59,7 @@ PRESETS = {
 }
 REGEN = {"cpu": None, "cpu-decay": None,
          "full": RegenConfig(temperature=0.8, max_new_tokens=512, max_context=1024,
-                             batch_size=16, seed=0)}
+                             num_slots=16, seed=0)}
 EVAL_QUESTIONS = 8
 
 

@@ -548,7 +548,7 @@ def test_regeneration_is_cached_and_resumes(chatml, tmp_path, monkeypatch):
                               ("assistant", "original"), ("user", "And then?"),
                               ("assistant", "original")), f"d:{i}")
         for i in range(5)]
-    regen = RegenConfig(temperature=1.0, max_new_tokens=6, max_context=256, batch_size=2)
+    regen = RegenConfig(temperature=1.0, max_new_tokens=6, max_context=256, num_slots=2)
     fresh = regenerate(conversations, target, "data-digest", regen, tmp_path, progress=False)
     for before, after in zip(conversations, fresh):
         # The system and user turns are kept; each user turn is followed by a new reply; a
@@ -560,12 +560,16 @@ def test_regeneration_is_cached_and_resumes(chatml, tmp_path, monkeypatch):
             m for m in before.messages if m[0] != "assistant"][:len(roles) // 2 + 1]
         assert "original" not in [c for r, c in after.messages if r == "assistant"]
     assert {len(c.messages) for c in fresh} == {3, 5}
+    one_slot = dataclasses.replace(regen, num_slots=1)  # continuous batching changes nothing
+    assert [c.messages for c in regenerate(conversations, target, "data-digest", one_slot,
+                                           tmp_path / "one-slot", progress=False)] == [
+        c.messages for c in fresh]
     cache = next(tmp_path.glob("regenerated-*.jsonl"))
     assert len(cache.read_text().splitlines()) == 1 + 5
 
     def no_generation(*args, **kwargs):
         raise AssertionError("the cache should have been used")
-    monkeypatch.setattr("eaglejax.training.regenerate.generate", no_generation)
+    monkeypatch.setattr("eaglejax.training.regenerate.SlotEngine", no_generation)
     assert [c.messages for c in regenerate(conversations, target, "data-digest", regen,
                                            tmp_path, progress=False)] == [
         c.messages for c in fresh]

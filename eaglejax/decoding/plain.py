@@ -86,22 +86,28 @@ def prefill(params: Params, config: ModelConfig, prompt: jax.Array, prompt_lengt
     return DecodeState(cache, first, out, row_keys, jnp.int32(0))
 
 
+def decode_step(params: Params, config: ModelConfig, s: DecodeState, sampling: SamplingParams,
+                max_new_tokens: jax.Array, *, greedy: bool, stop: StopCriteria,
+                attn_impl: AttentionImpl = "auto") -> DecodeState:
+    """One target forward: every running row gains a token (finished rows stay as they are)."""
+    running = s.out.running
+    out = forward(params, config, s.last_token[:, None], s.cache.lengths[:, None], s.cache,
+                  attn_impl=attn_impl)
+    cache = out.cache._replace(lengths=s.cache.lengths + running.astype(jnp.int32))
+    token = sample_tokens(lm_head(params, out.hidden[:, 0]), sampling,
+                          row_step_keys(s.row_keys, s.out.counts), greedy)
+    return DecodeState(cache, jnp.where(running, token, s.last_token),
+                       record(s.out, token, running, stop, max_new_tokens), s.row_keys,
+                       s.forwards + 1)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "greedy", "stop", "attn_impl"),
                    donate_argnames=("state",))
 def decode_loop(params: Params, config: ModelConfig, state: DecodeState, sampling: SamplingParams,
                 max_new_tokens: jax.Array, *, greedy: bool, stop: StopCriteria,
                 attn_impl: AttentionImpl = "auto") -> DecodeState:
     """Decode one token per step until every row has finished."""
-
-    def step(s: DecodeState) -> DecodeState:
-        running = s.out.running
-        out = forward(params, config, s.last_token[:, None], s.cache.lengths[:, None], s.cache,
-                      attn_impl=attn_impl)
-        cache = out.cache._replace(lengths=s.cache.lengths + running.astype(jnp.int32))
-        token = sample_tokens(lm_head(params, out.hidden[:, 0]), sampling,
-                              row_step_keys(s.row_keys, s.out.counts), greedy)
-        return DecodeState(cache, jnp.where(running, token, s.last_token),
-                           record(s.out, token, running, stop, max_new_tokens), s.row_keys,
-                           s.forwards + 1)
-
+    step = functools.partial(decode_step, params, config, sampling=sampling,
+                             max_new_tokens=max_new_tokens, greedy=greedy, stop=stop,
+                             attn_impl=attn_impl)
     return jax.lax.while_loop(lambda s: jnp.any(s.out.running), step, state)

@@ -3,7 +3,8 @@ so the head learns the target's own distribution. Cached on disk: done once, res
 
 The cache is a JSONL file named by a key over the target, the source data and the
 settings: a header line, then one ShareGPT-shaped record per conversation in source
-order (written batch by batch, so a killed run resumes after its last complete batch).
+order (each written as soon as it and all before it are done, so a killed run resumes
+after the last record). Conversations run with continuous batching (`decoding.slots`).
 """
 
 from __future__ import annotations
@@ -12,29 +13,34 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
 
+from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.decoding.slots import Request, SlotEngine
+from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.errors import InputError
-from eaglejax.generate import generate
 from eaglejax.target import Target
 from eaglejax.training.data import Conversation, parse_record, render_messages
 from eaglejax.training.run import target_fingerprint
 
-CACHE_FORMAT, CACHE_VERSION = "eaglejax-regenerated", 1
+CACHE_FORMAT, CACHE_VERSION = "eaglejax-regenerated", 2
 
 
 @dataclasses.dataclass(frozen=True)
 class RegenConfig:
-    """Sampling settings. A conversation stops before a user turn whose prompt reaches
-    `max_context` tokens and after a reply cut by `max_new_tokens`."""
+    """Sampling settings (temperature 0: greedy). A conversation holds at most
+    `max_context` tokens: it ends before a user turn that would not leave room for a reply,
+    and after a reply cut by `max_new_tokens` or by the context. `num_slots` rows decode at
+    once (continuous batching; it never changes the result)."""
 
     temperature: float = 0.8
     max_new_tokens: int = 512
     max_context: int = 1024
-    batch_size: int = 16
+    num_slots: int = 16
     seed: int = 0
 
 
@@ -46,9 +52,9 @@ def default_cache_dir() -> Path:
 
 def cache_key(target: Target, data_id: str, config: RegenConfig) -> str:
     """The cache key of regenerating `data_id` (a digest of the source data) this way."""
-    settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "batch_size"}
-    blob = json.dumps({"target": target_fingerprint(target), "data": data_id,
-                       "settings": settings}, sort_keys=True)
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "num_slots"}
+    blob = json.dumps({"version": CACHE_VERSION, "target": target_fingerprint(target),
+                       "data": data_id, "settings": settings}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -70,42 +76,73 @@ def _read_cache(path: Path, key: str) -> list[Conversation]:
     return [parse_record(json.loads(line), f"{path}:{i}") for i, line in enumerate(lines[1:], 2)]
 
 
-def _regenerate_batch(conversations: Sequence[Conversation], first_index: int, target: Target,
-                      config: RegenConfig) -> list[Conversation]:
-    """Replace every assistant turn, turn by turn across the batch, by the target's reply."""
+class _Replay:
+    """One conversation being regenerated: its user and system turns still to come and the
+    new messages so far."""
+
+    def __init__(self, index: int, conversation: Conversation):
+        self.index, self.conversation, self.turn = index, conversation, 0
+        self.todo = [m for m in conversation.messages if m[0] != "assistant"]
+        self.messages: list[tuple[str, str]] = []
+
+    def next_request(self, tokenizer, config: RegenConfig) -> Request | None:
+        """The prompt for the next reply, or None when the conversation is over."""
+        while self.todo and self.todo[0][0] != "user":  # system turns before the next user turn
+            self.messages.append(self.todo.pop(0))
+        if not self.todo:
+            return None
+        candidate = [*self.messages, self.todo.pop(0)]
+        ids = tokenizer.encode(render_messages(tokenizer, candidate, True))
+        if len(ids) >= config.max_context:
+            return None
+        self.messages = candidate
+        seed = (config.seed * 1_000_003 + self.index * 131 + self.turn) % 2**31
+        return Request(self, ids, seed, config.max_new_tokens)
+
+    def result(self) -> Conversation:
+        c = self.conversation
+        return Conversation(c.id, tuple(self.messages), c.source)
+
+
+def _replay_all(conversations: Sequence[Conversation], first_index: int, target: Target,
+                config: RegenConfig, on_done: Callable[[int, Conversation], None]) -> int:
+    """Replace every assistant turn by the target's reply, `config.num_slots` conversations
+    in flight: a finished reply's slot takes the conversation's next turn, or the next
+    conversation. Calls on_done(index, conversation) as each ends (in any order); returns
+    the number of tokens generated."""
     tokenizer = target.tokenizer
-    originals = [[m for m in c.messages if m[0] != "assistant"] for c in conversations]
-    new: list[list[tuple[str, str]]] = [[] for _ in conversations]
-    active = list(range(len(conversations)))
-    turn = 0
-    while active:
-        prompts, rows = [], []
-        for i in active:
-            # The next user turn with any system turns before it.
-            while originals[i] and originals[i][0][0] != "user":
-                new[i].append(originals[i].pop(0))
-            if not originals[i]:
-                continue
-            candidate = [*new[i], originals[i].pop(0)]
-            ids = tokenizer.encode(render_messages(tokenizer, candidate, True))
-            if len(ids) >= config.max_context:
-                continue
-            new[i] = candidate
-            prompts.append(ids)
-            rows.append(i)
-        if not prompts:
-            break
-        seeds = [(config.seed * 1_000_003 + (first_index + i) * 131 + turn) % 2**31 for i in rows]
-        results = generate(prompts, target=target, max_new_tokens=config.max_new_tokens,
-                           temperature=config.temperature, seed=seeds, chat=False)
-        active = []
-        for i, result in zip(rows, results):
-            new[i].append(("assistant", result.text or ""))
-            if result.finish_reason != "length":
-                active.append(i)
-        turn += 1
-    return [Conversation(c.id, tuple(messages), c.source)
-            for c, messages in zip(conversations, new)]
+    engine = SlotEngine(target, num_slots=config.num_slots, capacity=config.max_context,
+                        sampling=SamplingParams.make(config.temperature),
+                        stop=StopCriteria(tuple(sorted(set(target.eos_token_ids)))))
+    waiting = iter(enumerate(conversations, first_index))
+    generated = 0
+
+    def start_next() -> None:
+        for index, conversation in waiting:
+            replay = _Replay(index, conversation)
+            request = replay.next_request(tokenizer, config)
+            if request is not None:
+                engine.submit(request)
+                return
+            on_done(index, replay.result())
+
+    for _ in range(config.num_slots):
+        start_next()
+    while not engine.idle:
+        for completion in engine.step():
+            replay = completion.key
+            generated += len(completion.token_ids)
+            replay.messages.append(("assistant", tokenizer.decode(completion.token_ids)))
+            replay.turn += 1
+            request = None
+            if completion.finish_reason != "length":
+                request = replay.next_request(tokenizer, config)
+            if request is not None:
+                engine.submit(request)
+            else:
+                on_done(replay.index, replay.result())
+                start_next()
+    return generated
 
 
 def regenerate(conversations: Sequence[Conversation], target: Target, data_id: str,
@@ -116,9 +153,9 @@ def regenerate(conversations: Sequence[Conversation], target: Target, data_id: s
 
     data_id identifies the source (e.g. the file's digest): with the target and the
     settings it names the cache file in `cache_dir` (default `default_cache_dir()`). Records
-    already there are reused; the rest are generated in batches of `config.batch_size` and
-    appended. Row seeds depend on the conversation's index only, so batching and resuming
-    never change the result."""
+    already there are reused; the rest are generated with continuous batching
+    (`config.num_slots` at once) and appended in order. A reply's seed depends only on its
+    conversation's index and turn, so the slot count and resuming never change the result."""
     if target.tokenizer is None:
         raise InputError(f"{target.source}: regeneration needs the target's tokenizer")
     key = cache_key(target, data_id, config)
@@ -133,15 +170,29 @@ def regenerate(conversations: Sequence[Conversation], target: Target, data_id: s
         with open(path, "x") as f:
             f.write(json.dumps(header) + "\n")
         done = []
+    finished: dict[int, Conversation] = {}
     with tqdm(total=len(conversations), initial=min(len(done), len(conversations)),
-              unit="conv", desc="regenerating", disable=not progress) as bar:
-        for start in range(len(done), len(conversations), config.batch_size):
-            batch = conversations[start:start + config.batch_size]
-            fresh = _regenerate_batch(batch, start, target, config)
-            with open(path, "a") as f:
-                f.write("".join(json.dumps(c.to_record()) + "\n" for c in fresh))
-                f.flush()
-                os.fsync(f.fileno())
-            done.extend(fresh)
-            bar.update(len(batch))
+              unit="conv", desc="regenerating", disable=not progress) as bar, \
+            open(path, "a") as cache:
+
+        def on_done(index: int, conversation: Conversation) -> None:
+            # Records are appended in source order, so a killed run resumes after the last.
+            finished[index] = conversation
+            ready = []
+            while len(done) in finished:
+                ready.append(finished.pop(len(done)))
+                done.append(ready[-1])
+            if ready:
+                cache.write("".join(json.dumps(c.to_record()) + "\n" for c in ready))
+                cache.flush()
+                os.fsync(cache.fileno())
+            bar.update(1)
+
+        if len(done) >= len(conversations):
+            return done[:len(conversations)]
+        start = time.perf_counter()
+        generated = _replay_all(conversations[len(done):], len(done), target, config, on_done)
+        if progress and generated:
+            rate = generated / (time.perf_counter() - start)
+            bar.write(f"regenerated {generated:,} tokens at {rate:.1f} tokens/s")
     return done[:len(conversations)]
