@@ -23,7 +23,12 @@ from eaglejax.config import ModelConfig
 from eaglejax.decoding import plain
 from eaglejax.decoding.output import empty_output
 from eaglejax.decoding.sampling import SamplingParams
-from eaglejax.decoding.stopping import FINISH_LENGTH, FINISH_NONE, FINISH_REASONS, StopCriteria
+from eaglejax.decoding.stopping import (
+    FINISH_LENGTH,
+    FINISH_NONE,
+    FINISH_REASONS,
+    StopCriteria,
+)
 from eaglejax.errors import InputError
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
