@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import eaglejax
-from eaglejax import hardware
+from eaglejax import hardware, native
 from eaglejax.bench import median_seconds
 from eaglejax.models import kv_cache
 from eaglejax.models.llama import forward, linear, lm_head
@@ -85,14 +85,14 @@ def main() -> None:
     mats = step_matrices(target.params)
     report = {"machine": hardware.machine_report(), "products_ms": {}, "forward_ms": {}}
     native = products_fn()
-    with few_row_matmul.xla_only():
+    with native.xla_only():
         xla = products_fn()
         xla_forward = forward_fn(target.config)
     native_forward = forward_fn(target.config)
     rng = np.random.default_rng(0)
     for m in args.rows:
         x = jnp.asarray(rng.standard_normal((m, mats[0].shape[1]), dtype=np.float32))
-        with few_row_matmul.xla_only():  # a fresh trace per shape must stay on its path
+        with native.xla_only():  # a fresh trace per shape must stay on its path
             jax.block_until_ready(xla(x, mats))
         report["products_ms"][m] = side_by_side({"xla": xla, "native": native},
                                                 {"xla": (x, mats), "native": (x, mats)},
@@ -104,7 +104,7 @@ def main() -> None:
                                                                         jnp.int32))
     for t in (1, 6, 9):
         tokens = jnp.ones((1, t), jnp.int32)
-        with few_row_matmul.xla_only():
+        with native.xla_only():
             jax.block_until_ready(xla_forward(target.params, cache, tokens))
         report["forward_ms"][t] = side_by_side(
             {"xla": xla_forward, "native": native_forward},

@@ -8,12 +8,14 @@ the longest row's valid length: their scores never span the whole cache. Few que
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from eaglejax.native import cache_attention
 
 AttentionImpl = Literal["auto", "pallas", "xla"]
 IMPLS = ("auto", "pallas", "xla")
@@ -42,6 +44,10 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_length
         return pallas_kernels.tree_attention(
             q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, kv_layout="bhsd",
             interpret=jax.default_backend() == "cpu")
+    if cache_attention.applies(q, k_cache):
+        reference = functools.partial(pallas_kernels.tree_attention_reference, kv_layout="bhsd")
+        return cache_attention.attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
+                                         reference)
     _, t_new, n_q_heads, _ = q.shape
     s_cache = k_cache.shape[2]
     if s_cache > KEY_BLOCK and n_q_heads * t_new * s_cache >= BLOCKED_MIN_SCORES:

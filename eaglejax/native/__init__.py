@@ -1,2 +1,27 @@
 """Native CPU kernels that XLA:CPU lacks, built from C++ on first use and called through
-the XLA FFI (see `few_row_matmul`). Without a C++ compiler the XLA paths are used."""
+the XLA FFI (`few_row_matmul`, `cache_attention`). Without a C++ compiler, with
+`EAGLEJAX_NATIVE=0`, or inside `xla_only()` the XLA paths are used."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+_xla_only = False
+
+
+@contextlib.contextmanager
+def xla_only() -> Iterator[None]:
+    """Trace with XLA's operations instead of the kernels inside the block (side-by-side
+    comparisons; a function keeps the path it was traced with, so jit a fresh one inside)."""
+    global _xla_only
+    saved, _xla_only = _xla_only, True
+    try:
+        yield
+    finally:
+        _xla_only = saved
+
+
+def kernels_allowed() -> bool:
+    """False inside `xla_only()`."""
+    return not _xla_only

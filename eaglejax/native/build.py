@@ -85,3 +85,15 @@ def load(name: str) -> ctypes.CDLL | None:
                     warnings.warn(f"eaglejax: native kernel {name} unavailable, using XLA's "
                                   f"instead: {err}", RuntimeWarning, stacklevel=2)
         return _loaded[name]
+
+
+def register(name: str, targets: dict[str, str]) -> bool:
+    """Load `<name>.cc`'s library and register each XLA FFI target name -> handler symbol
+    for the CPU; False when the library is unavailable."""
+    library = load(name)
+    if library is None:
+        return False
+    for target, symbol in targets.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                    platform="cpu")
+    return True

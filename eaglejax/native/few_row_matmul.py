@@ -12,14 +12,14 @@ contain the kernel). Gradients are XLA dots.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from eaglejax import native
 from eaglejax.native import build
 
 # Decode steps, verification blocks and head steps; measured faster than XLA's dot up to
@@ -27,37 +27,21 @@ from eaglejax.native import build
 MAX_ROWS = 16
 TARGETS = {jnp.dtype(jnp.float32): "eaglejax_few_row_matmul",
            jnp.dtype(jnp.bfloat16): "eaglejax_few_row_matmul_bf16"}
-_xla_only = False
 
 
 @functools.cache
 def available() -> bool:
     """True once the kernel is built, loaded and registered with XLA for the CPU."""
-    library = build.load("few_row_matmul")
-    if library is None:
-        return False
-    for target, symbol in zip(TARGETS.values(), (library.EaglejaxFewRowMatmul,
-                                                 library.EaglejaxFewRowMatmulBf16)):
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
-    return True
-
-
-@contextlib.contextmanager
-def xla_only() -> Iterator[None]:
-    """Trace with XLA's dot instead of the kernel inside the block (side-by-side comparisons;
-    a function keeps the path it was traced with, so jit a fresh one inside)."""
-    global _xla_only
-    saved, _xla_only = _xla_only, True
-    try:
-        yield
-    finally:
-        _xla_only = saved
+    return build.register("few_row_matmul", {
+        TARGETS[jnp.dtype(jnp.float32)]: "EaglejaxFewRowMatmul",
+        TARGETS[jnp.dtype(jnp.bfloat16)]: "EaglejaxFewRowMatmulBf16"})
 
 
 def applies(x: jax.Array, weight: jax.Array) -> bool:
     """Whether `linear(x, weight)` runs the kernel on CPU: float32 x, a 2-D float32 or
-    bfloat16 weight, 1 to MAX_ROWS rows, the kernel available, and not inside `xla_only()`."""
-    return (not _xla_only and x.dtype == jnp.float32 and weight.dtype in TARGETS
+    bfloat16 weight, 1 to MAX_ROWS rows, the kernel available, and not inside
+    `native.xla_only()`."""
+    return (native.kernels_allowed() and x.dtype == jnp.float32 and weight.dtype in TARGETS
             and weight.ndim == 2
             and 1 <= math.prod(x.shape[:-1]) <= MAX_ROWS and available())
 

@@ -1,0 +1,243 @@
+// Attention of a few new queries over a per-row KV cache prefix plus the new tokens, in
+// float32, reading only each row's valid cache prefix.
+//
+// Decode steps and verification blocks ask T <= 16 queries per row. XLA:CPU computes them
+// as batched matrix products over the whole cache capacity, far from memory bandwidth; with
+// many rows (continuous batching) that cost rivals the weights'. Here one task takes one
+// (row, KV head): its keys are read once for all T x G queries of that head, then its values
+// once per few queries (from cache). A query's keys are the cache positions and then the
+// new tokens in order (hidden ones weigh exactly 0), its dot products run over d in order
+// and its sums over keys in order, so its result does not depend on T or on the other
+// queries (a verify block reproduces the single-token step). Tasks are spread over XLA's intra-op
+// thread pool as in few_row_matmul.cc.
+//
+// q [B,T,Hq,D], k_cache/v_cache [B,Hkv,S,D], lengths [B] int32, k_new/v_new [B,T,Hkv,D],
+// mask [B,T,T] uint8 (query t sees new token j iff mask[b,t,j]); out [B,T,Hq,D]. A query
+// that sees nothing gets zeros. D must be a multiple of the vector width.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+constexpr int kMaxD = 256;
+constexpr int kQueryGroup = 4;  // queries accumulated together in the value pass
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+inline float lane_sum(Vec v) {
+#if defined(__AVX512F__)
+  auto h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  auto h8 = v;
+#endif
+  auto h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  auto h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
+  return h2[0] + h2[1];
+}
+
+// e^x lane by lane for x <= 0 (softmax weights), exactly 0 below -87 (and for -inf):
+// x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error
+// about 2e-7), times 2^n built in the exponent bits.
+inline Vec exp_nonpositive(Vec x) {
+  const Vec zero = {};
+  const auto underflow = x < (zero - 87.0f);
+  x = underflow ? zero : x;
+  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const Vec n = (x * 1.44269504088896341f + kRound) - kRound;
+  const Vec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  Vec p = zero + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  typedef int32_t Int __attribute__((vector_size(kLanes * sizeof(int32_t))));
+  const Int bits = (__builtin_convertvector(n, Int) + 127) << 23;
+  Vec scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const Vec e = p * scale;
+  return underflow ? zero : e;
+}
+
+struct Job {
+  const float *q, *k_cache, *v_cache, *k_new, *v_new;
+  const int32_t* lengths;
+  const uint8_t* mask;
+  float* out;
+  int64_t B, T, Hq, Hkv, S, D;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+// Every query of row b over KV head h. Queries sit in vector lanes (query i = (t, g),
+// t-major, in lane i % kLanes of vector i / kLanes), so scores, the softmax and the
+// denominators are computed for all queries at once and each keeps its own key order.
+void run_task(const Job& job, int64_t task, std::vector<float>& buffer) {
+  const int64_t b = task / job.Hkv, h = task % job.Hkv;
+  const int64_t T = job.T, D = job.D, G = job.Hq / job.Hkv, Q = T * G;
+  const int64_t nq = (Q + kLanes - 1) / kLanes;  // query vectors
+  const int64_t len = std::clamp<int64_t>(job.lengths[b], 0, job.S);
+  const int64_t keys = len + T;  // the cache prefix, then the new tokens
+  buffer.assign(D * nq * kLanes + keys * nq * kLanes, 0.0f);
+  float* qt = buffer.data();              // [D][nq * kLanes] queries, transposed
+  float* weights = qt + D * nq * kLanes;  // [keys][nq * kLanes] scores, then weights
+  const int64_t width = nq * kLanes;
+  for (int64_t i = 0; i < Q; ++i) {
+    const float* src = job.q + ((b * T + i / G) * job.Hq + h * G + i % G) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d * width + i] = src[d];
+  }
+  const float* kc = job.k_cache + (b * job.Hkv + h) * job.S * D;
+  const float* vc = job.v_cache + (b * job.Hkv + h) * job.S * D;
+  auto key_row = [&](const float* cache, const float* fresh, int64_t s) {
+    return s < len ? cache + s * D : fresh + ((b * T + (s - len)) * job.Hkv + h) * D;
+  };
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const Vec hidden = Vec{} - std::numeric_limits<float>::infinity();
+
+  // Scores: for each key, q . k summed over d in order, all queries in parallel lanes.
+  constexpr int kKeys = 4;
+  for (int64_t s0 = 0; s0 < keys; s0 += kKeys) {
+    const int nk = static_cast<int>(std::min<int64_t>(kKeys, keys - s0));
+    const float* k[kKeys];
+    for (int j = 0; j < nk; ++j) k[j] = key_row(kc, job.k_new, s0 + j);
+    for (int64_t v = 0; v < nq; ++v) {
+      Vec acc[kKeys] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const Vec qv = load(qt + d * width + v * kLanes);
+        for (int j = 0; j < nk; ++j) acc[j] += k[j][d] * qv;
+      }
+      for (int j = 0; j < nk; ++j) store(weights + (s0 + j) * width + v * kLanes, acc[j] * scale);
+    }
+  }
+  // New token j is hidden from query i unless mask[b, t(i), j].
+  for (int64_t j = 0; j < T; ++j) {
+    float* row = weights + (len + j) * width;
+    for (int64_t i = 0; i < Q; ++i) {
+      if (!job.mask[(b * T + i / G) * T + j]) row[i] = -std::numeric_limits<float>::infinity();
+    }
+  }
+  // Softmax weights in place; denominators summed in key order.
+  std::vector<Vec> denom(nq);
+  for (int64_t v = 0; v < nq; ++v) {
+    Vec top = hidden;
+    for (int64_t s = 0; s < keys; ++s) {
+      const Vec x = load(weights + s * width + v * kLanes);
+      top = x > top ? x : top;
+    }
+    top = top == hidden ? Vec{} : top;  // a query that sees nothing: all weights 0
+    Vec sum = {};
+    for (int64_t s = 0; s < keys; ++s) {
+      float* p = weights + s * width + v * kLanes;
+      const Vec e = exp_nonpositive(load(p) - top);
+      store(p, e);
+      sum += e;
+    }
+    denom[v] = sum;
+  }
+  // Values: each output accumulated in key order, kQueryGroup queries per pass over V.
+  const int nv = static_cast<int>(D / kLanes);
+  for (int64_t i0 = 0; i0 < Q; i0 += kQueryGroup) {
+    const int64_t n = std::min<int64_t>(kQueryGroup, Q - i0);
+    Vec acc[kQueryGroup][kMaxD / kLanes] = {};
+    for (int64_t s = 0; s < keys; ++s) {
+      const float* value = key_row(vc, job.v_new, s);
+      for (int64_t g = 0; g < n; ++g) {
+        const float w = weights[s * width + i0 + g];
+        for (int c = 0; c < nv; ++c) acc[g][c] += w * load(value + c * kLanes);
+      }
+    }
+    for (int64_t g = 0; g < n; ++g) {
+      const int64_t i = i0 + g;
+      const float total = denom[i / kLanes][i % kLanes];
+      const float inv = total > 0.0f ? 1.0f / total : 1.0f;
+      float* o = job.out + ((b * T + i / G) * job.Hq + h * G + i % G) * D;
+      for (int c = 0; c < nv; ++c) store(o + c * kLanes, acc[g][c] * inv);
+    }
+  }
+}
+
+void work(Job& job) {
+  std::vector<float> buffer;
+  const int64_t tasks = job.B * job.Hkv;
+  for (int64_t t; (t = job.next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+    run_task(job, t, buffer);
+    job.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error cache_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                           ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                           ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> k_new,
+                           ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::U8> mask,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), nd = k_new.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || kd[0] != qd[0] ||
+      kd[3] != qd[3] || nd[0] != qd[0] || nd[1] != qd[1] || nd[2] != kd[1] ||
+      qd[3] % kLanes != 0 || qd[3] > kMaxD || qd[2] % kd[1] != 0) {
+    return ffi::Error::InvalidArgument(
+        "cache_attention: expected q [B,T,Hq,D], caches [B,Hkv,S,D], new [B,T,Hkv,D] "
+        "with D a multiple of the vector width up to 256 and Hq a multiple of Hkv");
+  }
+  auto job = std::make_shared<Job>();
+  job->q = q.typed_data();
+  job->k_cache = k_cache.typed_data();
+  job->v_cache = v_cache.typed_data();
+  job->lengths = lengths.typed_data();
+  job->k_new = k_new.typed_data();
+  job->v_new = v_new.typed_data();
+  job->mask = mask.typed_data();
+  job->out = out->typed_data();
+  job->B = qd[0];
+  job->T = qd[1];
+  job->Hq = qd[2];
+  job->D = qd[3];
+  job->Hkv = kd[1];
+  job->S = kd[2];
+  const int64_t tasks = job->B * job->Hkv;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { work(*job); });
+  work(*job);
+  while (job->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EaglejaxCacheAttention, cache_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

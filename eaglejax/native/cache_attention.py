@@ -1,0 +1,65 @@
+"""Attention of a few new queries (decode steps, verification blocks) over a KV cache with
+per-row lengths, with the native CPU kernel `cache_attention.cc`: it reads only each row's
+valid prefix, once for all queries of a KV head, where XLA:CPU's batched products read the
+whole cache capacity at a fraction of the bandwidth. Sums run in key order, so a query's
+result does not depend on how many queries came with it (a verify block reproduces the
+single-token step). Other platforms keep the reference (`lax.platform_dependent`);
+gradients are the reference's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from eaglejax import native
+from eaglejax.native import build
+
+MAX_QUERIES = 16  # new tokens per row; prefill blocks keep XLA's blocked attention
+TARGET = "eaglejax_cache_attention"
+_LANES = 16  # the head dimension must be a multiple of the widest vector the kernel uses
+
+
+@functools.cache
+def available() -> bool:
+    """True once the kernel is built, loaded and registered with XLA for the CPU."""
+    return build.register("cache_attention", {TARGET: "EaglejaxCacheAttention"})
+
+
+def applies(q: jax.Array, k_cache: jax.Array) -> bool:
+    """Whether `attention` runs the kernel on CPU: float32 queries and cache, 1 to
+    MAX_QUERIES new tokens, a head dimension the kernel handles, the kernel available, and
+    not inside `native.xla_only()`."""
+    head_dim = q.shape[-1]
+    return (native.kernels_allowed() and q.dtype == jnp.float32
+            and k_cache.dtype == jnp.float32 and 1 <= q.shape[1] <= MAX_QUERIES
+            and head_dim % _LANES == 0 and head_dim <= 256 and available())
+
+
+def _kernel(q, k_cache, v_cache, lengths, k_new, v_new, mask):
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
+        q, k_cache, v_cache, lengths.astype(jnp.int32), k_new, v_new, mask.astype(jnp.uint8))
+
+
+def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
+              k_new: jax.Array, v_new: jax.Array, mask: jax.Array,
+              reference: Callable[..., jax.Array]) -> jax.Array:
+    """`reference(q, k_cache, v_cache, lengths, k_new, v_new, mask)` (bhsd cache layout),
+    computed by the kernel on CPU (call only where `applies`)."""
+
+    @jax.custom_vjp
+    def run(*args):
+        return jax.lax.platform_dependent(*args, cpu=_kernel, default=reference)
+
+    def forward(*args):
+        return run(*args), args
+
+    def backward(args, grad):
+        return jax.vjp(reference, *args)[1](grad)
+
+    run.defvjp(forward, backward)
+    return run(q, k_cache, v_cache, lengths, k_new, v_new, mask)
