@@ -213,6 +213,9 @@ def _add_train_args(commands) -> None:
     train.add_argument("--regen-max-new-tokens", type=int, default=r.max_new_tokens)
     train.add_argument("--regen-slots", type=int, default=r.num_slots,
                        help="conversations regenerated at once (continuous batching)")
+    train.add_argument("--cut-repeats", type=int, default=0, metavar="N",
+                       help="end each conversation where a supervised N-gram repeats an earlier "
+                            "one (a small target's greedy loops); 0: off")
     train.add_argument("--regen-cache", default=None,
                        help="regeneration cache folder (default: $EAGLEJAX_CACHE/regenerated "
                             "or ~/.cache/eaglejax/regenerated)")
@@ -326,7 +329,8 @@ def _train_draft(args: argparse.Namespace) -> None:
     target = load_target(args.target, dtype=args.dtype)
     rows = prepare_rows(target, args.data, seq_len=args.seq_len,
                         max_conversations=args.max_conversations, regen=regen,
-                        regen_cache=args.regen_cache, progress=not args.no_progress)
+                        regen_cache=args.regen_cache, cut_repeats=args.cut_repeats,
+                        progress=not args.no_progress)
     prompts = mt_bench_prompts(args.eval_questions) if args.eval_questions > 0 else None
     init_head = load_draft(args.init_head, target=target) if args.init_head else None
     result = train(target, rows, args.out, config, eval_prompts=prompts, init_head=init_head,
@@ -341,8 +345,8 @@ def _train_draft(args: argparse.Namespace) -> None:
 _TRAIN_MINIMUM = {"seq_len": 1, "batch_size": 1, "steps": 1, "ttt_length": 1,
                   "draft_vocab_size": 1, "num_layers": 1, "checkpoint_every": 1,
                   "eval_every": 0, "eval_questions": 0, "eval_max_new_tokens": 1,
-                  "regen_max_new_tokens": 1, "regen_slots": 1, "max_conversations": 1,
-                  "warmup_steps": 0}
+                  "regen_max_new_tokens": 1, "regen_slots": 1, "cut_repeats": 0,
+                  "max_conversations": 1, "warmup_steps": 0}
 
 
 def _check_train_args(args: argparse.Namespace) -> None:

@@ -30,6 +30,7 @@ from eaglejax.training import trainer
 from eaglejax.training.data import (
     Conversation,
     Example,
+    first_repeat,
     pack,
     read_conversations,
     tokenize_all,
@@ -456,6 +457,34 @@ def test_truncation_and_packing(chatml):
     assert not rows.loss_mask[0, 64:].any() and not rows.loss_mask[1, 70:].any()
     with pytest.raises(InputError, match="more than seq_len"):
         pack(examples, 40)
+
+
+def test_looping_replies_are_cut_where_they_start_repeating(chatml):
+    """A reply that falls into a loop ends just before its first repeated 8-gram; the
+    prompt may repeat itself freely (it is not supervised), and a reply without repeats
+    is kept whole."""
+    loop = Conversation("l", (("user", "go on go on go on go on go on"),
+                              ("assistant", "The answer is that the sea is blue. " * 6)), "t:1")
+    plain = Conversation("p", (("user", "go on go on go on go on go on"),
+                               ("assistant", "One two three four five six seven eight.")), "t:2")
+    [whole_loop, whole_plain] = tokenize_all([loop, plain], chatml, 512)
+    [cut_loop, cut_plain] = tokenize_all([loop, plain], chatml, 512, cut_repeats=8)
+    np.testing.assert_array_equal(cut_plain.tokens, whole_plain.tokens)
+    end = len(cut_loop.tokens)
+    np.testing.assert_array_equal(cut_loop.tokens, whole_loop.tokens[:end])
+    # Cut inside the second cycle, just where the next 8 tokens would repeat earlier ones.
+    cycle = len(chatml.encode("The answer is that the sea is blue. "))
+    reply_start = int(np.argmax(whole_loop.loss_mask))
+    assert reply_start + cycle <= end < reply_start + 2 * cycle + 2
+    grams = {tuple(cut_loop.tokens[i:i + 8]) for i in range(end - 7)}
+    assert tuple(whole_loop.tokens[end:end + 8]) in grams
+    assert not any(tuple(cut_loop.tokens[i:i + 8]) in {tuple(cut_loop.tokens[j:j + 8])
+                                                       for j in range(i)}
+                   for i in range(reply_start, end - 7))
+    # The rule on ids: [1 2 3 4] recurs at index 6, so the example ends there.
+    tokens = np.array([5, 6, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2])
+    assert first_repeat(tokens, np.ones(12, bool), 4) == 6
+    assert first_repeat(tokens, np.zeros(12, bool), 4) == 12  # nothing supervised, nothing cut
 
 
 def test_template_that_rewrites_history_is_refused():

@@ -140,14 +140,29 @@ def tokenize_conversation(conv: Conversation, tokenizer: Tokenizer) -> Example:
     return Example(np.asarray(tokens, np.int32), np.asarray(mask, bool))
 
 
+def first_repeat(tokens: np.ndarray, loss_mask: np.ndarray, n: int) -> int:
+    """Where the first supervised n-gram that already occurred earlier in `tokens` starts
+    (a small model's greedy loop), or len(tokens) when none does."""
+    seen: set[tuple[int, ...]] = set()
+    for end in range(n, len(tokens) + 1):
+        gram = tuple(tokens[end - n:end].tolist())
+        if gram in seen and loss_mask[end - 1]:
+            return end - n
+        seen.add(gram)
+    return len(tokens)
+
+
 def tokenize_all(conversations: Sequence[Conversation], tokenizer: Tokenizer,
-                 seq_len: int) -> list[Example]:
-    """Tokenize and truncate to `seq_len`; conversations left without a supervised token
-    are dropped."""
+                 seq_len: int, cut_repeats: int = 0) -> list[Example]:
+    """Tokenize and truncate to `seq_len`, and with `cut_repeats` = n > 0 also where a
+    supervised n-gram repeats an earlier one (the rest of a looping reply teaches only
+    copying); conversations left without a supervised token are dropped."""
     examples = []
     for conv in conversations:
         ex = tokenize_conversation(conv, tokenizer)
-        ex = Example(ex.tokens[:seq_len], ex.loss_mask[:seq_len])
+        end = seq_len if cut_repeats <= 0 else min(
+            seq_len, first_repeat(ex.tokens, ex.loss_mask, cut_repeats))
+        ex = Example(ex.tokens[:end], ex.loss_mask[:end])
         if ex.loss_mask[2:].any():  # the first supervised prediction is of token 2
             examples.append(ex)
     return examples

@@ -14,9 +14,11 @@ from eaglejax.training.run import file_fingerprint
 
 def prepare_rows(target: Target, data: str | Path, *, seq_len: int,
                  max_conversations: int | None = None, regen: RegenConfig | None = None,
-                 regen_cache: str | Path | None = None, progress: bool = True) -> PackedRows:
+                 regen_cache: str | Path | None = None, cut_repeats: int = 0,
+                 progress: bool = True) -> PackedRows:
     """Read a ShareGPT-shaped file (first `max_conversations`), optionally regenerate its
-    assistant turns with the target (cached), render, mask, truncate and pack to `seq_len`."""
+    assistant turns with the target (cached), render, mask, truncate (at `seq_len`, and
+    where a supervised `cut_repeats`-gram repeats, see `tokenize_all`) and pack."""
     if target.tokenizer is None:
         raise InputError(f"{target.source}: training on conversations needs the target's "
                          f"tokenizer and chat template")
@@ -24,7 +26,7 @@ def prepare_rows(target: Target, data: str | Path, *, seq_len: int,
     if regen is not None:
         conversations = regenerate(conversations, target, file_fingerprint(data), regen,
                                    regen_cache, progress)
-    return pack(tokenize_all(conversations, target.tokenizer, seq_len), seq_len)
+    return pack(tokenize_all(conversations, target.tokenizer, seq_len, cut_repeats), seq_len)
 
 
 def mt_bench_prompts(count: int, path: str | Path | None = None) -> list[str]:
