@@ -24,8 +24,9 @@ Presets:
         order (seed 1) for 250 steps, lr from 1e-3 (after 10 warm-up steps for the fresh
         optimiser state) down to 1e-4 by cosine: the decay phase a constant-rate run lacks.
   cpu-distill  self-distillation on a CPU: continue a trained head (--init-head) on
-        conversations whose assistant turns SmolLM2 regenerated greedily (the replies
-        greedy speculative decoding must predict), up to 512 tokens each (the row length;
+        conversations whose assistant turns SmolLM2 regenerated: the first 450 greedily
+        (the replies greedy speculative decoding must predict), the rest sampled at
+        temperature 0.8 (greedy replies loop within ~70 tokens), up to 512 tokens each (the row length;
         continuous batching, 16 slots; cached like `full`'s), each cut where a supervised
         8-gram repeats (two thirds of SmolLM2's greedy reply tokens are loops), lr 5e-4 after 10 warm-up
         steps decaying by cosine to 5e-5, a fresh data order (seed 2), 500 steps. Use
@@ -53,6 +54,7 @@ from eaglejax.training.regenerate import RegenConfig, default_cache_dir
 from eaglejax.training.trainer import TrainConfig, train
 
 TARGET = "smollm2-135m-instruct"
+DISTILL_GREEDY = 450  # cpu-distill: conversations with greedy replies; sampled after them
 PRESETS = {
     "cpu": TrainConfig(seq_len=512, batch_size=4, steps=600, lr=1e-3, warmup_steps=20,
                        schedule="constant", ttt_length=3, draft_vocab_size=8192, num_layers=1,
@@ -68,8 +70,10 @@ PRESETS = {
                         checkpoint_every=20, eval_every=500, eval_max_new_tokens=64),
 }
 REGEN = {"cpu": None, "cpu-decay": None,
-         "cpu-distill": RegenConfig(temperature=0.0, max_new_tokens=512, max_context=512,
-                                    num_slots=16, seed=0),
+         "cpu-distill": [(0, RegenConfig(temperature=0.0, max_new_tokens=512, max_context=512,
+                                         num_slots=16, seed=0)),
+                         (DISTILL_GREEDY, RegenConfig(temperature=0.8, max_new_tokens=512,
+                                                      max_context=512, num_slots=16, seed=0))],
          "full": RegenConfig(temperature=0.8, max_new_tokens=512, max_context=1024,
                              num_slots=16, seed=0)}
 CUT_REPEATS = {"cpu-distill": 8}  # see --cut-repeats in `eaglejax train-draft --help`

@@ -618,6 +618,33 @@ def test_regeneration_is_cached_and_resumes(chatml, tmp_path, monkeypatch):
     assert cache.read_text() == "my notes\n"
 
 
+def test_regeneration_blocks_mix_greedy_and_sampled_replies(chatml, tmp_path):
+    """prepare_rows with blocks: the first conversations regenerated greedily, the rest
+    sampled, each block in its own cache (so either can grow without touching the other)."""
+    from eaglejax.training.pipeline import prepare_rows
+
+    config = ModelConfig("llama", chatml.vocab_size, 32, 64, 1, 2, 1, 16)
+    target = Target(config, init_params(config, jax.random.PRNGKey(0), scale=0.5), chatml,
+                    "random-with-chatml", tuple(range(2, chatml.vocab_size, 3)))
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "conversations": [
+        {"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": "original"}]})
+        + "\n" for i in range(5)))
+    greedy = RegenConfig(temperature=0.0, max_new_tokens=6, max_context=256, num_slots=2)
+    sampled = dataclasses.replace(greedy, temperature=1.0)
+    cache = tmp_path / "cache"
+    mixed = prepare_rows(target, data, seq_len=64, regen=[(0, greedy), (3, sampled)],
+                         regen_cache=cache, progress=False)
+    assert len(list(cache.glob("regenerated-*.jsonl"))) == 2
+    all_greedy = prepare_rows(target, data, seq_len=64, regen=greedy, regen_cache=cache,
+                              progress=False)
+    # Rows pack one short conversation each here: the first three are the greedy ones.
+    np.testing.assert_array_equal(mixed.tokens[:3], all_greedy.tokens[:3])
+    assert (mixed.tokens[3:] != all_greedy.tokens[3:]).any()
+    with pytest.raises(InputError, match=r"regen blocks must start at conversation 0"):
+        prepare_rows(target, data, seq_len=64, regen=[(1, greedy)], regen_cache=cache)
+
+
 def test_data_order_is_a_function_of_the_step():
     epoch = np.concatenate([trainer.batch_rows(s, 4, 10, seed=3) for s in range(5)])
     assert sorted(epoch[:10]) == list(range(10)) and sorted(epoch[10:]) == list(range(10))

@@ -141,12 +141,14 @@ def tokenize_conversation(conv: Conversation, tokenizer: Tokenizer) -> Example:
 
 
 def first_repeat(tokens: np.ndarray, loss_mask: np.ndarray, n: int) -> int:
-    """Where the first supervised n-gram that already occurred earlier in `tokens` starts
-    (a small model's greedy loop), or len(tokens) when none does."""
+    """Where the first supervised n-gram that repeats an earlier supervised one starts (a
+    small model's greedy loop; copying from the prompt does not count), or len(tokens)."""
     seen: set[tuple[int, ...]] = set()
     for end in range(n, len(tokens) + 1):
+        if not loss_mask[end - n:end].all():
+            continue
         gram = tuple(tokens[end - n:end].tolist())
-        if gram in seen and loss_mask[end - 1]:
+        if gram in seen:
             return end - n
         seen.add(gram)
     return len(tokens)
@@ -155,8 +157,8 @@ def first_repeat(tokens: np.ndarray, loss_mask: np.ndarray, n: int) -> int:
 def tokenize_all(conversations: Sequence[Conversation], tokenizer: Tokenizer,
                  seq_len: int, cut_repeats: int = 0) -> list[Example]:
     """Tokenize and truncate to `seq_len`, and with `cut_repeats` = n > 0 also where a
-    supervised n-gram repeats an earlier one (the rest of a looping reply teaches only
-    copying); conversations left without a supervised token are dropped."""
+    supervised n-gram repeats an earlier supervised one (the rest of a looping reply
+    teaches only copying); conversations left without a supervised token are dropped."""
     examples = []
     for conv in conversations:
         ex = tokenize_conversation(conv, tokenizer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from eaglejax.datasets import interleave_categories, mt_bench_questions
@@ -12,20 +13,35 @@ from eaglejax.training.regenerate import RegenConfig, regenerate
 from eaglejax.training.run import file_fingerprint
 
 
+RegenPlan = RegenConfig | Sequence[tuple[int, RegenConfig]] | None
+
+
 def prepare_rows(target: Target, data: str | Path, *, seq_len: int,
-                 max_conversations: int | None = None, regen: RegenConfig | None = None,
+                 max_conversations: int | None = None, regen: RegenPlan = None,
                  regen_cache: str | Path | None = None, cut_repeats: int = 0,
                  progress: bool = True) -> PackedRows:
     """Read a ShareGPT-shaped file (first `max_conversations`), optionally regenerate its
     assistant turns with the target (cached), render, mask, truncate (at `seq_len`, and
-    where a supervised `cut_repeats`-gram repeats, see `tokenize_all`) and pack."""
+    where a supervised `cut_repeats`-gram repeats, see `tokenize_all`) and pack.
+
+    `regen` is one RegenConfig for every conversation, or blocks [(first index, config),
+    ...] in increasing order: each config regenerates the conversations from its first
+    index to the next block's (e.g. greedy replies for some, sampled for the rest)."""
     if target.tokenizer is None:
         raise InputError(f"{target.source}: training on conversations needs the target's "
                          f"tokenizer and chat template")
     conversations = read_conversations(data, max_conversations)
-    if regen is not None:
-        conversations = regenerate(conversations, target, file_fingerprint(data), regen,
-                                   regen_cache, progress)
+    blocks = [(0, regen)] if isinstance(regen, RegenConfig) else list(regen or ())
+    starts = [first for first, _ in blocks]
+    if starts and (starts[0] != 0 or starts != sorted(set(starts))):
+        raise InputError(f"regen blocks must start at conversation 0 and increase, got {starts}")
+    if blocks:
+        digest, regenerated = file_fingerprint(data), []
+        for (first, config), end in zip(blocks, [*starts[1:], len(conversations)]):
+            data_id = digest if first == 0 else f"{digest}[{first}:]"
+            regenerated += regenerate(conversations[first:end], target, data_id, config,
+                                      regen_cache, progress)
+        conversations = regenerated
     return pack(tokenize_all(conversations, target.tokenizer, seq_len, cut_repeats), seq_len)
 
 
