@@ -9,19 +9,31 @@ tree `total_tokens=s` would have drafted). Expected tokens/s for size s is then
 AL(s) / (draft_ms + verify_ms(s)), draft_ms being the measured round time minus the
 largest tree's verify time. Plain decoding competes as size 1: AL 1, one single-token
 forward a token (what a plain step costs; see BENCHMARKS.md).
+
+Choices are remembered per process and on disk (`<eaglejax cache>/autotune.json`, keyed by
+the device, the versions, the target's and the head's contents, the batch size and the
+bucketed lengths), so a second `eaglejax generate --auto-tree` does not calibrate again.
+`EAGLEJAX_AUTOTUNE_CACHE=0` keeps choices in memory only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
+from eaglejax import __version__, hardware, native
+from eaglejax.compilation_cache import cache_root, switched_on
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.errors import InputError
+from eaglejax.fingerprints import draft_fingerprint, target_fingerprint
+from eaglejax.loading.files import write_atomically
 from eaglejax.target import Target
 
 if TYPE_CHECKING:
@@ -81,16 +93,74 @@ def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_ne
     return AutoChoice(SpecConfig.tree(top_k, depth, best) if best > 1 else None, table)
 
 
+SWITCH_ENV = "EAGLEJAX_AUTOTUNE_CACHE"
+CHOICES_FILE = "autotune.json"
 _CHOICES: dict[tuple, SpecConfig | None] = {}
+
+
+def _disk_key(target: Target, draft: "Draft", batch: int, prompt_bucket: int,
+              new_bucket: int) -> str:
+    """What a choice depends on: the machine and software that timed it, the two models'
+    contents and the request's shape."""
+    from eaglejax.native import cache_attention, few_row_matmul
+
+    device = jax.devices()[0]
+    kernels = native.kernels_allowed() and few_row_matmul.available() \
+        and cache_attention.available()
+    blob = json.dumps({
+        "device": [device.platform, device.device_kind, hardware.cpu_model(),
+                   hardware.cpu_cores(), jax.device_count()],
+        "versions": [__version__, jax.__version__], "native": kernels,
+        "target": target_fingerprint(target), "draft": draft_fingerprint(draft),
+        "shape": [batch, prompt_bucket, new_bucket]}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _read_choices() -> dict[str, dict | None]:
+    try:
+        stored = json.loads((cache_root() / CHOICES_FILE).read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: choose again (and rewrite it)
+    return stored if isinstance(stored, dict) else {}
+
+
+def _as_config(entry: object) -> SpecConfig | None:
+    if not isinstance(entry, dict):
+        return None
+    return SpecConfig.tree(int(entry["top_k"]), int(entry["depth"]), int(entry["total_tokens"]))
 
 
 def cached_choice(target: Target, draft: "Draft", encoded: list[list[int]],
                   max_new_tokens: int) -> SpecConfig | None:
-    """`choose_tree`, once per target, head, batch size and (bucketed) lengths."""
+    """`choose_tree`, once per target, head, batch size and (bucketed) lengths on this
+    machine (see the module docstring)."""
     from eaglejax.generate import _bucket
 
-    key = (id(target), id(draft), draft.source, len(encoded),
-           _bucket(max(len(ids) for ids in encoded), 16), _bucket(max_new_tokens, 16))
-    if key not in _CHOICES:
-        _CHOICES[key] = choose_tree(target, draft, encoded, max_new_tokens).choice
-    return _CHOICES[key]
+    shape = (len(encoded), _bucket(max(len(ids) for ids in encoded), 16),
+             _bucket(max_new_tokens, 16))
+    key = (id(target), id(draft), draft.source, *shape)
+    if key in _CHOICES:
+        return _CHOICES[key]
+    persist = switched_on(SWITCH_ENV)
+    disk_key = _disk_key(target, draft, *shape) if persist else None
+    stored = _read_choices() if persist else {}
+    if disk_key in stored:
+        try:
+            choice = _as_config(stored[disk_key])
+        except (KeyError, TypeError, ValueError, InputError):
+            pass  # a malformed entry: choose again
+        else:
+            _CHOICES[key] = choice
+            return choice
+    choice = choose_tree(target, draft, encoded, max_new_tokens).choice
+    _CHOICES[key] = choice
+    if persist:
+        stored = _read_choices()  # another process may have added choices meanwhile
+        stored[disk_key] = None if choice is None else {
+            "top_k": choice.top_k, "depth": choice.depth, "total_tokens": choice.total_tokens}
+        try:
+            cache_root().mkdir(parents=True, exist_ok=True)
+            write_atomically(cache_root() / CHOICES_FILE, json.dumps(stored, indent=1))
+        except OSError:
+            pass  # a read-only cache folder: the choice lives in this process only
+    return choice

@@ -4,9 +4,10 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The suite does not write to the user's persistent compilation cache; the cache's own tests
-# turn it on in subprocesses with a temporary folder.
+# The suite writes neither to the user's persistent compilation cache nor to its remembered
+# `auto` choices; the caches' own tests turn them on with a temporary folder.
 os.environ.setdefault("EAGLEJAX_COMPILATION_CACHE", "0")
+os.environ.setdefault("EAGLEJAX_AUTOTUNE_CACHE", "0")
 
 import pytest  # noqa: E402
 

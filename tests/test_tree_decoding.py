@@ -112,6 +112,41 @@ def check_auto(target):
     assert out[0].metrics.acceptance_length is None
 
 
+def check_auto_is_remembered(target, cache_dir):
+    """A choice is stored under the cache folder and reused by a later process (here: the
+    in-process memory cleared) without calibrating; a damaged file is chosen anew."""
+    import json
+    import os
+
+    from eaglejax import autotune
+
+    os.environ.update(EAGLEJAX_AUTOTUNE_CACHE="1", EAGLEJAX_CACHE=str(cache_dir))
+    draft, prompts = self_draft(target), _prompts(7, 2)
+    real, calls = autotune.choose_tree, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[2])
+        return real(*args, calibration_tokens=8, top_k=3, depth=3)
+
+    autotune.choose_tree = counted
+    try:
+        first = autotune.cached_choice(target, draft, prompts, 24)
+        stored = json.loads((cache_dir / autotune.CHOICES_FILE).read_text())
+        assert len(calls) == 1 and len(stored) == 1
+        autotune._CHOICES.clear()  # as a new process
+        assert autotune.cached_choice(target, draft, prompts, 24) == first and len(calls) == 1
+        autotune.cached_choice(target, draft, prompts, 200)  # another length bucket
+        assert len(calls) == 2
+        assert len(json.loads((cache_dir / autotune.CHOICES_FILE).read_text())) == 2
+        (cache_dir / autotune.CHOICES_FILE).write_text("{not json")
+        autotune._CHOICES.clear()
+        autotune.cached_choice(target, draft, prompts, 24)
+        assert len(calls) == 3
+        assert len(json.loads((cache_dir / autotune.CHOICES_FILE).read_text())) == 1
+    finally:
+        autotune.choose_tree = real
+
+
 def test_calibration_and_auto_in_a_fresh_process(tmp_path):
     """Runs `check_calibration_counts` and `check_auto` in their own interpreter: inside the
     full suite, XLA:CPU (jax 0.10.2) segfaulted compiling the calibration loop after the
@@ -125,6 +160,7 @@ def test_calibration_and_auto_in_a_fresh_process(tmp_path):
                           cwd=here, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "calibration ok" in proc.stdout and "auto ok" in proc.stdout
+    assert "remembered ok" in proc.stdout
 
 
 def test_tree_rows_are_independent_of_neighbours(selfdraft_target):
@@ -201,3 +237,6 @@ if __name__ == "__main__":  # the fresh-process half of test_calibration_and_aut
     print("calibration ok")
     check_auto(fresh_target)
     print("auto ok")
+    from pathlib import Path
+    check_auto_is_remembered(fresh_target, Path(sys.argv[1]) / "eaglejax-cache")
+    print("remembered ok")

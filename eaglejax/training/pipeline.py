@@ -7,11 +7,10 @@ from pathlib import Path
 
 from eaglejax.datasets import interleave_categories, mt_bench_questions
 from eaglejax.errors import InputError
+from eaglejax.fingerprints import file_fingerprint
 from eaglejax.target import Target
 from eaglejax.training.data import PackedRows, pack, read_conversations, tokenize_all
 from eaglejax.training.regenerate import RegenConfig, regenerate
-from eaglejax.training.run import file_fingerprint
-
 
 RegenPlan = RegenConfig | Sequence[tuple[int, RegenConfig]] | None
 

@@ -19,13 +19,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from eaglejax.compilation_cache import cache_root
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.slots import Request, SlotEngine
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.errors import InputError
+from eaglejax.fingerprints import target_fingerprint
 from eaglejax.target import Target
 from eaglejax.training.data import Conversation, parse_record, render_messages
-from eaglejax.training.run import target_fingerprint
 
 CACHE_FORMAT, CACHE_VERSION = "eaglejax-regenerated", 2
 
@@ -45,9 +46,8 @@ class RegenConfig:
 
 
 def default_cache_dir() -> Path:
-    """`$EAGLEJAX_CACHE/regenerated`, else `~/.cache/eaglejax/regenerated`."""
-    root = os.environ.get("EAGLEJAX_CACHE") or Path.home() / ".cache" / "eaglejax"
-    return Path(root) / "regenerated"
+    """`regenerated/` in eaglejax's cache folder (`compilation_cache.cache_root()`)."""
+    return cache_root() / "regenerated"
 
 
 def cache_key(target: Target, data_id: str, config: RegenConfig) -> str:

@@ -1,4 +1,4 @@
-"""A training run's directory: its identity (run.json), its metrics log, fingerprints.
+"""A training run's directory: its identity (run.json) and its metrics log.
 
 Layout of OUT:
   run.json        {"format": "eaglejax-train-run", "version", "settings", "target", "data", ...}
@@ -13,53 +13,17 @@ a full disk leaves at most a torn last log line, which reading drops with a warn
 
 from __future__ import annotations
 
-import hashlib
 import json
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import jax
-import numpy as np
+from typing import Any
 
 from eaglejax.errors import EaglejaxError, LoadError
 from eaglejax.loading.files import append_line, write_atomically
 
-if TYPE_CHECKING:
-    from eaglejax.draft.draft import Draft
-    from eaglejax.target import Target
-
 RUN_FORMAT, RUN_VERSION = "eaglejax-train-run", 1
 RUN_FILE = "run.json"
 LOG_FILE = "log.jsonl"
-
-
-def target_fingerprint(target: Target) -> str:
-    """A digest of the target's config and a sample of every parameter (cheap, and
-    distinct for different weights)."""
-    digest = hashlib.sha256(json.dumps(target.config.to_hf_dict(), sort_keys=True).encode())
-    for leaf in jax.tree.leaves(target.params):
-        digest.update(np.asarray(leaf.reshape(-1)[:256]).tobytes())
-    return digest.hexdigest()
-
-
-def draft_fingerprint(draft: Draft) -> str:
-    """sha256 over a head's config, draft vocabulary and every parameter."""
-    digest = hashlib.sha256(repr(draft.config).encode())
-    digest.update(np.asarray(draft.d2t).tobytes())
-    for path, leaf in jax.tree_util.tree_leaves_with_path(draft.params):
-        digest.update(jax.tree_util.keystr(path).encode())
-        digest.update(np.asarray(leaf, np.float32).tobytes())
-    return digest.hexdigest()
-
-
-def file_fingerprint(path: str | Path) -> str:
-    """sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def open_run(out: str | Path, identity: dict[str, Any]) -> Path:

@@ -32,19 +32,13 @@ from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.draft import Draft, new_eagle3_draft
 from eaglejax.draft.head import to_target_ids
 from eaglejax.errors import InputError, LoadError
+from eaglejax.fingerprints import draft_fingerprint, target_fingerprint
 from eaglejax.generate import generate
 from eaglejax.loading.orbax_io import describe_failure, drop_failed_restore_debris
 from eaglejax.models.llama import Params
 from eaglejax.target import Target
 from eaglejax.training.data import PackedRows
-from eaglejax.training.run import (
-    append_log,
-    draft_fingerprint,
-    open_run,
-    read_log,
-    target_fingerprint,
-    truncate_log,
-)
+from eaglejax.training.run import append_log, open_run, read_log, truncate_log
 from eaglejax.training.ttt import Batch, target_signal, ttt_loss
 from eaglejax.training.vocab import (
     DraftVocab,

@@ -1,0 +1,44 @@
+"""Content digests that name things in caches and run identities: a target, a draft
+head, a file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+if TYPE_CHECKING:
+    from eaglejax.draft.draft import Draft
+    from eaglejax.target import Target
+
+
+def target_fingerprint(target: Target) -> str:
+    """A digest of the target's config and a sample of every parameter (cheap, and
+    distinct for different weights)."""
+    digest = hashlib.sha256(json.dumps(target.config.to_hf_dict(), sort_keys=True).encode())
+    for leaf in jax.tree.leaves(target.params):
+        digest.update(np.asarray(leaf.reshape(-1)[:256]).tobytes())
+    return digest.hexdigest()
+
+
+def draft_fingerprint(draft: Draft) -> str:
+    """sha256 over a head's config, draft vocabulary and every parameter."""
+    digest = hashlib.sha256(repr(draft.config).encode())
+    digest.update(np.asarray(draft.d2t).tobytes())
+    for path, leaf in jax.tree_util.tree_leaves_with_path(draft.params):
+        digest.update(jax.tree_util.keystr(path).encode())
+        digest.update(np.asarray(leaf, np.float32).tobytes())
+    return digest.hexdigest()
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
