@@ -75,25 +75,30 @@ def decode_step_bytes(target: Target, context: int, batch: int = 1) -> int:
     return int(weights + batch * context * cache)
 
 
-def _run_batches(questions: list[Question], batch_size: int, run) -> dict[str, Any]:
-    """Warm every shape up, then run all batches once; sum timings and tokens."""
+def run_interleaved(questions: list[Question], batch_size: int,
+                    runs: Mapping[str, Callable]) -> dict[str, dict[str, Any]]:
+    """Time several ways of decoding the same prompts, interleaved: every run warms every
+    shape up first, then each batch goes through every run before the next batch starts
+    (the order rotating per batch), so a slow spell of this shared machine hits them all
+    alike. Returns per run: summed timings, token counts and the results."""
     batches = [[q.prompt for q in questions[i:i + batch_size]]
                for i in range(0, len(questions), batch_size)]
-    for batch in batches:  # warm-up: compiles every prompt-length bucket
-        run(batch)
-    totals: dict[str, Any] = {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0,
-                              "decode_tokens": 0, "steps": 0, "prompt_tokens": [],
-                              "results": []}
-    for batch in batches:
-        results = run(batch)
-        metrics = results[0].metrics
-        totals["prefill_s"] += metrics.prefill_s
-        totals["decode_s"] += metrics.decode_s
-        totals["steps"] += metrics.target_forwards - 1
-        totals["new_tokens"] += sum(r.metrics.new_tokens for r in results)
-        totals["decode_tokens"] += sum(r.metrics.new_tokens - 1 for r in results)
-        totals["prompt_tokens"] += [r.metrics.prompt_tokens for r in results]
-        totals["results"] += results
+    for run in runs.values():  # warm-up: compiles every prompt-length bucket
+        for batch in batches:
+            run(batch)
+    totals = {name: {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0, "decode_tokens": 0,
+                     "steps": 0, "prompt_tokens": [], "results": []} for name in runs}
+    names = list(runs)
+    for i, batch in enumerate(batches):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            results, t = runs[name](batch), totals[name]
+            t["prefill_s"] += results[0].metrics.prefill_s
+            t["decode_s"] += results[0].metrics.decode_s
+            t["steps"] += results[0].metrics.target_forwards - 1
+            t["new_tokens"] += sum(r.metrics.new_tokens for r in results)
+            t["decode_tokens"] += sum(r.metrics.new_tokens - 1 for r in results)
+            t["prompt_tokens"] += [r.metrics.prompt_tokens for r in results]
+            t["results"] += results
     return totals
 
 
@@ -113,7 +118,7 @@ def plain_run(target: Target, questions: list[Question], *, batch_size: int = 1,
     seed (None: greedy)."""
     run = functools.partial(generate, target=target, max_new_tokens=max_new_tokens, chat=chat,
                             ignore_eos=ignore_eos, **(sampling or {}))
-    return _run_batches(questions, batch_size, run)
+    return run_interleaved(questions, batch_size, {"plain": run})["plain"]
 
 
 def bench_plain(target: Target, questions: list[Question], *, batch_size: int = 1,
@@ -148,21 +153,41 @@ def bench_plain(target: Target, questions: list[Question], *, batch_size: int = 
 def bench_speculative(target: Target, draft, questions: list[Question], *, batch_size: int = 1,
                       max_new_tokens: int = 128, speculative: SpecConfig | str | None = None,
                       chat: bool = True, ignore_eos: bool = True,
-                      sampling: Mapping[str, Any] | None = None,
-                      plain: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Plain and speculative decoding side by side on the same prompts (plain first, then
-    speculative, each after its own warm-up), with acceptance statistics. Greedy, or
-    `sampling` as in `plain_run` (lossless speculative sampling: the same distribution, not
-    the same tokens). `speculative` as in `generate` (None: the device preset); pass
-    `plain`, an earlier `plain_run` of the same prompts and sampling, to compare several
-    configurations with one baseline."""
+                      sampling: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Plain and speculative decoding side by side on the same prompts (interleaved, see
+    `run_interleaved`), with acceptance statistics. Greedy, or `sampling` as in `plain_run`
+    (lossless speculative sampling: the same distribution, not the same tokens).
+    `speculative` as in `generate` (None: the device preset)."""
+    return compare_speculative(target, draft, questions, [speculative], batch_size=batch_size,
+                               max_new_tokens=max_new_tokens, chat=chat, ignore_eos=ignore_eos,
+                               sampling=sampling)[0]
+
+
+def compare_speculative(target: Target, draft, questions: list[Question],
+                        configs: list[SpecConfig | str | None], *, batch_size: int = 1,
+                        max_new_tokens: int = 128, chat: bool = True, ignore_eos: bool = True,
+                        sampling: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """`bench_speculative` for several speculation shapes at once: plain decoding and every
+    shape timed interleaved in one run; one report per shape, each against that plain run."""
     common = dict(target=target, max_new_tokens=max_new_tokens, chat=chat,
                   ignore_eos=ignore_eos, **(sampling or {}))
-    plain = plain or plain_run(target, questions, batch_size=batch_size,
-                               max_new_tokens=max_new_tokens, chat=chat, ignore_eos=ignore_eos,
-                               sampling=sampling)
-    spec = _run_batches(questions, batch_size, functools.partial(
-        generate, draft=draft, speculative=speculative, **common))
+    runs: dict[str, Callable] = {"plain": functools.partial(generate, **common)}
+    for i, spec in enumerate(configs):
+        runs[f"spec {i}"] = functools.partial(generate, draft=draft, speculative=spec, **common)
+    totals = run_interleaved(questions, batch_size, runs)
+    header = _header(target, questions, batch_size, max_new_tokens, sampling)
+    mean_context = int(np.mean(totals["plain"]["prompt_tokens"])) + max_new_tokens // 2
+    floor_ms = memory_floor_ms(decode_step_bytes(target, mean_context, batch_size),
+                               header["machine"]["copy_bandwidth_gb_s"])
+    return [_speculative_report(header, floor_ms, draft, questions, totals["plain"],
+                                totals[f"spec {i}"], sampling is None)
+            for i in range(len(configs))]
+
+
+def _speculative_report(header: dict[str, Any], floor_ms: float, draft,
+                        questions: list[Question], plain: dict[str, Any], spec: dict[str, Any],
+                        greedy: bool) -> dict[str, Any]:
+    """Speed, acceptance and round cost of one speculative run against the plain run."""
     rows = spec["results"]
     rounds = [r.metrics.target_forwards - 1 for r in rows]
     al = float(np.average([r.metrics.acceptance_length for r in rows], weights=rounds))
@@ -173,10 +198,6 @@ def bench_speculative(target: Target, draft, questions: list[Question], *, batch
         by_category.setdefault(question.category, []).append((row.metrics.acceptance_length, n))
     plain_step_ms = 1e3 * plain["decode_s"] / plain["steps"]
     spec_step_ms = 1e3 * spec["decode_s"] / spec["steps"]
-    header = _header(target, questions, batch_size, max_new_tokens, sampling)
-    mean_context = int(np.mean(plain["prompt_tokens"])) + max_new_tokens // 2
-    floor_ms = memory_floor_ms(decode_step_bytes(target, mean_context, batch_size),
-                               header["machine"]["copy_bandwidth_gb_s"])
     return {
         "mode": "speculative", **header,
         "draft": draft.source, "speculative": rows[0].metrics.speculative,
@@ -194,6 +215,6 @@ def bench_speculative(target: Target, draft, questions: list[Question], *, batch
         "plain_step_over_memory_floor": plain_step_ms / floor_ms,
         "spec_ms_per_round": spec_step_ms,
         "round_over_plain_step": spec_step_ms / plain_step_ms,
-        **({} if sampling else {"identical_tokens": all(
+        **({} if not greedy else {"identical_tokens": all(
             p.token_ids == s.token_ids for p, s in zip(plain["results"], rows))}),
     }

@@ -13,7 +13,7 @@ from eaglejax import validation
 from eaglejax.errors import EaglejaxError, InputError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SPECULATION_FLAGS = ("num_draft_tokens", "tree", "static_tree", "auto_tree")
+SPECULATION_FLAGS = ("num_draft_tokens", "tree", "static_tree", "auto_tree", "lookup")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,6 +48,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                             "e.g. '[[0],[1],[0,0]]'")
     shape.add_argument("--auto-tree", action="store_true",
                        help="time the target and pick the dynamic tree size (speculative='auto')")
+    parser.add_argument("--lookup", type=int, default=None, metavar="N",
+                        help="add a branch of N tokens copied from the context (prompt lookup) "
+                             "to the chain or tree given by --num-draft-tokens, --tree or "
+                             "--static-tree")
+    parser.add_argument("--lookup-ngram", type=int, default=3, metavar="G",
+                        help="--lookup matches the context's last G tokens at most (default 3)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.add_argument("--no-compilation-cache", action="store_true",
                         help="do not keep compiled programs in eaglejax's persistent cache "
@@ -73,6 +79,19 @@ def _speculation(args: argparse.Namespace):
             raise InputError(f"{validation.cli_flag(used[0])} needs --draft HEAD (it shapes "
                              f"speculative decoding)")
         return None
+    shape = _speculation_shape(args)
+    if args.lookup is None:
+        return shape
+    if not isinstance(shape, SpecConfig):
+        raise InputError("--lookup needs the shape it extends: --num-draft-tokens, --tree or "
+                         "--static-tree")
+    return shape.with_lookup(args.lookup, args.lookup_ngram)
+
+
+def _speculation_shape(args: argparse.Namespace):
+    """The chain, tree, static tree or "auto" the shape flags name (None: preset)."""
+    from eaglejax.decoding.spec_config import SpecConfig
+
     if args.num_draft_tokens is not None:
         return SpecConfig.chain(args.num_draft_tokens)
     if args.tree is not None:

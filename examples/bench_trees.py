@@ -3,11 +3,13 @@ and what `speculative="auto"` picks (plain decoding is one of its candidates), a
 plain-decoding baseline per batch size.
 
     python examples/bench_trees.py --draft checkpoints/smollm2-135m-instruct-eagle3 \\
-        [--num-prompts 8] [--batch-sizes 1 8] [--max-new-tokens 128] [--json]
+        [--num-prompts 8] [--batch-sizes 1 8] [--max-new-tokens 128] [--lookup 0 4] [--json]
 
 Greedy, MT-bench first turns (round-robin over categories), SmolLM2 (or --model), every
-configuration warmed up before it is timed. Ratios are measured in one run; the machine
-is shared, so compare within it.
+configuration warmed up before it is timed, then plain decoding and every configuration
+interleaved prompt by prompt (`eaglejax.bench.run_interleaved`). `--lookup 0 4` runs each
+shape without and with a 4-token context-lookup branch. Ratios are measured in one run;
+the machine is shared, so compare within it.
 """
 
 from __future__ import annotations
@@ -18,12 +20,22 @@ import json
 import eaglejax
 from eaglejax import SpecConfig
 from eaglejax.autotune import cached_choice
-from eaglejax.bench import bench_speculative, plain_run
+from eaglejax.bench import compare_speculative
 from eaglejax.datasets import interleave_categories, mt_bench_questions
 from eaglejax.draft.draft import new_eagle3_draft
 
 CONFIGS = [SpecConfig.chain(3), SpecConfig.chain(5), SpecConfig.tree(4, 4, 8),
            SpecConfig.tree(4, 4, 12), SpecConfig.tree(4, 4, 24)]
+
+
+def parse_shape(text: str) -> SpecConfig:
+    """'chain:K', 'tree:TOP_K:DEPTH:TOTAL' -> SpecConfig."""
+    kind, *numbers = text.split(":")
+    if kind == "chain" and len(numbers) == 1:
+        return SpecConfig.chain(int(numbers[0]))
+    if kind == "tree" and len(numbers) == 3:
+        return SpecConfig.tree(*(int(n) for n in numbers))
+    raise SystemExit(f"--shapes: {text!r} is not chain:K or tree:TOP_K:DEPTH:TOTAL")
 
 
 def main() -> None:
@@ -34,31 +46,36 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--lookup", type=int, nargs="+", default=[0],
+                        help="context-lookup branch sizes to try on every shape (0: none)")
+    parser.add_argument("--shapes", default=None,
+                        help="shapes instead of the default list, e.g. 'chain:5,tree:4:4:8'")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     target = eaglejax.load_target(args.model)
     draft = (new_eagle3_draft(target) if args.draft == "random"
              else eaglejax.load_draft(args.draft, target=target))
     questions = interleave_categories(mt_bench_questions())[:args.num_prompts]
+    shapes = CONFIGS if args.shapes is None else [parse_shape(s) for s in args.shapes.split(",")]
+    shapes = [shape.with_lookup(n) for shape in shapes for n in args.lookup]
     report = []
     for batch in args.batch_sizes:
         common = dict(batch_size=batch, max_new_tokens=args.max_new_tokens)
-        plain = plain_run(target, questions, **common)
-        plain_tps = plain["decode_tokens"] / plain["decode_s"]
         encoded = [target.tokenizer.render_prompt(q.prompt, chat=True)
                    for q in questions[:batch]]
         auto = cached_choice(target, draft, encoded, args.max_new_tokens)
-        configs = CONFIGS + ([auto] if auto is not None and auto not in CONFIGS else [])
+        configs = shapes + ([auto] if auto is not None and auto not in shapes else [])
+        reports = compare_speculative(target, draft, questions, configs, **common)
+        plain_tps = reports[0]["plain_decode_tokens_per_s"]
         rows = [{"speculative": "plain decoding", "nodes": 1, "acceptance_length": 1.0,
                  "tokens_per_s": round(plain_tps, 1), "speedup": 1.0, "identical_tokens": True,
                  "auto": auto is None}]
-        for spec in configs:
-            r = bench_speculative(target, draft, questions, speculative=spec, plain=plain,
-                                  **common)
+        for spec, r in zip(configs, reports):
             rows.append({"speculative": spec.describe(), "nodes": spec.num_nodes,
                          "acceptance_length": round(r["acceptance_length"], 3),
                          "tokens_per_s": round(r["spec_decode_tokens_per_s"], 1),
                          "speedup": round(r["speedup"], 3),
+                         "round_over_plain_step": round(r["round_over_plain_step"], 3),
                          "identical_tokens": r["identical_tokens"], "auto": spec == auto})
         best = max(rows, key=lambda row: row["tokens_per_s"])
         chosen = next(row for row in rows if row["auto"])
@@ -70,7 +87,7 @@ def main() -> None:
             print(f"\nbatch {batch}: plain {plain_tps:.1f} tok/s")
             for row in rows:
                 mark = "  <- auto" if row["auto"] else ""
-                print(f"  {row['speculative']:<34} AL {row['acceptance_length']:.2f}  "
+                print(f"  {row['speculative']:<56} AL {row['acceptance_length']:.2f}  "
                       f"{row['tokens_per_s']:7.1f} tok/s  x{row['speedup']:.2f}{mark}")
             print(f"  auto reaches {report[-1]['auto_over_best']:.0%} of the best "
                   f"({best['speculative']})")

@@ -19,12 +19,12 @@ def _warped(target, sequences, params):
     return np.exp(np.asarray(target_log_probs(logits, params)))
 
 
-def exact_marginals(target, params, steps):
+def exact_marginals(target, params, steps, prompt=PROMPT):
     """Exact law of each of the first `steps` new tokens, by enumerating the support."""
     marginals, paths = [], {(): 1.0}
     for _ in range(steps):
         seqs = list(paths)
-        probs = _warped(target, [PROMPT + list(s) for s in seqs], params)
+        probs = _warped(target, [prompt + list(s) for s in seqs], params)
         marginal = np.zeros(probs.shape[-1])
         new_paths = {}
         for seq, weight, p in zip(seqs, paths.values(), probs):
@@ -76,11 +76,34 @@ def test_first_tokens_follow_the_target_distribution(drafting, which, temperatur
     al = np.mean([r.metrics.acceptance_length for r in out])
     # Both the rejection path (bad head) and long acceptances (good head) are exercised.
     assert (al > good_al) if which == "good" else (al < bad_al), al
-    for position, exact in enumerate(exact_marginals(target, params, 3)):
+    assert_follows(samples, exact_marginals(target, params, 3))
+
+
+def assert_follows(samples: np.ndarray, marginals: list[np.ndarray]) -> None:
+    for position, exact in enumerate(marginals):
         empirical = np.bincount(samples[:, position], minlength=exact.size) / N
         assert empirical[exact == 0].sum() == 0, f"token {position} left the support"
         tv = 0.5 * np.abs(empirical - exact).sum()
         assert tv < tv_bound(exact, N), (position, tv, tv_bound(exact, N))
+
+
+@pytest.mark.parametrize("which", ["bad", "good"])
+def test_lookup_branch_keeps_sampling_exact(which, selfdraft_target):
+    """A tree with a context-lookup branch, on a prompt that repeats itself so the branch
+    is often right: with a random head (which drafts nothing the target takes) every
+    acceptance above ~1.0 comes from the branch."""
+    target = sharpened(selfdraft_target, 4.0)
+    greedy = eaglejax.generate([PROMPT], target=target, max_new_tokens=3,
+                               ignore_eos=True)[0].token_ids
+    prompt = PROMPT + greedy + PROMPT
+    draft = self_draft(target) if which == "good" else random_eagle3(target, draft_vocab=60)
+    params = SamplingParams.make(0.7, 0, 0.9)
+    out = eaglejax.generate([prompt] * N, target=target, draft=draft, max_new_tokens=3,
+                            temperature=0.7, top_p=0.9, seed=list(range(N)), ignore_eos=True,
+                            speculative=eaglejax.SpecConfig.tree(3, 2, 6).with_lookup(2, 1))
+    al = np.mean([r.metrics.acceptance_length for r in out])
+    assert al > (1.8 if which == "good" else 1.25), al  # measured ~1.44 with the random head
+    assert_follows(np.array([r.token_ids for r in out]), exact_marginals(target, params, 3, prompt))
 
 
 def test_speculative_sampling_is_seeded_and_row_independent(selfdraft_target):

@@ -51,6 +51,12 @@ class SpecConfig:
     cumulative draft log-probability are verified.
     method "static": a fixed tree of child-rank paths (`paths`), see `normalize_paths`.
     Trees verify with greedy matching or recursive rejection sampling (lossless).
+
+    `lookup` > 0 adds that many tokens copied from the context (prompt lookup: what followed
+    the latest earlier occurrence of the last up to `lookup_ngram` tokens) as one more
+    branch of the tree, grafted under the deepest node that already holds its first tokens
+    (see `decoding.lookup`). With sampling it needs a tree (a sampled chain's min(1, p/q)
+    rule has no place for a second draft).
     """
 
     num_draft_tokens: int = 5
@@ -59,6 +65,8 @@ class SpecConfig:
     depth: int = 4
     total_tokens: int = 12
     paths: tuple[tuple[int, ...], ...] = ()
+    lookup: int = 0
+    lookup_ngram: int = 3
 
     def __post_init__(self):
         if self.method not in ("chain", "tree", "static"):
@@ -73,6 +81,9 @@ class SpecConfig:
                                  f"top_k={self.top_k}, depth={self.depth}; got {self.total_tokens!r}")
         if self.method == "static":
             object.__setattr__(self, "paths", normalize_paths(self.paths))
+        if self.lookup != 0:
+            _positive_int("lookup", self.lookup, 32)
+        _positive_int("lookup_ngram", self.lookup_ngram, 8)
 
     @classmethod
     def chain(cls, num_draft_tokens: int = 5) -> "SpecConfig":
@@ -104,9 +115,18 @@ class SpecConfig:
             return cls.tree(top_k=4, depth=4, total_tokens=12)
         return cls.chain(3)
 
+    def with_lookup(self, lookup: int, ngram: int = 3) -> "SpecConfig":
+        """This shape plus a context-lookup branch of `lookup` tokens (0: none)."""
+        return dataclasses.replace(self, lookup=lookup, lookup_ngram=ngram)
+
     @property
     def max_depth(self) -> int:
         """The longest draft path: most draft tokens one round can accept."""
+        return self.draft_depth + self.lookup
+
+    @property
+    def draft_depth(self) -> int:
+        """The head's longest draft path (the lookup branch aside)."""
         if self.method == "chain":
             return self.num_draft_tokens
         if self.method == "tree":
@@ -117,14 +137,18 @@ class SpecConfig:
     def num_nodes(self) -> int:
         """Tokens the target verifies per round, the root (last accepted token) included."""
         if self.method == "chain":
-            return self.num_draft_tokens + 1
+            return self.num_draft_tokens + 1 + self.lookup
         if self.method == "tree":
-            return self.total_tokens
-        return len(self.paths) + 1
+            return self.total_tokens + self.lookup
+        return len(self.paths) + 1 + self.lookup
 
     def describe(self) -> str:
         if self.method == "chain":
-            return f"chain K={self.num_draft_tokens}"
-        if self.method == "tree":
-            return f"tree top_k={self.top_k} depth={self.depth} total={self.total_tokens}"
-        return f"static tree of {len(self.paths)} nodes, depth {self.max_depth}"
+            shape = f"chain K={self.num_draft_tokens}"
+        elif self.method == "tree":
+            shape = f"tree top_k={self.top_k} depth={self.depth} total={self.total_tokens}"
+        else:
+            shape = f"static tree of {len(self.paths)} nodes, depth {self.draft_depth}"
+        if self.lookup:
+            shape += f" + lookup {self.lookup} (ngram {self.lookup_ngram})"
+        return shape

@@ -15,6 +15,8 @@ n-1 (logits and un-normed hidden state) proposes x_{n+1}. One round:
      so EOS, stop sequences and max_new_tokens cut exactly;
   4. catch-up: the head runs over the accepted block with the TARGET's features of the
      path's positions, and proposes the root's children of the next round.
+With `spec.lookup`, the loop also keeps each row's context x_0..x_n and grafts a branch
+copied from it onto every round's tree (`decoding.lookup`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.config import ModelConfig
+from eaglejax.decoding import lookup
 from eaglejax.decoding.acceptance import (
     greedy_accepted_nodes, sample_accept, tree_greedy_accept, tree_sample_accept)
 from eaglejax.decoding.drafting import (
@@ -57,6 +60,7 @@ class SpecState(NamedTuple):
     accept_hist: jax.Array  # [B,D+1] rounds per row that accepted exactly a draft tokens
     forwards: jax.Array  # int32 scalar: target forwards in the loop
     size_accepted: jax.Array  # [B,S] draft tokens the best s-node subtrees would have accepted
+    context: jax.Array  # [B,C] x_0..x_n per row when spec.lookup, else [B,0]
 
 
 def _features(out: ForwardOutput | Prefilled, draft_config: DraftConfig) -> jax.Array:
@@ -127,9 +131,13 @@ def spec_prefill(params: Params, config: ModelConfig, draft_params: Params,
     draft_cache, draft_logits, draft_hidden = _draft_prefill(
         draft_params, draft_config, params, draft_cache, shifted,
         _features(prefilled, draft_config), prompt_lengths, attn_impl, prefill_chunk)
+    context = jnp.zeros((batch, capacity if spec.lookup else 0), jnp.int32)
+    if spec.lookup:
+        context = lookup.write_context(context.at[:, :prompt.shape[1]].set(prompt),
+                                       first[:, None], prompt_lengths)
     return SpecState(cache, draft_cache, first, draft_logits, draft_hidden, output, row_keys,
                      jnp.zeros((batch, spec.max_depth + 1), jnp.int32), jnp.int32(0),
-                     jnp.zeros((batch, len(calibration_sizes)), jnp.int32))
+                     jnp.zeros((batch, len(calibration_sizes)), jnp.int32), context)
 
 
 
@@ -147,11 +155,14 @@ def _draft_round(head: Head, root: Root, spec: SpecConfig, greedy: bool,
 
 
 def _max_children(spec: SpecConfig) -> int:
+    """Most children of one node (a lookup branch may add one to any node)."""
     if spec.method == "tree":
-        return spec.top_k
-    if spec.method == "static":
-        return int(np.bincount(static_shape(spec.paths).parents[1:]).max())
-    return 1
+        most = spec.top_k
+    elif spec.method == "static":
+        most = int(np.bincount(static_shape(spec.paths).parents[1:]).max())
+    else:
+        most = 1
+    return most + (spec.lookup > 0)
 
 
 def _commit_path(cache: kv_cache.KVCache, k_new: tuple[jax.Array, ...],
@@ -182,7 +193,9 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
     depth = spec.max_depth
     head = Head(draft_params, draft_config, params,
                 to_target_ids(jnp.arange(draft_config.draft_vocab_size), d2t), attn_impl)
-    is_chain = spec.method == "chain"
+    in_place = spec.method == "chain" and not spec.lookup  # accepted rows need no commit
+    if spec.lookup and spec.method == "chain" and not greedy:
+        raise ValueError("a lookup branch needs greedy decoding or a tree, not a sampled chain")
 
     def step(s: SpecState) -> SpecState:
         running = s.out.running
@@ -193,12 +206,16 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
         root = Root(s.last_token, s.draft_logits, s.draft_hidden, s.draft_cache)
         tree, draft_probs = _draft_round(head, root, spec, greedy, sampling, keys,
                                          config.vocab_size)
+        if spec.lookup:
+            copied = lookup.continuation(s.context, s.target_cache.lengths, spec.lookup_ngram,
+                                         spec.draft_depth + spec.lookup)
+            tree = lookup.graft(tree, copied, spec.draft_depth, spec.lookup)
         positions = s.target_cache.lengths[:, None] + tree.depths
         verified = forward(params, config, tree.tokens, positions, s.target_cache,
                            mask=tree.mask, tap_layers=draft_config.tap_layers,
                            attn_impl=attn_impl)
         logits = lm_head(params, verified.hidden)
-        if is_chain and not greedy:
+        if spec.method == "chain" and not greedy:
             n_accepted, bonus = sample_accept(tree.tokens[:, 1:], draft_probs, logits, sampling,
                                               keys[:, depth])
             path = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), tree.tokens.shape)
@@ -218,7 +235,7 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
         advance = jnp.where(running, n_accepted + 1, 0)
         features = _features(verified, draft_config)
         target_cache = verified.cache
-        if not is_chain:  # a chain's accepted rows already sit in place
+        if not in_place:
             target_cache = _commit_path(target_cache, verified.k_new, verified.v_new, path)
             features = jnp.take_along_axis(features, path[:, :, None], axis=1)
         target_cache = target_cache._replace(lengths=s.target_cache.lengths + advance)
@@ -228,6 +245,9 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
         # Rows that were already done keep their committed draft length.
         draft_cache = draft_cache._replace(
             lengths=jnp.where(running, draft_cache.lengths, s.draft_cache.lengths))
+        context = s.context
+        if spec.lookup:
+            context = lookup.write_context(context, emitted, s.target_cache.lengths + 1)
         hist = s.accept_hist.at[rows, n_accepted].add(running.astype(jnp.int32))
         size_accepted = s.size_accepted
         if calibration_sizes:
@@ -237,6 +257,6 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
                  for size in calibration_sizes], axis=1)
         return SpecState(target_cache, draft_cache, jnp.where(running, bonus, s.last_token),
                          draft_logits, draft_hidden, out, s.row_keys, hist, s.forwards + 1,
-                         size_accepted)
+                         size_accepted, context)
 
     return jax.lax.while_loop(lambda s: jnp.any(s.out.running), step, state)

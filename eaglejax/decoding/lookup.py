@@ -1,0 +1,75 @@
+"""Draft tokens copied from the context (prompt lookup), grafted onto the head's tree.
+
+Text often repeats itself: a name, a code identifier, a list format, a phrase from the
+prompt, and (with small greedy models) whole loops. Per row, the context x_0..x_n is
+searched for the most recent earlier position whose last tokens match the context's last
+`ngram` tokens (the longest match of up to `ngram` wins, then the latest); the tokens that
+followed it are the continuation. Past x_n the continuation repeats with the match's
+period, so a loop is followed as far as it goes. No head forward is needed.
+
+The continuation is grafted onto the round's draft tree: it walks down the tree while a
+child holds its next token, and the rest hangs as a chain under the deepest such node, so
+it never duplicates a sibling (greedy acceptance and recursive rejection both stay exact:
+the grafted tree is one more deterministic draft tree).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from eaglejax.decoding.tree import Tree, tree_from_parents
+
+
+def continuation(context: jax.Array, last: jax.Array, ngram: int, count: int) -> jax.Array:
+    """[B,count] tokens following the latest earlier occurrence of the longest suffix of
+    context [B,C] (valid through index last [B]) matching up to `ngram` tokens; a row with
+    no match at all proposes its last token again."""
+    batch, width = context.shape
+    rows = jnp.arange(batch)[:, None]
+    ends = jnp.arange(width)[None, :]  # candidate position i of the occurrence's last token
+    matched = jnp.ones((batch, width), bool)
+    length = jnp.zeros((batch, width), jnp.int32)
+    for j in range(ngram):
+        suffix = context[jnp.arange(batch), jnp.maximum(last - j, 0)]
+        earlier = jnp.roll(context, j, axis=1)  # earlier[:, i] = context[:, i - j]
+        matched = matched & (ends >= j) & (last[:, None] >= j) & (earlier == suffix[:, None])
+        length = length + matched
+    score = jnp.where(ends < last[:, None], length * width + ends, -1)
+    start = jnp.argmax(score, axis=1)[:, None]  # ties never happen: positions differ
+    period = jnp.maximum(last[:, None] - start, 1)
+    index = start + 1 + jnp.arange(count)[None, :] % period
+    return context[rows, jnp.minimum(index, last[:, None])]
+
+
+def graft(tree: Tree, tokens: jax.Array, draft_depth: int, count: int) -> Tree:
+    """Append `count` nodes to `tree` (of depth <= draft_depth): the continuation tokens
+    [B, draft_depth + count] after the prefix the tree already holds, as a chain under the
+    node holding that prefix. The result has depth <= draft_depth + count."""
+    batch, n_nodes = tree.tokens.shape
+    rows = jnp.arange(batch)
+    node = jnp.zeros((batch,), jnp.int32)
+    held = jnp.zeros((batch,), jnp.int32)
+    walking = jnp.ones((batch,), bool)
+    for d in range(draft_depth):
+        child = (tree.parents == node[:, None]) & (tree.tokens == tokens[:, d][:, None])
+        found = walking & jnp.any(child, axis=1)
+        node = jnp.where(found, jnp.argmax(child, axis=1), node).astype(jnp.int32)
+        held = held + found
+        walking = found
+    chain = tokens[rows[:, None], held[:, None] + jnp.arange(count)[None, :]]
+    chain_parents = jnp.concatenate(
+        [node[:, None], jnp.broadcast_to(jnp.arange(n_nodes, n_nodes + count - 1, dtype=jnp.int32),
+                                         (batch, count - 1))], axis=1)
+    new_ranks = jnp.broadcast_to(jnp.arange(n_nodes, n_nodes + count, dtype=jnp.int32),
+                                 (batch, count))
+    return tree_from_parents(jnp.concatenate([tree.tokens, chain], axis=1),
+                             jnp.concatenate([tree.parents, chain_parents], axis=1),
+                             draft_depth + count,
+                             jnp.concatenate([tree.ranks, new_ranks], axis=1))
+
+
+def write_context(context: jax.Array, tokens: jax.Array, start: jax.Array) -> jax.Array:
+    """Write tokens [B,T] into context [B,C] at each row's index start [B] (past C: dropped)."""
+    index = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
+    return context.at[jnp.arange(context.shape[0])[:, None], index].set(tokens, mode="drop")

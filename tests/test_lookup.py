@@ -1,0 +1,141 @@
+"""Context lookup (prompt lookup) branches: the search against a plain-Python statement of
+the rule, the graft onto draft trees, and the compiled loop (greedy identical to plain
+decoding for chains, dynamic and static trees; more acceptance where text repeats)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eaglejax
+from eaglejax import SpecConfig
+from eaglejax.decoding import lookup
+from eaglejax.decoding.tree import chain_tree, tree_from_parents
+from eaglejax.errors import InputError
+from spec_helpers import random_eagle3, self_draft
+
+
+def reference_continuation(context: list[int], ngram: int, count: int) -> list[int]:
+    """The rule, written plainly: the longest suffix match (<= ngram tokens) ending before
+    the last token, latest first; its followers, repeated with the match's period."""
+    last = len(context) - 1
+    best, best_len = None, -1
+    for i in range(last):
+        length = 0
+        while length < ngram and i - length >= 0 and context[i - length] == context[last - length]:
+            length += 1
+        if length >= best_len:
+            best, best_len = i, length
+    if best is None:
+        return [context[0]] * count
+    period = last - best
+    return [context[best + 1 + t % period] for t in range(count)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_continuation_follows_the_rule(seed):
+    rs = np.random.RandomState(seed)
+    vocab = [3, 5, 40][seed % 3]  # few symbols: many and long matches
+    lengths = rs.randint(1, 60, size=5)
+    width = 64
+    context = np.zeros((5, width), np.int32)
+    rows = []
+    for b, n in enumerate(lengths):
+        row = rs.randint(0, vocab, size=n).tolist()
+        context[b, :n] = row
+        context[b, n:] = rs.randint(0, vocab, size=width - n)  # garbage past the end
+        rows.append(row)
+    for ngram in (1, 3):
+        got = lookup.continuation(jnp.asarray(context), jnp.asarray(lengths - 1), ngram, 9)
+        want = [reference_continuation(row, ngram, 9) for row in rows]
+        assert np.asarray(got).tolist() == want
+
+
+def test_continuation_follows_a_loop_past_the_end():
+    context = jnp.asarray([[7, 1, 2, 3, 1, 2, 3, 1, 2]])
+    got = lookup.continuation(context, jnp.asarray([8]), 3, 7)
+    assert np.asarray(got).tolist() == [[3, 1, 2, 3, 1, 2, 3]]
+
+
+def test_graft_hangs_the_rest_under_the_deepest_held_prefix():
+    # root 10 -> (11 -> (12, 13)), 14 ; continuation 11 12 50 51 52 under node 3 (token 12)
+    tree = tree_from_parents(jnp.asarray([[10, 11, 14, 12, 13]]),
+                             jnp.asarray([[-1, 0, 0, 1, 1]]), 2)
+    grafted = lookup.graft(tree, jnp.asarray([[11, 12, 50, 51, 52]]), 2, 3)
+    assert np.asarray(grafted.tokens).tolist() == [[10, 11, 14, 12, 13, 50, 51, 52]]
+    assert np.asarray(grafted.parents).tolist() == [[-1, 0, 0, 1, 1, 3, 5, 6]]
+    assert np.asarray(grafted.depths).tolist() == [[0, 1, 1, 2, 2, 3, 4, 5]]
+    # Nothing held: the branch starts at the root, beside the head's children.
+    grafted = lookup.graft(tree, jnp.asarray([[99, 11, 12, 13, 14]]), 2, 3)
+    assert np.asarray(grafted.parents)[0, 5:].tolist() == [0, 5, 6]
+    assert np.asarray(grafted.tokens)[0, 5:].tolist() == [99, 11, 12]
+
+
+def test_graft_onto_a_chain_never_duplicates_a_sibling():
+    rs = np.random.RandomState(0)
+    drafted = jnp.asarray(rs.randint(0, 3, size=(64, 4)))
+    copied = jnp.asarray(rs.randint(0, 3, size=(64, 7)))
+    tree = lookup.graft(chain_tree(jnp.zeros((64,), jnp.int32), drafted), copied, 4, 3)
+    tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+    for b in range(64):
+        for node in range(tree.tokens.shape[1]):
+            children = tokens[b][parents[b] == node]
+            assert len(set(children.tolist())) == len(children)
+
+
+def _prompts(seed, n):
+    rs = np.random.RandomState(seed)
+    return [rs.randint(0, 97, size=rs.randint(2, 40)).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("spec", [
+    SpecConfig.chain(3).with_lookup(4),
+    SpecConfig.tree(3, 3, 8).with_lookup(5, 2),
+    SpecConfig.static_tree([(0,), (1,), (0, 0)]).with_lookup(2, 1),
+], ids=["chain", "tree", "static"])
+def test_greedy_with_lookup_matches_plain(spec, selfdraft_target):
+    prompts = _prompts(5, 6) + [[4, 9, 4, 9, 4, 9, 4, 9]]
+    plain = eaglejax.generate(prompts, target=selfdraft_target, max_new_tokens=40,
+                              ignore_eos=True)
+    out = eaglejax.generate(prompts, target=selfdraft_target, draft=self_draft(selfdraft_target),
+                            speculative=spec, max_new_tokens=40, ignore_eos=True)
+    assert [o.token_ids for o in out] == [p.token_ids for p in plain]
+    for o in out:
+        assert 1.0 <= o.metrics.acceptance_length <= spec.max_depth + 1
+        assert len(o.metrics.acceptance_by_position) == spec.max_depth
+        assert o.metrics.speculative == spec.describe()
+
+
+def test_lookup_accepts_what_repeats(target_of):
+    """A random head accepts next to nothing; where the target's greedy text loops (small
+    random models do), the lookup branch is accepted and the acceptance length rises."""
+    target = target_of("llama")
+    draft = random_eagle3(target, seed=3)
+    prompts = _prompts(11, 4)
+    plain = eaglejax.generate(prompts, target=target, max_new_tokens=64, ignore_eos=True)
+    kwargs = dict(target=target, draft=draft, max_new_tokens=64, ignore_eos=True)
+    without = eaglejax.generate(prompts, speculative=SpecConfig.chain(2), **kwargs)
+    with_lookup = eaglejax.generate(prompts, speculative=SpecConfig.chain(2).with_lookup(6),
+                                    **kwargs)
+    assert [o.token_ids for o in with_lookup] == [p.token_ids for p in plain]
+    al = lambda runs: np.mean([r.metrics.acceptance_length for r in runs])  # noqa: E731
+    assert al(without) < 1.2 and al(with_lookup) > al(without) + 0.5, (al(without), al(with_lookup))
+
+
+def test_lookup_is_refused_for_a_sampled_chain_and_out_of_range(selfdraft_target):
+    with pytest.raises(InputError, match="lookup branch with sampling needs a tree"):
+        eaglejax.generate([[1, 2, 3]], target=selfdraft_target,
+                          draft=self_draft(selfdraft_target), temperature=0.8,
+                          speculative=SpecConfig.chain(3).with_lookup(2))
+    with pytest.raises(InputError, match="lookup must be an integer in"):
+        SpecConfig.chain(3).with_lookup(33)
+    with pytest.raises(InputError, match="lookup_ngram"):
+        SpecConfig.tree().with_lookup(3, 0)
+
+
+def test_cli_lookup_needs_an_explicit_shape(capsys):
+    from eaglejax.cli import main
+
+    assert main(["generate", "hi", "--draft", "random", "--lookup", "3"]) == 2
+    assert "--lookup needs the shape it extends" in capsys.readouterr().err
+    assert main(["generate", "hi", "--lookup", "3"]) == 2
+    assert "--lookup needs --draft" in capsys.readouterr().err
