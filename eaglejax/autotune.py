@@ -30,6 +30,7 @@ import numpy as np
 
 from eaglejax import __version__, hardware, native
 from eaglejax.compilation_cache import cache_root, switched_on
+from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopCriteria
@@ -142,10 +143,9 @@ def cached_choice(target: Target, draft: "Draft", encoded: list[list[int]],
                   max_new_tokens: int) -> SpecConfig | None:
     """`choose_tree`, once per target, head, batch size and (bucketed) lengths on this
     machine (see the module docstring)."""
-    from eaglejax.generate import _bucket
 
-    shape = (len(encoded), _bucket(max(len(ids) for ids in encoded), 16),
-             _bucket(max_new_tokens, 16))
+    shape = (len(encoded), bucket(max(len(ids) for ids in encoded), 16),
+             bucket(max_new_tokens, 16))
     key = (id(target), id(draft), draft.source, *shape)
     if key in _CHOICES:
         return _CHOICES[key]

@@ -54,6 +54,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "--static-tree")
     parser.add_argument("--lookup-ngram", type=int, default=3, metavar="G",
                         help="--lookup matches the context's last G tokens at most (default 3)")
+    parser.add_argument("--lookup-replaces", action="store_true",
+                        help="--lookup keeps the node count: where all G tokens matched, the "
+                             "branch replaces the head's N lowest-ranked nodes")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.add_argument("--no-compilation-cache", action="store_true",
                         help="do not keep compiled programs in eaglejax's persistent cache "
@@ -81,11 +84,13 @@ def _speculation(args: argparse.Namespace):
         return None
     shape = _speculation_shape(args)
     if args.lookup is None:
+        if args.lookup_replaces:
+            raise InputError("--lookup-replaces needs --lookup N")
         return shape
     if not isinstance(shape, SpecConfig):
         raise InputError("--lookup needs the shape it extends: --num-draft-tokens, --tree or "
                          "--static-tree")
-    return shape.with_lookup(args.lookup, args.lookup_ngram)
+    return shape.with_lookup(args.lookup, args.lookup_ngram, args.lookup_replaces)
 
 
 def _speculation_shape(args: argparse.Namespace):

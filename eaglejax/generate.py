@@ -14,6 +14,7 @@ import numpy as np
 
 from eaglejax import compilation_cache, validation
 from eaglejax.decoding import plain
+from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculative import spec_loop, spec_prefill
 from eaglejax.decoding.sampling import SamplingParams
@@ -93,15 +94,10 @@ def _cached_target(name: str) -> Target:
     return load_target(name)
 
 
-def _bucket(n: int, minimum: int) -> int:
-    """Next power of two >= n (at least `minimum`), so shapes and compiles are reused."""
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
-
-
 def cache_capacity(prompt_tokens: int, max_new_tokens: int, extra: int = 0) -> int:
     """Static cache size for prompts up to `prompt_tokens` long: bucketed prompt and output
     lengths plus `extra` scratch rows, rounded up to a multiple of 128."""
-    total = _bucket(prompt_tokens, 16) + _bucket(max_new_tokens, 16) + extra
+    total = bucket(prompt_tokens, 16) + bucket(max_new_tokens, 16) + extra
     return -(-total // 128) * 128
 
 
@@ -195,8 +191,8 @@ def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seed
     """Prefill and decode validated token-id prompts in one compiled batch."""
     batch = len(encoded)
     lengths = [len(ids) for ids in encoded]
-    prompt_len = _bucket(max(lengths), 16)
-    max_tokens = _bucket(max_new_tokens, 16)
+    prompt_len = bucket(max(lengths), 16)
+    max_tokens = bucket(max_new_tokens, 16)
     capacity = cache_capacity(max(lengths), max_new_tokens, spec.num_nodes if spec else 0)
     prompt = np.zeros((batch, prompt_len), np.int32)
     for i, ids in enumerate(encoded):

@@ -8,7 +8,8 @@ plain-decoding baseline per batch size.
 Greedy, MT-bench first turns (round-robin over categories), SmolLM2 (or --model), every
 configuration warmed up before it is timed, then plain decoding and every configuration
 interleaved prompt by prompt (`eaglejax.bench.run_interleaved`). `--lookup 0 4` runs each
-shape without and with a 4-token context-lookup branch. Ratios are measured in one run;
+shape without and with a 4-token context-lookup branch (`--replacing`: also with the branch
+in place of the head's 4 weakest nodes). Ratios are measured in one run;
 the machine is shared, so compare within it.
 """
 
@@ -48,6 +49,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--lookup", type=int, nargs="+", default=[0],
                         help="context-lookup branch sizes to try on every shape (0: none)")
+    parser.add_argument("--replacing", action="store_true",
+                        help="also run each lookup branch in place of the head's weakest nodes")
     parser.add_argument("--shapes", default=None,
                         help="shapes instead of the default list, e.g. 'chain:5,tree:4:4:8'")
     parser.add_argument("--json", action="store_true")
@@ -57,7 +60,8 @@ def main() -> None:
              else eaglejax.load_draft(args.draft, target=target))
     questions = interleave_categories(mt_bench_questions())[:args.num_prompts]
     shapes = CONFIGS if args.shapes is None else [parse_shape(s) for s in args.shapes.split(",")]
-    shapes = [shape.with_lookup(n) for shape in shapes for n in args.lookup]
+    shapes = [shape.with_lookup(n, replaces=replaces) for shape in shapes for n in args.lookup
+              for replaces in ((False, True) if n and args.replacing else (False,))]
     report = []
     for batch in args.batch_sizes:
         common = dict(batch_size=batch, max_new_tokens=args.max_new_tokens)

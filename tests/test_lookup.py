@@ -14,9 +14,10 @@ from eaglejax.errors import InputError
 from spec_helpers import random_eagle3, self_draft
 
 
-def reference_continuation(context: list[int], ngram: int, count: int) -> list[int]:
+def reference_continuation(context: list[int], ngram: int, count: int) -> tuple[list[int], int]:
     """The rule, written plainly: the longest suffix match (<= ngram tokens) ending before
-    the last token, latest first; its followers, repeated with the match's period."""
+    the last token, latest first; its followers, repeated with the match's period; and the
+    match's length."""
     last = len(context) - 1
     best, best_len = None, -1
     for i in range(last):
@@ -26,9 +27,9 @@ def reference_continuation(context: list[int], ngram: int, count: int) -> list[i
         if length >= best_len:
             best, best_len = i, length
     if best is None:
-        return [context[0]] * count
+        return [context[0]] * count, 0
     period = last - best
-    return [context[best + 1 + t % period] for t in range(count)]
+    return [context[best + 1 + t % period] for t in range(count)], best_len
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -45,15 +46,17 @@ def test_continuation_follows_the_rule(seed):
         context[b, n:] = rs.randint(0, vocab, size=width - n)  # garbage past the end
         rows.append(row)
     for ngram in (1, 3):
-        got = lookup.continuation(jnp.asarray(context), jnp.asarray(lengths - 1), ngram, 9)
+        got, matched = lookup.continuation(jnp.asarray(context), jnp.asarray(lengths - 1),
+                                           ngram, 9)
         want = [reference_continuation(row, ngram, 9) for row in rows]
-        assert np.asarray(got).tolist() == want
+        assert np.asarray(got).tolist() == [tokens for tokens, _ in want]
+        assert np.asarray(matched).tolist() == [length for _, length in want]
 
 
 def test_continuation_follows_a_loop_past_the_end():
     context = jnp.asarray([[7, 1, 2, 3, 1, 2, 3, 1, 2]])
-    got = lookup.continuation(context, jnp.asarray([8]), 3, 7)
-    assert np.asarray(got).tolist() == [[3, 1, 2, 3, 1, 2, 3]]
+    got, matched = lookup.continuation(context, jnp.asarray([8]), 3, 7)
+    assert np.asarray(got).tolist() == [[3, 1, 2, 3, 1, 2, 3]] and int(matched[0]) == 3
 
 
 def test_graft_hangs_the_rest_under_the_deepest_held_prefix():
@@ -68,6 +71,19 @@ def test_graft_hangs_the_rest_under_the_deepest_held_prefix():
     grafted = lookup.graft(tree, jnp.asarray([[99, 11, 12, 13, 14]]), 2, 3)
     assert np.asarray(grafted.parents)[0, 5:].tolist() == [0, 5, 6]
     assert np.asarray(grafted.tokens)[0, 5:].tolist() == [99, 11, 12]
+
+
+def test_fit_replaces_the_lowest_ranked_nodes_where_asked():
+    # root 10 -> 11 (rank 1) -> 12 (rank 3); root -> 14 (rank 2); 11 -> 13 (rank 4)
+    tree = tree_from_parents(jnp.asarray([[10, 11, 14, 12, 13]] * 2),
+                             jnp.asarray([[-1, 0, 0, 1, 1]] * 2), 2,
+                             jnp.asarray([[0, 1, 2, 3, 4]] * 2))
+    copied = jnp.asarray([[11, 13, 60, 61]] * 2)  # 11 is held; 13 (rank 4) is pruned away
+    fitted = lookup.fit(tree, copied, jnp.asarray([True, False]), 2, 2)
+    assert np.asarray(fitted.tokens).tolist() == [[10, 11, 14, 13, 60], [10, 11, 14, 12, 13]]
+    assert np.asarray(fitted.parents).tolist() == [[-1, 0, 0, 1, 3], [-1, 0, 0, 1, 1]]
+    assert np.asarray(fitted.depths)[0].tolist() == [0, 1, 1, 2, 3]
+    assert np.asarray(fitted.paths).shape == (2, 5, 5)  # depth bound 2 + 2 for both rows
 
 
 def test_graft_onto_a_chain_never_duplicates_a_sibling():
@@ -91,7 +107,9 @@ def _prompts(seed, n):
     SpecConfig.chain(3).with_lookup(4),
     SpecConfig.tree(3, 3, 8).with_lookup(5, 2),
     SpecConfig.static_tree([(0,), (1,), (0, 0)]).with_lookup(2, 1),
-], ids=["chain", "tree", "static"])
+    SpecConfig.chain(4).with_lookup(3, 2, replaces=True),
+    SpecConfig.tree(3, 3, 8).with_lookup(4, 1, replaces=True),
+], ids=["chain", "tree", "static", "chain-replacing", "tree-replacing"])
 def test_greedy_with_lookup_matches_plain(spec, selfdraft_target):
     prompts = _prompts(5, 6) + [[4, 9, 4, 9, 4, 9, 4, 9]]
     plain = eaglejax.generate(prompts, target=selfdraft_target, max_new_tokens=40,
@@ -130,6 +148,9 @@ def test_lookup_is_refused_for_a_sampled_chain_and_out_of_range(selfdraft_target
         SpecConfig.chain(3).with_lookup(33)
     with pytest.raises(InputError, match="lookup_ngram"):
         SpecConfig.tree().with_lookup(3, 0)
+    with pytest.raises(InputError, match="must leave the head at least its root"):
+        SpecConfig.chain(3).with_lookup(4, replaces=True)
+    assert SpecConfig.tree(4, 4, 8).with_lookup(4, replaces=True).num_nodes == 8
 
 
 def test_cli_lookup_needs_an_explicit_shape(capsys):
@@ -139,3 +160,6 @@ def test_cli_lookup_needs_an_explicit_shape(capsys):
     assert "--lookup needs the shape it extends" in capsys.readouterr().err
     assert main(["generate", "hi", "--lookup", "3"]) == 2
     assert "--lookup needs --draft" in capsys.readouterr().err
+    assert main(["generate", "hi", "--draft", "random", "--tree", "4,4,8",
+                 "--lookup-replaces"]) == 2
+    assert "--lookup-replaces needs --lookup N" in capsys.readouterr().err

@@ -87,8 +87,9 @@ def assert_follows(samples: np.ndarray, marginals: list[np.ndarray]) -> None:
         assert tv < tv_bound(exact, N), (position, tv, tv_bound(exact, N))
 
 
+@pytest.mark.parametrize("replaces", [False, True], ids=["added", "replacing"])
 @pytest.mark.parametrize("which", ["bad", "good"])
-def test_lookup_branch_keeps_sampling_exact(which, selfdraft_target):
+def test_lookup_branch_keeps_sampling_exact(which, replaces, selfdraft_target):
     """A tree with a context-lookup branch, on a prompt that repeats itself so the branch
     is often right: with a random head (which drafts nothing the target takes) every
     acceptance above ~1.0 comes from the branch."""
@@ -100,7 +101,7 @@ def test_lookup_branch_keeps_sampling_exact(which, selfdraft_target):
     params = SamplingParams.make(0.7, 0, 0.9)
     out = eaglejax.generate([prompt] * N, target=target, draft=draft, max_new_tokens=3,
                             temperature=0.7, top_p=0.9, seed=list(range(N)), ignore_eos=True,
-                            speculative=eaglejax.SpecConfig.tree(3, 2, 6).with_lookup(2, 1))
+                            speculative=eaglejax.SpecConfig.tree(3, 2, 6).with_lookup(2, 1, replaces))
     al = np.mean([r.metrics.acceptance_length for r in out])
     assert al > (1.8 if which == "good" else 1.25), al  # measured ~1.44 with the random head
     assert_follows(np.array([r.token_ids for r in out]), exact_marginals(target, params, 3, prompt))

@@ -10,7 +10,8 @@ period, so a loop is followed as far as it goes. No head forward is needed.
 The continuation is grafted onto the round's draft tree: it walks down the tree while a
 child holds its next token, and the rest hangs as a chain under the deepest such node, so
 it never duplicates a sibling (greedy acceptance and recursive rejection both stay exact:
-the grafted tree is one more deterministic draft tree).
+the grafted tree is one more deterministic draft tree). `fit` keeps the node count instead:
+where the whole n-gram matched, the branch takes the place of the head's lowest-ranked nodes.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import jax.numpy as jnp
 from eaglejax.decoding.tree import Tree, tree_from_parents
 
 
-def continuation(context: jax.Array, last: jax.Array, ngram: int, count: int) -> jax.Array:
-    """[B,count] tokens following the latest earlier occurrence of the longest suffix of
-    context [B,C] (valid through index last [B]) matching up to `ngram` tokens; a row with
-    no match at all proposes its last token again."""
+def continuation(context: jax.Array, last: jax.Array, ngram: int,
+                 count: int) -> tuple[jax.Array, jax.Array]:
+    """([B,count] tokens following the latest earlier occurrence of the longest suffix of
+    context [B,C] (valid through index last [B]) matching up to `ngram` tokens, that match's
+    length [B]); a row with no match at all proposes its last token again."""
     batch, width = context.shape
     rows = jnp.arange(batch)[:, None]
     ends = jnp.arange(width)[None, :]  # candidate position i of the occurrence's last token
@@ -39,7 +41,8 @@ def continuation(context: jax.Array, last: jax.Array, ngram: int, count: int) ->
     start = jnp.argmax(score, axis=1)[:, None]  # ties never happen: positions differ
     period = jnp.maximum(last[:, None] - start, 1)
     index = start + 1 + jnp.arange(count)[None, :] % period
-    return context[rows, jnp.minimum(index, last[:, None])]
+    matched = jnp.max(score, axis=1) // width
+    return context[rows, jnp.minimum(index, last[:, None])], jnp.maximum(matched, 0)
 
 
 def graft(tree: Tree, tokens: jax.Array, draft_depth: int, count: int) -> Tree:
@@ -67,6 +70,31 @@ def graft(tree: Tree, tokens: jax.Array, draft_depth: int, count: int) -> Tree:
                              jnp.concatenate([tree.parents, chain_parents], axis=1),
                              draft_depth + count,
                              jnp.concatenate([tree.ranks, new_ranks], axis=1))
+
+
+def prune(tree: Tree, keep: int, max_depth: int) -> Tree:
+    """The subtree of the `keep` best-ranked nodes (ranks make such a set closed under
+    parents: a dynamic tree's draft scores, a chain's or static tree's node order)."""
+    batch, n_nodes = tree.tokens.shape
+    rows = jnp.arange(batch)[:, None]
+    order = jnp.argsort(tree.ranks >= keep, axis=1, stable=True)[:, :keep]  # node order
+    new_index = jnp.full((batch, n_nodes), -1, jnp.int32).at[rows, order].set(
+        jnp.arange(keep, dtype=jnp.int32)[None, :])
+    old_parents = jnp.take_along_axis(tree.parents, order, axis=1)
+    parents = jnp.where(old_parents < 0, -1,
+                        jnp.take_along_axis(new_index, jnp.maximum(old_parents, 0), axis=1))
+    return tree_from_parents(jnp.take_along_axis(tree.tokens, order, axis=1), parents,
+                             max_depth, jnp.take_along_axis(tree.ranks, order, axis=1))
+
+
+def fit(tree: Tree, tokens: jax.Array, use: jax.Array, draft_depth: int, count: int) -> Tree:
+    """Rows where `use` [B]: the tree's best `N - count` nodes with the continuation grafted
+    (`graft`); other rows: the tree as it is. Either way N nodes, depth <= draft_depth + count."""
+    n_nodes = tree.tokens.shape[1]
+    grafted = graft(prune(tree, n_nodes - count, draft_depth), tokens, draft_depth, count)
+    whole = tree_from_parents(tree.tokens, tree.parents, draft_depth + count, tree.ranks)
+    pick = lambda a, b: jnp.where(use.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+    return Tree(*(pick(a, b) for a, b in zip(grafted, whole)))
 
 
 def write_context(context: jax.Array, tokens: jax.Array, start: jax.Array) -> jax.Array:

@@ -21,6 +21,7 @@ import numpy as np
 
 from eaglejax.config import ModelConfig
 from eaglejax.decoding import plain
+from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.output import empty_output
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.stopping import (
@@ -101,10 +102,6 @@ def advance(params: Params, config: ModelConfig, state: plain.DecodeState,
     return state
 
 
-def _bucket(n: int) -> int:
-    return max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length())
-
-
 class SlotEngine:
     """Plain decoding of queued requests over `num_slots` rows of `capacity` cache slots
     each (prompt plus reply must fit). Usage: `submit` requests (also while running), then
@@ -157,7 +154,7 @@ class SlotEngine:
 
     def _fill(self, slot: int, request: Request) -> None:
         n = len(request.prompt)
-        prompt = np.zeros((1, min(_bucket(n), self.capacity)), np.int32)
+        prompt = np.zeros((1, min(bucket(n, MIN_PROMPT_BUCKET), self.capacity)), np.int32)
         prompt[0, :n] = request.prompt
         # The cache holds the prompt, then every new token but the last.
         self.max_new[slot] = min(request.max_new_tokens, self.capacity - n + 1)

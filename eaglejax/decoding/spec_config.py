@@ -55,7 +55,9 @@ class SpecConfig:
     `lookup` > 0 adds that many tokens copied from the context (prompt lookup: what followed
     the latest earlier occurrence of the last up to `lookup_ngram` tokens) as one more
     branch of the tree, grafted under the deepest node that already holds its first tokens
-    (see `decoding.lookup`). With sampling it needs a tree (a sampled chain's min(1, p/q)
+    (see `decoding.lookup`). With `lookup_replaces` the node count stays the shape's: in
+    rounds where the whole n-gram matched, the branch replaces the head's `lookup`
+    lowest-ranked nodes. With sampling it needs a tree (a sampled chain's min(1, p/q)
     rule has no place for a second draft).
     """
 
@@ -67,6 +69,7 @@ class SpecConfig:
     paths: tuple[tuple[int, ...], ...] = ()
     lookup: int = 0
     lookup_ngram: int = 3
+    lookup_replaces: bool = False
 
     def __post_init__(self):
         if self.method not in ("chain", "tree", "static"):
@@ -84,6 +87,11 @@ class SpecConfig:
         if self.lookup != 0:
             _positive_int("lookup", self.lookup, 32)
         _positive_int("lookup_ngram", self.lookup_ngram, 8)
+        if not isinstance(self.lookup_replaces, bool):
+            raise InputError(f"lookup_replaces must be True or False, got {self.lookup_replaces!r}")
+        if self.lookup_replaces and self.lookup >= self.num_nodes:
+            raise InputError(f"lookup_replaces: the branch ({self.lookup} tokens) must leave the "
+                             f"head at least its root; the shape verifies {self.num_nodes} nodes")
 
     @classmethod
     def chain(cls, num_draft_tokens: int = 5) -> "SpecConfig":
@@ -115,9 +123,11 @@ class SpecConfig:
             return cls.tree(top_k=4, depth=4, total_tokens=12)
         return cls.chain(3)
 
-    def with_lookup(self, lookup: int, ngram: int = 3) -> "SpecConfig":
-        """This shape plus a context-lookup branch of `lookup` tokens (0: none)."""
-        return dataclasses.replace(self, lookup=lookup, lookup_ngram=ngram)
+    def with_lookup(self, lookup: int, ngram: int = 3, replaces: bool = False) -> "SpecConfig":
+        """This shape plus a context-lookup branch of `lookup` tokens (0: none); `replaces`:
+        in place of the head's lowest-ranked nodes where the whole n-gram matched."""
+        return dataclasses.replace(self, lookup=lookup, lookup_ngram=ngram,
+                                   lookup_replaces=replaces)
 
     @property
     def max_depth(self) -> int:
@@ -137,10 +147,12 @@ class SpecConfig:
     def num_nodes(self) -> int:
         """Tokens the target verifies per round, the root (last accepted token) included."""
         if self.method == "chain":
-            return self.num_draft_tokens + 1 + self.lookup
-        if self.method == "tree":
-            return self.total_tokens + self.lookup
-        return len(self.paths) + 1 + self.lookup
+            head = self.num_draft_tokens + 1
+        elif self.method == "tree":
+            head = self.total_tokens
+        else:
+            head = len(self.paths) + 1
+        return head + (0 if self.lookup_replaces else self.lookup)
 
     def describe(self) -> str:
         if self.method == "chain":
@@ -150,5 +162,6 @@ class SpecConfig:
         else:
             shape = f"static tree of {len(self.paths)} nodes, depth {self.draft_depth}"
         if self.lookup:
-            shape += f" + lookup {self.lookup} (ngram {self.lookup_ngram})"
+            replacing = ", replacing" if self.lookup_replaces else ""
+            shape += f" + lookup {self.lookup} (ngram {self.lookup_ngram}{replacing})"
         return shape

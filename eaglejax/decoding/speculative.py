@@ -207,9 +207,13 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
         tree, draft_probs = _draft_round(head, root, spec, greedy, sampling, keys,
                                          config.vocab_size)
         if spec.lookup:
-            copied = lookup.continuation(s.context, s.target_cache.lengths, spec.lookup_ngram,
-                                         spec.draft_depth + spec.lookup)
-            tree = lookup.graft(tree, copied, spec.draft_depth, spec.lookup)
+            copied, matched = lookup.continuation(s.context, s.target_cache.lengths,
+                                                  spec.lookup_ngram, spec.draft_depth + spec.lookup)
+            if spec.lookup_replaces:
+                tree = lookup.fit(tree, copied, matched >= spec.lookup_ngram, spec.draft_depth,
+                                  spec.lookup)
+            else:
+                tree = lookup.graft(tree, copied, spec.draft_depth, spec.lookup)
         positions = s.target_cache.lengths[:, None] + tree.depths
         verified = forward(params, config, tree.tokens, positions, s.target_cache,
                            mask=tree.mask, tap_layers=draft_config.tap_layers,
