@@ -199,10 +199,8 @@ def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seed
         prompt[i, :len(ids)] = ids
     row_keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.uint32))
     greedy = bool(sampling.temperature == 0)
-    if spec is not None and spec.lookup and spec.method == "chain" and not greedy:
-        raise InputError(f"{spec.describe()}: a lookup branch with sampling needs a tree "
-                         f"(method 'tree' or 'static'); a sampled chain verifies only its own "
-                         f"draft")
+    if spec is not None:
+        spec.check_sampling(greedy)
     max_new = jnp.int32(max_new_tokens)
     common = dict(stop=criteria, attn_impl=target.attn_impl)
     args = (target.params, target.config)

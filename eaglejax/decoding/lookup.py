@@ -41,21 +41,30 @@ def continuation(context: jax.Array, last: jax.Array, ngram: int,
     start = jnp.argmax(score, axis=1)[:, None]  # ties never happen: positions differ
     period = jnp.maximum(last[:, None] - start, 1)
     index = start + 1 + jnp.arange(count)[None, :] % period
-    matched = jnp.max(score, axis=1) // width
-    return context[rows, jnp.minimum(index, last[:, None])], jnp.maximum(matched, 0)
+    found = jnp.maximum(jnp.max(score, axis=1) // width, 0)
+    return context[rows, jnp.minimum(index, last[:, None])], found
 
 
 def graft(tree: Tree, tokens: jax.Array, draft_depth: int, count: int) -> Tree:
     """Append `count` nodes to `tree` (of depth <= draft_depth): the continuation tokens
     [B, draft_depth + count] after the prefix the tree already holds, as a chain under the
     node holding that prefix. The result has depth <= draft_depth + count."""
-    batch, n_nodes = tree.tokens.shape
+    node_tokens, parents, ranks = _grafted(tree.tokens, tree.parents, tree.ranks, tokens,
+                                           draft_depth, count)
+    return tree_from_parents(node_tokens, parents, draft_depth + count, ranks)
+
+
+def _grafted(node_tokens: jax.Array, parents: jax.Array, ranks: jax.Array, tokens: jax.Array,
+             draft_depth: int, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`graft` on a tree's node arrays (tokens, parents, ranks [B,N]), before the tree's
+    masks and paths are built."""
+    batch, n_nodes = node_tokens.shape
     rows = jnp.arange(batch)
     node = jnp.zeros((batch,), jnp.int32)
     held = jnp.zeros((batch,), jnp.int32)
     walking = jnp.ones((batch,), bool)
     for d in range(draft_depth):
-        child = (tree.parents == node[:, None]) & (tree.tokens == tokens[:, d][:, None])
+        child = (parents == node[:, None]) & (node_tokens == tokens[:, d][:, None])
         found = walking & jnp.any(child, axis=1)
         node = jnp.where(found, jnp.argmax(child, axis=1), node).astype(jnp.int32)
         held = held + found
@@ -66,15 +75,15 @@ def graft(tree: Tree, tokens: jax.Array, draft_depth: int, count: int) -> Tree:
                                          (batch, count - 1))], axis=1)
     new_ranks = jnp.broadcast_to(jnp.arange(n_nodes, n_nodes + count, dtype=jnp.int32),
                                  (batch, count))
-    return tree_from_parents(jnp.concatenate([tree.tokens, chain], axis=1),
-                             jnp.concatenate([tree.parents, chain_parents], axis=1),
-                             draft_depth + count,
-                             jnp.concatenate([tree.ranks, new_ranks], axis=1))
+    return (jnp.concatenate([node_tokens, chain], axis=1),
+            jnp.concatenate([parents, chain_parents], axis=1),
+            jnp.concatenate([ranks, new_ranks], axis=1))
 
 
-def prune(tree: Tree, keep: int, max_depth: int) -> Tree:
-    """The subtree of the `keep` best-ranked nodes (ranks make such a set closed under
-    parents: a dynamic tree's draft scores, a chain's or static tree's node order)."""
+def _pruned(tree: Tree, keep: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Node arrays (tokens, parents, ranks) of the subtree of the `keep` best-ranked nodes
+    (ranks make such a set closed under parents: a dynamic tree's draft scores, a chain's or
+    static tree's node order)."""
     batch, n_nodes = tree.tokens.shape
     rows = jnp.arange(batch)[:, None]
     order = jnp.argsort(tree.ranks >= keep, axis=1, stable=True)[:, :keep]  # node order
@@ -83,18 +92,18 @@ def prune(tree: Tree, keep: int, max_depth: int) -> Tree:
     old_parents = jnp.take_along_axis(tree.parents, order, axis=1)
     parents = jnp.where(old_parents < 0, -1,
                         jnp.take_along_axis(new_index, jnp.maximum(old_parents, 0), axis=1))
-    return tree_from_parents(jnp.take_along_axis(tree.tokens, order, axis=1), parents,
-                             max_depth, jnp.take_along_axis(tree.ranks, order, axis=1))
+    return (jnp.take_along_axis(tree.tokens, order, axis=1), parents,
+            jnp.take_along_axis(tree.ranks, order, axis=1))
 
 
 def fit(tree: Tree, tokens: jax.Array, use: jax.Array, draft_depth: int, count: int) -> Tree:
     """Rows where `use` [B]: the tree's best `N - count` nodes with the continuation grafted
     (`graft`); other rows: the tree as it is. Either way N nodes, depth <= draft_depth + count."""
     n_nodes = tree.tokens.shape[1]
-    grafted = graft(prune(tree, n_nodes - count, draft_depth), tokens, draft_depth, count)
-    whole = tree_from_parents(tree.tokens, tree.parents, draft_depth + count, tree.ranks)
-    pick = lambda a, b: jnp.where(use.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
-    return Tree(*(pick(a, b) for a, b in zip(grafted, whole)))
+    grafted = _grafted(*_pruned(tree, n_nodes - count), tokens, draft_depth, count)
+    whole = (tree.tokens, tree.parents, tree.ranks)
+    node_tokens, parents, ranks = (jnp.where(use[:, None], a, b) for a, b in zip(grafted, whole))
+    return tree_from_parents(node_tokens, parents, draft_depth + count, ranks)
 
 
 def write_context(context: jax.Array, tokens: jax.Array, start: jax.Array) -> jax.Array:

@@ -129,6 +129,13 @@ class SpecConfig:
         return dataclasses.replace(self, lookup=lookup, lookup_ngram=ngram,
                                    lookup_replaces=replaces)
 
+    def check_sampling(self, greedy: bool) -> None:
+        """InputError when this shape cannot be verified losslessly with sampling."""
+        if self.lookup and self.method == "chain" and not greedy:
+            raise InputError(f"{self.describe()}: a lookup branch with sampling needs a tree "
+                             f"(method 'tree' or 'static'); a sampled chain verifies only its "
+                             f"own draft")
+
     @property
     def max_depth(self) -> int:
         """The longest draft path: most draft tokens one round can accept."""

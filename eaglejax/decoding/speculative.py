@@ -194,8 +194,7 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
     head = Head(draft_params, draft_config, params,
                 to_target_ids(jnp.arange(draft_config.draft_vocab_size), d2t), attn_impl)
     in_place = spec.method == "chain" and not spec.lookup  # accepted rows need no commit
-    if spec.lookup and spec.method == "chain" and not greedy:
-        raise ValueError("a lookup branch needs greedy decoding or a tree, not a sampled chain")
+    spec.check_sampling(greedy)
 
     def step(s: SpecState) -> SpecState:
         running = s.out.running
