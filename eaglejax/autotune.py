@@ -1,16 +1,19 @@
-"""`speculative="auto"`: pick the dynamic tree size with the best expected tokens/s, or
-plain decoding when no size is expected to beat it.
+"""`speculative="auto"`: pick the dynamic tree size (with or without a context-lookup
+branch) with the best expected tokens/s, or plain decoding when nothing is expected to beat it.
 
 As the reference's `total_token=-1`, the target's forward is timed at a few node counts
-(batch and context as in the request). The acceptance each size would reach is measured,
-not modelled: one greedy calibration run with the largest tree records, every round, how
-many draft tokens the best s-node subtree would have accepted (exact: that subtree is the
-tree `total_tokens=s` would have drafted). Expected tokens/s for size s is then
-AL(s) / (draft_ms + verify_ms(s)), draft_ms being the measured round time minus the
-largest tree's verify time. Plain decoding competes as size 1: AL 1, one single-token
-forward a token (what a plain step costs; see BENCHMARKS.md). Timings are noisy on a shared
-machine: a size's verify time is taken as at least that of every smaller size, and a tree
-must be expected to beat plain decoding by `MARGIN` to be chosen.
+(batch and context as in the request). The acceptance each candidate would reach is
+measured, not modelled: one greedy calibration run drafts the largest tree with a lookup
+branch of `LOOKUP` tokens grafted and records, every round, how many draft tokens each
+candidate would have accepted (exact, `decoding.calibration`): the tree `total_tokens=s`,
+and the same tree with the branch in place of its weakest nodes (`with_lookup(LOOKUP,
+replaces=True)`: same node count, so same verify cost). Expected tokens/s for a candidate
+of s nodes is AL / (draft_ms + verify_ms(s)), draft_ms being the measured round time minus
+the calibration tree's verify time (lookup bookkeeping included). Plain decoding competes
+as size 1: AL 1, one single-token forward a token (what a plain step costs; see
+BENCHMARKS.md). Timings are noisy on a shared machine: a size's verify time is taken as at
+least that of every smaller size, and speculation must be expected to beat plain decoding
+by `MARGIN` to be chosen.
 
 Choices are remembered per process and on disk (`<eaglejax cache>/autotune.json`, keyed by
 the device, the versions, the target's and the head's contents, the batch size and the
@@ -44,23 +47,28 @@ if TYPE_CHECKING:
 
 SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MARGIN = 1.05  # expected speed over plain decoding below which speculating is not worth it
+LOOKUP, LOOKUP_NGRAM = 4, 3  # the lookup branch weighed (BENCHMARKS.md: best of 2-4 tokens)
+CANDIDATES = "trees, trees with lookup 4 replacing"  # part of the disk key: what was weighed
 
 
 @dataclasses.dataclass
 class AutoChoice:
-    """The chosen configuration (None: plain decoding is faster here) and, per candidate
-    size (1: plain decoding), what it was chosen from."""
+    """The chosen configuration (None: plain decoding is faster here), its expected tokens/s
+    over plain decoding's (1.0 for plain), and the candidates it was chosen from: per row
+    total_tokens (1: plain decoding), lookup (branch tokens in place of the weakest nodes),
+    acceptance_length, verify_ms, expected_tokens_per_s (empty when read back from disk)."""
 
     choice: SpecConfig | None
-    table: list[dict[str, float]]
+    expected_speedup: float
+    table: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
 
 def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_new_tokens: int,
                 *, calibration_tokens: int = 32, max_rows: int = 4, top_k: int | None = None,
                 depth: int | None = None) -> AutoChoice:
-    """Choose `total_tokens` for `encoded` prompts (token ids) on this device, or None when
-    plain decoding is expected to be faster; `top_k` and `depth` default to the device's
-    batch-1 preset (its largest tree)."""
+    """Choose `total_tokens` and whether a lookup branch replaces the weakest nodes for
+    `encoded` prompts (token ids) on this device, or None when plain decoding is expected to
+    be faster; `top_k` and `depth` default to the device's batch-1 preset (its largest tree)."""
     from eaglejax.bench import single_forward_ms
     from eaglejax.generate import cache_capacity, decode
 
@@ -69,42 +77,56 @@ def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_ne
     top_k = top_k or largest_preset.top_k
     depth = depth or largest_preset.depth
     sizes = tuple(s for s in SIZES if s <= top_k + (depth - 1) * top_k ** 2 + 1)
-    largest = SpecConfig.tree(top_k, depth, sizes[-1])
+    calibrated = SpecConfig.tree(top_k, depth, sizes[-1]).with_lookup(LOOKUP, LOOKUP_NGRAM)
     rows = encoded[:max_rows]
     greedy = SamplingParams.make()
     steps = min(calibration_tokens, max_new_tokens)
     run = None
     for _ in range(2):  # the first run compiles; the second is timed
         run = decode(target, draft, rows, [0] * len(rows), greedy, steps, StopCriteria((), ()),
-                     largest, calibration_sizes=sizes)
-    rounds = int(np.asarray(run.state.accept_hist).sum())
-    accepted = np.asarray(run.state.size_accepted).sum(axis=0)
+                     calibrated, calibration_sizes=sizes)
+    rounds = max(int(np.asarray(run.state.accept_hist).sum()), 1)
+    accepted = np.asarray(run.state.size_accepted).sum(axis=0)  # sizes, then with lookup
     round_ms = 1e3 * run.decode_s / max(int(run.state.forwards), 1)
 
     context = max(len(ids) for ids in encoded) + max_new_tokens // 2
-    capacity = cache_capacity(max(len(ids) for ids in encoded), max_new_tokens, sizes[-1])
-    verify_ms = {s: single_forward_ms(target, context, capacity, batch, repeats=5, tokens=s)
-                 for s in (1, *sizes)}
-    for smaller, s in zip((1, *sizes), sizes):  # more tokens never verify faster
-        verify_ms[s] = max(verify_ms[s], verify_ms[smaller])
-    draft_ms = max(round_ms - verify_ms[sizes[-1]], 0.0)
-    table = [{"total_tokens": 1, "acceptance_length": 1.0, "verify_ms": verify_ms[1],
-              "expected_tokens_per_s": 1e3 * batch / verify_ms[1]}]
-    for s, acc in zip(sizes, accepted):
-        al = 1.0 + acc / max(rounds, 1)
-        table.append({"total_tokens": s, "acceptance_length": float(al),
-                      "verify_ms": verify_ms[s], "expected_tokens_per_s":
-                      1e3 * al * batch / (draft_ms + verify_ms[s])})
+    capacity = cache_capacity(max(len(ids) for ids in encoded), max_new_tokens,
+                              calibrated.num_nodes)
+    node_counts = (1, *sizes, calibrated.num_nodes)
+    verify_ms = {n: single_forward_ms(target, context, capacity, batch, repeats=5, tokens=n)
+                 for n in node_counts}
+    for smaller, n in zip(node_counts, node_counts[1:]):  # more tokens never verify faster
+        verify_ms[n] = max(verify_ms[n], verify_ms[smaller])
+    draft_ms = max(round_ms - verify_ms[calibrated.num_nodes], 0.0)
+    table = [{"total_tokens": 1, "lookup": 0, "acceptance_length": 1.0,
+              "verify_ms": verify_ms[1], "expected_tokens_per_s": 1e3 * batch / verify_ms[1]}]
+    for lookup, counts in ((0, accepted[:len(sizes)]), (LOOKUP, accepted[len(sizes):])):
+        for s, acc in zip(sizes, counts):
+            if s <= lookup:
+                continue  # the branch would replace every node
+            al = 1.0 + acc / rounds
+            table.append({"total_tokens": s, "lookup": lookup, "acceptance_length": float(al),
+                          "verify_ms": verify_ms[s], "expected_tokens_per_s":
+                          1e3 * al * batch / (draft_ms + verify_ms[s])})
     best = max(table, key=lambda row: row["expected_tokens_per_s"])
-    if best["expected_tokens_per_s"] < MARGIN * table[0]["expected_tokens_per_s"]:
-        best = table[0]
-    size = int(best["total_tokens"])
-    return AutoChoice(SpecConfig.tree(top_k, depth, size) if size > 1 else None, table)
+    speedup = best["expected_tokens_per_s"] / table[0]["expected_tokens_per_s"]
+    if speedup < MARGIN:
+        best, speedup = table[0], 1.0
+    return AutoChoice(_config(top_k, depth, best), speedup, table)
+
+
+def _config(top_k: int, depth: int, row: dict) -> SpecConfig | None:
+    """The SpecConfig a table row stands for (None: plain decoding)."""
+    if int(row["total_tokens"]) <= 1:
+        return None
+    tree = SpecConfig.tree(top_k, depth, int(row["total_tokens"]))
+    lookup = int(row["lookup"])
+    return tree.with_lookup(lookup, LOOKUP_NGRAM, replaces=True) if lookup else tree
 
 
 SWITCH_ENV = "EAGLEJAX_AUTOTUNE_CACHE"
 CHOICES_FILE = "autotune.json"
-_CHOICES: dict[tuple, SpecConfig | None] = {}
+_CHOICES: dict[tuple, AutoChoice] = {}
 
 
 def _disk_key(target: Target, draft: "Draft", batch: int, prompt_bucket: int,
@@ -120,6 +142,7 @@ def _disk_key(target: Target, draft: "Draft", batch: int, prompt_bucket: int,
         "device": [device.platform, device.device_kind, hardware.cpu_model(),
                    hardware.cpu_cores(), jax.device_count()],
         "versions": [__version__, jax.__version__], "native": kernels,
+        "candidates": CANDIDATES,
         "target": target_fingerprint(target), "draft": draft_fingerprint(draft),
         "shape": [batch, prompt_bucket, new_bucket]}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
@@ -133,14 +156,24 @@ def _read_choices() -> dict[str, dict | None]:
     return stored if isinstance(stored, dict) else {}
 
 
-def _as_config(entry: object) -> SpecConfig | None:
-    if not isinstance(entry, dict):
-        return None
-    return SpecConfig.tree(int(entry["top_k"]), int(entry["depth"]), int(entry["total_tokens"]))
+def _from_disk(entry: object) -> AutoChoice:
+    """A stored choice (None: plain decoding); KeyError, TypeError, ValueError or InputError
+    for a malformed entry."""
+    if entry is None:
+        return AutoChoice(None, 1.0)
+    return AutoChoice(_config(int(entry["top_k"]), int(entry["depth"]), entry),
+                      float(entry["expected_speedup"]))
+
+
+def _to_disk(auto: AutoChoice) -> dict | None:
+    spec = auto.choice
+    return None if spec is None else {
+        "top_k": spec.top_k, "depth": spec.depth, "total_tokens": spec.total_tokens,
+        "lookup": spec.lookup, "expected_speedup": auto.expected_speedup}
 
 
 def cached_choice(target: Target, draft: "Draft", encoded: list[list[int]],
-                  max_new_tokens: int) -> SpecConfig | None:
+                  max_new_tokens: int) -> AutoChoice:
     """`choose_tree`, once per target, head, batch size and (bucketed) lengths on this
     machine (see the module docstring)."""
 
@@ -154,21 +187,20 @@ def cached_choice(target: Target, draft: "Draft", encoded: list[list[int]],
     stored = _read_choices() if persist else {}
     if disk_key in stored:
         try:
-            choice = _as_config(stored[disk_key])
+            auto = _from_disk(stored[disk_key])
         except (KeyError, TypeError, ValueError, InputError):
             pass  # a malformed entry: choose again
         else:
-            _CHOICES[key] = choice
-            return choice
-    choice = choose_tree(target, draft, encoded, max_new_tokens).choice
-    _CHOICES[key] = choice
+            _CHOICES[key] = auto
+            return auto
+    auto = choose_tree(target, draft, encoded, max_new_tokens)
+    _CHOICES[key] = auto
     if persist:
         stored = _read_choices()  # another process may have added choices meanwhile
-        stored[disk_key] = None if choice is None else {
-            "top_k": choice.top_k, "depth": choice.depth, "total_tokens": choice.total_tokens}
+        stored[disk_key] = _to_disk(auto)
         try:
             cache_root().mkdir(parents=True, exist_ok=True)
             write_atomically(cache_root() / CHOICES_FILE, json.dumps(stored, indent=1))
         except OSError:
             pass  # a read-only cache folder: the choice lives in this process only
-    return choice
+    return auto

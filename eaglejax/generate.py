@@ -224,15 +224,21 @@ def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seed
 
 
 def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "Draft",
-                  encoded: list[list[int]], max_new_tokens: int) -> SpecConfig | None:
-    """The speculation shape to run; None: plain decoding (`auto` found it faster)."""
+                  encoded: list[list[int]], max_new_tokens: int) -> tuple[SpecConfig | None, str]:
+    """The speculation shape to run (None: plain decoding, which `auto` found faster) and
+    how to name it in the metrics."""
     if speculative is None:
-        return SpecConfig.preset(jax.default_backend(), len(encoded))
+        spec = SpecConfig.preset(jax.default_backend(), len(encoded))
+        return spec, spec.describe()
     if isinstance(speculative, SpecConfig):
-        return speculative
+        return speculative, speculative.describe()
     from eaglejax.autotune import cached_choice  # "auto", see _check_speculation
 
-    return cached_choice(target, draft, encoded, max_new_tokens)
+    auto = cached_choice(target, draft, encoded, max_new_tokens)
+    if auto.choice is None:
+        return None, "plain (auto: faster than speculating here)"
+    expected = f"auto: expected {auto.expected_speedup:.2f}x plain"
+    return auto.choice, f"{auto.choice.describe()} ({expected})"
 
 
 def _target_source(target: object, draft: object) -> Target | str:
@@ -316,9 +322,8 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
                              f"that exceeds the model's context of {limit} tokens")
     spec, shape = None, None
     if draft is not None:
-        spec = _resolve_spec(speculative, target, draft, encoded, max_new_tokens)
+        spec, shape = _resolve_spec(speculative, target, draft, encoded, max_new_tokens)
         draft = draft if spec is not None else None
-        shape = "plain (auto: faster than speculating here)" if spec is None else spec.describe()
     run = decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria, spec)
     tokens, counts, finish, forwards = jax.device_get(
         (run.state.out.tokens, run.state.out.counts, run.state.out.finish, run.state.forwards))

@@ -67,7 +67,7 @@ def main() -> None:
         common = dict(batch_size=batch, max_new_tokens=args.max_new_tokens)
         encoded = [target.tokenizer.render_prompt(q.prompt, chat=True)
                    for q in questions[:batch]]
-        auto = cached_choice(target, draft, encoded, args.max_new_tokens)
+        auto = cached_choice(target, draft, encoded, args.max_new_tokens).choice
         configs = shapes + ([auto] if auto is not None and auto not in shapes else [])
         reports = compare_speculative(target, draft, questions, configs, **common)
         plain_tps = reports[0]["plain_decode_tokens_per_s"]

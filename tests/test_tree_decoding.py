@@ -74,6 +74,17 @@ def check_calibration_counts(target):
     np.testing.assert_array_equal(per_size[:, -1], hist @ np.arange(hist.shape[1]))
     assert np.all(per_size[:, 0] <= hist.sum(axis=1))  # one node: at most one token a round
     assert per_size[:, -1].sum() > per_size[:, 1].sum()  # deep nodes do get accepted
+    # With a grafted lookup branch: S more columns (the sizes with the branch in place of
+    # their weakest nodes; exactness per round: tests/test_calibration.py), none of them
+    # more than the grafted tree itself accepted, each family non-decreasing in s.
+    run = decode(target, draft, _prompts(11, 4), [0] * 4, SamplingParams.make(), 40,
+                 StopCriteria(), SpecConfig.tree(3, 3, 22).with_lookup(3), calibration_sizes=sizes)
+    counts = np.asarray(run.state.size_accepted)  # [B,2S]
+    hist = np.asarray(run.state.accept_hist)
+    assert counts.shape == (4, 2 * len(sizes))
+    for family in (counts[:, :len(sizes)], counts[:, len(sizes):]):
+        assert np.all(np.diff(family, axis=1) >= 0)
+        assert np.all(family <= (hist @ np.arange(hist.shape[1]))[:, None])
 
 
 def check_auto(target):
@@ -84,18 +95,26 @@ def check_auto(target):
                        top_k=3, depth=3)
     sizes = [row["total_tokens"] for row in auto.table]
     assert sizes[0] == 1 and auto.table[0]["acceptance_length"] == 1.0  # plain decoding
-    from eaglejax.autotune import MARGIN
+    from eaglejax.autotune import LOOKUP, MARGIN
 
     best = max(auto.table, key=lambda row: row["expected_tokens_per_s"])
-    if best["expected_tokens_per_s"] < MARGIN * auto.table[0]["expected_tokens_per_s"]:
-        best = auto.table[0]
-    chosen = 1 if auto.choice is None else auto.choice.total_tokens
-    assert chosen == best["total_tokens"]
-    verify = [row["verify_ms"] for row in auto.table]
-    assert verify == sorted(verify)
-    assert auto.choice is None or auto.choice.method == "tree"
-    als = [row["acceptance_length"] for row in auto.table]
-    assert als == sorted(als) and als[-1] > 1.5  # the self-draft accepts deep paths
+    speedup = best["expected_tokens_per_s"] / auto.table[0]["expected_tokens_per_s"]
+    if speedup < MARGIN:
+        best, speedup = auto.table[0], 1.0
+    chosen = (1, 0) if auto.choice is None else (auto.choice.total_tokens, auto.choice.lookup)
+    assert chosen == (best["total_tokens"], best["lookup"])
+    assert auto.expected_speedup == speedup
+    assert auto.choice is None or (auto.choice.method == "tree" and
+                                   auto.choice.lookup_replaces == bool(auto.choice.lookup))
+    for lookup in (0, LOOKUP):  # each family: verify cost and AL grow with the node count
+        rows = [row for row in auto.table[1:] if row["lookup"] == lookup]
+        assert [row["total_tokens"] for row in rows] == sorted(row["total_tokens"] for row in rows)
+        verify = [auto.table[0]["verify_ms"]] + [row["verify_ms"] for row in rows]
+        assert verify == sorted(verify)
+        als = [row["acceptance_length"] for row in rows]
+        assert als == sorted(als) and als[-1] > 1.5  # the self-draft accepts deep paths
+    assert {row["total_tokens"] for row in auto.table if row["lookup"]} == \
+        {s for s in sizes[1:] if s > LOOKUP}
     plain = eaglejax.generate(_prompts(5, 2), target=target, max_new_tokens=24,
                               ignore_eos=True)
     out = eaglejax.generate(_prompts(5, 2), target=target, draft=draft,
@@ -106,7 +125,8 @@ def check_auto(target):
     from eaglejax.autotune import cached_choice
     ran = cached_choice(target, draft, _prompts(5, 2), 24)
     assert out[0].metrics.speculative == (
-        "plain (auto: faster than speculating here)" if ran is None else ran.describe())
+        "plain (auto: faster than speculating here)" if ran.choice is None else
+        f"{ran.choice.describe()} (auto: expected {ran.expected_speedup:.2f}x plain)")
     # A head that accepts nothing never pays for its drafting: auto decodes plainly.
     useless = random_eagle3(target, seed=3)
     assert choose_tree(target, useless, _prompts(5, 2), 24, calibration_tokens=16, top_k=3,
@@ -140,7 +160,9 @@ def check_auto_is_remembered(target, cache_dir):
         stored = json.loads((cache_dir / autotune.CHOICES_FILE).read_text())
         assert len(calls) == 1 and len(stored) == 1
         autotune._CHOICES.clear()  # as a new process
-        assert autotune.cached_choice(target, draft, prompts, 24) == first and len(calls) == 1
+        again = autotune.cached_choice(target, draft, prompts, 24)
+        assert (again.choice, again.expected_speedup) == (first.choice, first.expected_speedup)
+        assert len(calls) == 1
         autotune.cached_choice(target, draft, prompts, 200)  # another length bucket
         assert len(calls) == 2
         assert len(json.loads((cache_dir / autotune.CHOICES_FILE).read_text())) == 2

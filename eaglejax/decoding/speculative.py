@@ -29,9 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.config import ModelConfig
-from eaglejax.decoding import lookup
-from eaglejax.decoding.acceptance import (
-    greedy_accepted_nodes, sample_accept, tree_greedy_accept, tree_sample_accept)
+from eaglejax.decoding import calibration, lookup
+from eaglejax.decoding.acceptance import sample_accept, tree_greedy_accept, tree_sample_accept
 from eaglejax.decoding.drafting import (
     Head, Root, draft_chain, draft_dynamic_tree, draft_static_tree)
 from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
@@ -59,7 +58,7 @@ class SpecState(NamedTuple):
     row_keys: jax.Array  # [B] PRNG keys, one per row (sampling)
     accept_hist: jax.Array  # [B,D+1] rounds per row that accepted exactly a draft tokens
     forwards: jax.Array  # int32 scalar: target forwards in the loop
-    size_accepted: jax.Array  # [B,S] draft tokens the best s-node subtrees would have accepted
+    size_accepted: jax.Array  # [B,S] or [B,2S]: see `spec_loop`
     context: jax.Array  # [B,C] x_0..x_n per row when spec.lookup, else [B,0]
 
 
@@ -137,9 +136,18 @@ def spec_prefill(params: Params, config: ModelConfig, draft_params: Params,
                                        first[:, None], prompt_lengths)
     return SpecState(cache, draft_cache, first, draft_logits, draft_hidden, output, row_keys,
                      jnp.zeros((batch, spec.max_depth + 1), jnp.int32), jnp.int32(0),
-                     jnp.zeros((batch, len(calibration_sizes)), jnp.int32), context)
+                     jnp.zeros((batch, _calibration_width(spec, calibration_sizes)), jnp.int32),
+                     context)
 
 
+
+
+def _calibration_width(spec: SpecConfig, sizes: tuple[int, ...]) -> int:
+    """Columns of `SpecState.size_accepted` (see `spec_loop`)."""
+    if sizes and (spec.method != "tree" or spec.lookup_replaces):
+        raise ValueError(f"calibration counts need a dynamic tree whose lookup branch (if any) "
+                         f"is grafted, not {spec.describe()}")
+    return len(sizes) * (2 if spec.lookup else 1)
 
 
 def _draft_round(head: Head, root: Root, spec: SpecConfig, greedy: bool,
@@ -186,9 +194,12 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
     """Speculate (chain, dynamic tree or static tree, per `spec`) until every row finishes:
     greedy matching, or lossless speculative sampling when not `greedy`.
 
-    `calibration_sizes` (greedy dynamic trees only) also counts, per row, the draft tokens
-    the best s-node subtree of each round's tree would have accepted, for each s given:
-    exact, since those subtrees are the trees a smaller `total_tokens` would have drafted.
+    `calibration_sizes` (greedy dynamic trees only) also counts in `size_accepted` [B,S],
+    per row, the draft tokens the best s-node subtree of each round's tree would have
+    accepted, for each s given: exact, since those subtrees are the trees a smaller
+    `total_tokens` would have drafted. With a (grafted) lookup branch, S more columns count
+    what each size with that branch in place of its weakest nodes would have accepted
+    (`decoding.calibration`).
     """
     depth = spec.max_depth
     head = Head(draft_params, draft_config, params,
@@ -254,10 +265,12 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
         hist = s.accept_hist.at[rows, n_accepted].add(running.astype(jnp.int32))
         size_accepted = s.size_accepted
         if calibration_sizes:
-            accepted = greedy_accepted_nodes(tree, logits, depth)
-            size_accepted = size_accepted + running[:, None] * jnp.stack(
-                [jnp.max(jnp.where(accepted & (tree.ranks < size), tree.depths, 0), axis=1)
-                 for size in calibration_sizes], axis=1)
+            counts = calibration.subtree_acceptance(tree, logits, depth, calibration_sizes)
+            if spec.lookup:
+                counts = jnp.concatenate([counts, calibration.lookup_subtree_acceptance(
+                    tree, logits, depth, calibration_sizes, copied,
+                    matched >= spec.lookup_ngram, spec.lookup)], axis=1)
+            size_accepted = size_accepted + running[:, None] * counts
         return SpecState(target_cache, draft_cache, jnp.where(running, bonus, s.last_token),
                          draft_logits, draft_hidden, out, s.row_keys, hist, s.forwards + 1,
                          size_accepted, context)

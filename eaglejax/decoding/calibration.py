@@ -1,0 +1,65 @@
+"""What smaller trees would have accepted, counted on one round of the largest tree.
+
+`speculative="auto"` (`eaglejax.autotune`) drafts the largest dynamic tree and, every
+greedy round, counts per candidate size s the draft tokens the tree `total_tokens=s` would
+have accepted: its s best-ranked nodes form exactly that tree (EAGLE-2 scores), and the
+target's argmax at a node depends only on the node's path, so one verification answers
+for every size.
+
+With a context-lookup branch grafted onto the largest tree (`lookup.graft`), the same round
+also answers for "size s with the branch in place of its weakest nodes" (`lookup.fit`):
+where the whole n-gram matched, that tree is the s - n best nodes plus the copied tokens
+hung under the deepest of those nodes already holding their prefix; every node of it has a
+twin with the same path in the grafted largest tree, so its acceptance is exact too.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from eaglejax.decoding.acceptance import greedy_accepted_nodes
+from eaglejax.decoding.tree import Tree
+
+
+def _deepest(tree: Tree, nodes: jax.Array) -> jax.Array:
+    """[B]: the greatest depth among `nodes` [B,N] (0 when none)."""
+    return jnp.max(jnp.where(nodes, tree.depths, 0), axis=1)
+
+
+def subtree_acceptance(tree: Tree, target_logits: jax.Array, max_depth: int,
+                       sizes: tuple[int, ...]) -> jax.Array:
+    """[B,S]: draft tokens the best s-node subtree of `tree` accepts greedily, per size s."""
+    accepted = greedy_accepted_nodes(tree, target_logits, max_depth)
+    return jnp.stack([_deepest(tree, accepted & (tree.ranks < s)) for s in sizes], axis=1)
+
+
+def on_copied_path(tree: Tree, copied: jax.Array, max_depth: int) -> jax.Array:
+    """[B,N]: nodes whose root path spells a prefix of the copied tokens [B,L] (the root
+    counts; siblings hold distinct tokens, so at most one node per depth)."""
+    wanted = jnp.take_along_axis(copied, jnp.clip(tree.depths - 1, 0, copied.shape[1] - 1),
+                                 axis=1)
+    on_path = (tree.tokens == wanted) | (tree.depths == 0)
+    up = jnp.maximum(tree.parents, 0)
+    for _ in range(max_depth):
+        on_path = on_path & jnp.take_along_axis(on_path, up, axis=1)
+    return on_path
+
+
+def lookup_subtree_acceptance(tree: Tree, target_logits: jax.Array, max_depth: int,
+                              sizes: tuple[int, ...], copied: jax.Array, use: jax.Array,
+                              lookup: int) -> jax.Array:
+    """[B,S]: draft tokens `lookup.fit` of the best s-node subtree with `lookup` copied tokens
+    would accept greedily, per size s (> lookup), counted on `tree`: the largest tree with
+    the same copied tokens [B,L] grafted (`lookup.graft`, ranks of grafted nodes past every
+    head node's). Rows where not `use` [B] keep the head's s nodes."""
+    accepted = greedy_accepted_nodes(tree, target_logits, max_depth)
+    on_path = on_copied_path(tree, copied, max_depth)
+    agreed = _deepest(tree, accepted & on_path)  # the copied tokens the target agrees with
+    counts = []
+    for s in sizes:
+        kept = tree.ranks < s - lookup
+        held = _deepest(tree, on_path & kept)  # where fit hangs the branch
+        fitted = jnp.maximum(_deepest(tree, accepted & kept), jnp.minimum(agreed, held + lookup))
+        counts.append(jnp.where(use, fitted, _deepest(tree, accepted & (tree.ranks < s))))
+    return jnp.stack(counts, axis=1)

@@ -1,0 +1,106 @@
+"""`decoding.calibration`: what each smaller tree (with or without a lookup branch in place of
+its weakest nodes) would accept, counted on one grafted largest tree, against building each
+of those trees for real (`lookup.fit`) and finding its longest path the target agrees with."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eaglejax.decoding import calibration, lookup
+from eaglejax.decoding.tree import tree_from_parents
+
+VOCAB = 4  # node tokens 0..3; the target's argmax off its own path is token 4, never drafted
+
+
+def _head_trees(rng, batch, n_nodes, depth):
+    """Random trees in node order (parents first, distinct sibling tokens, depth <= depth);
+    ranks = node order, so the best s nodes are a subtree, as in EAGLE-2."""
+    tokens = np.zeros((batch, n_nodes), np.int32)
+    parents = np.full((batch, n_nodes), -1, np.int32)
+    for b in range(batch):
+        tokens[b, 0] = rng.integers(VOCAB)
+        depths, used = [0], {0: set()}
+        for i in range(1, n_nodes):
+            open_nodes = [j for j in range(i) if depths[j] < depth and len(used[j]) < VOCAB]
+            p = int(rng.choice(open_nodes[:4]))  # favour early (high-ranked) parents
+            token = int(rng.choice(sorted(set(range(VOCAB)) - used[p])))
+            used[p].add(token)
+            used[i] = set()
+            tokens[b, i], parents[b, i] = token, p
+            depths.append(depths[p] + 1)
+    return tokens, parents
+
+
+def _paths(tokens, parents):
+    """Per node, its draft tokens from the root down (root excluded)."""
+    paths = []
+    for i in range(len(tokens)):
+        path, j = [], i
+        while parents[j] >= 0:
+            path.append(int(tokens[j]))
+            j = parents[j]
+        paths.append(path[::-1])
+    return paths
+
+
+def _target_logits(tree, truth):
+    """One-hot logits of a target whose greedy continuation is `truth` [B,L]: at a node whose
+    path is a prefix of it, the next truth token; elsewhere the never-drafted token."""
+    tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+    argmax = np.full(tokens.shape, VOCAB, np.int32)
+    for b in range(tokens.shape[0]):
+        for i, path in enumerate(_paths(tokens[b], parents[b])):
+            if path == list(truth[b, :len(path)]):
+                argmax[b, i] = truth[b, len(path)]
+    return jnp.asarray(np.eye(VOCAB + 1, dtype=np.float32)[argmax])
+
+
+def _accepted(tree, truth):
+    """[B]: the longest prefix of truth that is a root path of the tree (greedy acceptance)."""
+    tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+    return np.array([max(len(p) for p in _paths(tokens[b], parents[b])
+                         if p == list(truth[b, :len(p)])) for b in range(len(tokens))])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_counts_match_the_trees_they_stand_for(seed):
+    rng = np.random.default_rng(seed)
+    batch, draft_depth, n_lookup, largest = 16, 4, 3, 16
+    sizes = (4, 6, 9, 12, 16)
+    tokens, parents = _head_trees(rng, batch, largest, draft_depth)
+    ranks = jnp.broadcast_to(jnp.arange(largest), (batch, largest))
+    head = tree_from_parents(jnp.asarray(tokens), jnp.asarray(parents), draft_depth, ranks)
+    # The target's continuation; the copied tokens follow it for a random number of tokens.
+    truth = rng.integers(VOCAB, size=(batch, draft_depth + n_lookup + 1))
+    agree = rng.integers(0, draft_depth + n_lookup + 1, size=batch)
+    copied = np.where(np.arange(draft_depth + n_lookup)[None, :] < agree[:, None],
+                      truth[:, :-1], rng.integers(VOCAB, size=(batch, draft_depth + n_lookup)))
+    copied = jnp.asarray(copied, jnp.int32)
+    use = jnp.asarray(rng.random(batch) < 0.7)
+
+    grafted = lookup.graft(head, copied, draft_depth, n_lookup)
+    logits = _target_logits(grafted, truth)
+    depth = draft_depth + n_lookup
+    plain = np.asarray(calibration.subtree_acceptance(grafted, logits, depth, sizes))
+    fitted = np.asarray(calibration.lookup_subtree_acceptance(grafted, logits, depth, sizes,
+                                                              copied, use, n_lookup))
+    for k, s in enumerate(sizes):
+        sub_tokens, sub_parents, sub_ranks = lookup._pruned(head, s)
+        subtree = tree_from_parents(sub_tokens, sub_parents, draft_depth, sub_ranks)
+        np.testing.assert_array_equal(plain[:, k], _accepted(subtree, truth), err_msg=f"size {s}")
+        real = lookup.fit(subtree, copied, use, draft_depth, n_lookup)
+        np.testing.assert_array_equal(fitted[:, k], _accepted(real, truth),
+                                      err_msg=f"size {s} with lookup")
+    # The branch matters in these trees: some rows accept more with it, and none of the
+    # trees with a branch is counted as the plain one.
+    assert np.any(fitted > plain) and np.any(fitted < plain)
+
+
+def test_on_copied_path_marks_one_node_per_depth():
+    tokens = jnp.asarray([[9, 1, 2, 1, 3]])
+    parents = jnp.asarray([[-1, 0, 0, 1, 3]])
+    tree = tree_from_parents(tokens, parents, 3, jnp.arange(5)[None])
+    marked = calibration.on_copied_path(tree, jnp.asarray([[1, 1, 3, 0]]), 3)
+    assert marked.tolist() == [[True, True, False, True, True]]
+    marked = calibration.on_copied_path(tree, jnp.asarray([[1, 2, 3, 0]]), 3)
+    assert marked.tolist() == [[True, True, False, False, False]]
