@@ -64,7 +64,7 @@ class AutoChoice:
 
 
 def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_new_tokens: int,
-                *, calibration_tokens: int = 32, max_rows: int = 4, top_k: int | None = None,
+                *, calibration_tokens: int = 128, max_rows: int = 4, top_k: int | None = None,
                 depth: int | None = None) -> AutoChoice:
     """Choose `total_tokens` and whether a lookup branch replaces the weakest nodes for
     `encoded` prompts (token ids) on this device, or None when plain decoding is expected to
@@ -107,7 +107,7 @@ def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_ne
             al = 1.0 + acc / rounds
             table.append({"total_tokens": s, "lookup": lookup, "acceptance_length": float(al),
                           "verify_ms": verify_ms[s], "expected_tokens_per_s":
-                          1e3 * al * batch / (draft_ms + verify_ms[s])})
+                          float(1e3 * al * batch / (draft_ms + verify_ms[s]))})
     best = max(table, key=lambda row: row["expected_tokens_per_s"])
     speedup = best["expected_tokens_per_s"] / table[0]["expected_tokens_per_s"]
     if speedup < MARGIN:

@@ -150,6 +150,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    gen.add_argument("--no-draft", action="store_true",
+                     help="decode plainly even where eaglejax ships a head for --model (by "
+                          "default a built-in model with a shipped head speculates with it "
+                          "whenever `auto` finds that faster on this machine)")
 
     bench = commands.add_parser("bench", help="decoding speed on MT-bench first turns")
     _add_model_args(bench)
@@ -247,11 +251,16 @@ def _add_train_args(commands) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    if args.no_draft and args.draft is not None:
+        raise InputError("--no-draft and --draft exclude each other")
     speculative = _check_decoding_args(args)
     validation.prompt_list(args.prompts)
     validation.stop_strings(args.stop, name="--stop")
     from eaglejax import generate, load_target
+    from eaglejax.draft.shipped import shipped_head
 
+    if args.draft is None and not args.no_draft and shipped_head(args.model) is not None:
+        args.draft, speculative = str(shipped_head(args.model)), "auto"
     target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype)
     results = generate(args.prompts, target=target, draft=_load_draft(args, target),
                        speculative=speculative,

@@ -307,6 +307,7 @@ _TRAIN = ["train-draft", "--data", "README.md"]
     (["generate", "hi", "--tree", "4,4,12"], "--tree needs --draft"),
     (["generate", "hi", "--static-tree", "[[0]]"], "--static-tree needs --draft"),
     (["generate", "hi", "--auto-tree"], "--auto-tree needs --draft"),
+    (["generate", "hi", "--draft", "random", "--no-draft"], "--no-draft and --draft exclude"),
     (["generate", "hi", "--draft", "random", "--tree", "4,4"], "--tree wants TOP_K,DEPTH,TOTAL"),
     (["generate", "hi", "--draft", "/no/such/head"], "--draft: /no/such/head: no such file"),
     (["bench", "--seed", str(2**32)], "--seed must lie in [0, 2**32)"),

@@ -46,3 +46,18 @@ def test_exports_reload_exactly(layout, head, smollm2, tmp_path):
     np.testing.assert_array_equal(np.asarray(again.d2t), np.asarray(head.d2t))
     for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(head.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_installed_package_carries_the_head():
+    """`eaglejax generate` finds the head through the installed package (a wheel copies
+    `checkpoints/`, a source checkout links it): every file as in the repository."""
+    from eaglejax.draft.shipped import shipped_head
+
+    installed = shipped_head("smollm2-135m-instruct")
+    assert installed is not None
+    files = sorted(p.relative_to(HEAD) for p in HEAD.rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(installed) for p in installed.rglob("*")
+                                     if p.is_file())
+    for name in files:
+        assert (installed / name).read_bytes() == (HEAD / name).read_bytes(), name
+    assert shipped_head("no-such-model") is None

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -89,18 +90,33 @@ def test_stop_string_cuts_text_and_tokens(smollm2):
 
 
 def test_cli_generate_json(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "eaglejax.cli", "generate", "Name a color.", "--max-new-tokens",
-         "8", "--json"], capture_output=True, text=True, timeout=600)
+    """Plain (`--no-draft`), the default (the shipped head where `auto` finds it faster on
+    this machine, else plain: the same tokens either way) and an explicit tree."""
+    env = {**os.environ, "EAGLEJAX_CACHE": str(tmp_path / "cache"),
+           "EAGLEJAX_AUTOTUNE_CACHE": "1"}
+    command = [sys.executable, "-m", "eaglejax.cli", "generate", "Name a color.",
+               "--max-new-tokens", "8", "--json"]
+    proc = subprocess.run(command + ["--no-draft"], capture_output=True, text=True,
+                          timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr
     (result,) = json.loads(proc.stdout)
     assert result["finish_reason"] in ("eos", "length")
     assert 1 <= len(result["token_ids"]) <= 8
     assert result["metrics"]["prompt_tokens"] > 5
+    assert result["metrics"]["speculative"] is None
+    default = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    assert default.returncode == 0, default.stderr
+    (chosen,) = json.loads(default.stdout)
+    assert chosen["token_ids"] == result["token_ids"]
+    shape = chosen["metrics"]["speculative"]
+    assert shape == "plain (auto: faster than speculating here)" or (
+        shape.startswith("tree top_k=4 depth=4") and "(auto: expected " in shape
+        and chosen["metrics"]["acceptance_length"] >= 1.0), shape
+    assert (tmp_path / "cache" / "autotune.json").is_file()  # the next call will not calibrate
     tree = subprocess.run(
         [sys.executable, "-m", "eaglejax.cli", "generate", "Name a color.", "--max-new-tokens",
          "8", "--json", "--draft", "random", "--tree", "3,2,6"],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, env=env)
     assert tree.returncode == 0, tree.stderr
     (spec,) = json.loads(tree.stdout)
     assert spec["token_ids"] == result["token_ids"]
