@@ -37,6 +37,7 @@ from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.decoding.tree import num_candidates
 from eaglejax.errors import InputError
 from eaglejax.fingerprints import draft_fingerprint, target_fingerprint
 from eaglejax.loading.files import write_atomically
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 
 SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MARGIN = 1.05  # expected speed over plain decoding below which speculating is not worth it
-LOOKUP, LOOKUP_NGRAM = 4, 3  # the lookup branch weighed (BENCHMARKS.md: best of 2-4 tokens)
+LOOKUP, LOOKUP_NGRAM = 4, 3  # the lookup branch weighed (the one measured in BENCHMARKS.md)
 CANDIDATES = "trees, trees with lookup 4 replacing"  # part of the disk key: what was weighed
 
 
@@ -76,7 +77,7 @@ def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_ne
     largest_preset = SpecConfig.preset(jax.default_backend(), 1)
     top_k = top_k or largest_preset.top_k
     depth = depth or largest_preset.depth
-    sizes = tuple(s for s in SIZES if s <= top_k + (depth - 1) * top_k ** 2 + 1)
+    sizes = tuple(s for s in SIZES if s <= num_candidates(top_k, depth) + 1)
     calibrated = SpecConfig.tree(top_k, depth, sizes[-1]).with_lookup(LOOKUP, LOOKUP_NGRAM)
     rows = encoded[:max_rows]
     greedy = SamplingParams.make()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Sequence
 
+from eaglejax.decoding.tree import num_candidates
 from eaglejax.errors import InputError
 
 Method = Literal["chain", "tree", "static"]
@@ -78,7 +79,7 @@ class SpecConfig:
         if self.method == "tree":
             _positive_int("top_k", self.top_k, 64)
             _positive_int("depth", self.depth, 32)
-            most = self.top_k + (self.depth - 1) * self.top_k ** 2 + 1
+            most = num_candidates(self.top_k, self.depth) + 1
             if not isinstance(self.total_tokens, int) or not 2 <= self.total_tokens <= min(most, 256):
                 raise InputError(f"total_tokens must be an integer in [2, {min(most, 256)}] for "
                                  f"top_k={self.top_k}, depth={self.depth}; got {self.total_tokens!r}")

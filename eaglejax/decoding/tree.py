@@ -39,6 +39,7 @@ class Tree(NamedTuple):
 
 
 def num_candidates(top_k: int, depth: int) -> int:
+    """Draft tokens an EAGLE-2 tree of this top_k and depth chooses its nodes from."""
     return top_k + (depth - 1) * top_k * top_k
 
 
