@@ -6,8 +6,8 @@ As the reference's `total_token=-1`, the target's forward is timed at a few node
 measured, not modelled: one greedy calibration run drafts the largest tree with a lookup
 branch of `LOOKUP` tokens grafted and records, every round, how many draft tokens each
 candidate would have accepted (exact, `decoding.calibration`): the tree `total_tokens=s`,
-and the same tree with the branch in place of its weakest nodes (`with_lookup(LOOKUP,
-replaces=True)`: same node count, so same verify cost). Expected tokens/s for a candidate
+and the same tree with a branch of n = 1..LOOKUP copied tokens in place of its n weakest
+nodes (`with_lookup(n, replaces=True)`: same node count, so same verify cost). Expected tokens/s for a candidate
 of s nodes is AL / (draft_ms + verify_ms(s)), draft_ms being the measured round time minus
 the calibration tree's verify time (lookup bookkeeping included). Plain decoding competes
 as size 1: AL 1, one single-token forward a token (what a plain step costs; see
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 
 SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MARGIN = 1.05  # expected speed over plain decoding below which speculating is not worth it
-LOOKUP, LOOKUP_NGRAM = 4, 3  # the lookup branch weighed (the one measured in BENCHMARKS.md)
-CANDIDATES = "trees, trees with lookup 4 replacing"  # part of the disk key: what was weighed
+LOOKUP, LOOKUP_NGRAM = 6, 3  # lookup branches of 1..LOOKUP tokens are weighed
+CANDIDATES = "trees, trees with lookup 1-6 replacing"  # part of the disk key: what was weighed
 
 
 @dataclasses.dataclass
@@ -101,8 +101,8 @@ def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_ne
     draft_ms = max(round_ms - verify_ms[calibrated.num_nodes], 0.0)
     table = [{"total_tokens": 1, "lookup": 0, "acceptance_length": 1.0,
               "verify_ms": verify_ms[1], "expected_tokens_per_s": 1e3 * batch / verify_ms[1]}]
-    for lookup, counts in ((0, accepted[:len(sizes)]), (LOOKUP, accepted[len(sizes):])):
-        for s, acc in zip(sizes, counts):
+    for lookup in range(LOOKUP + 1):
+        for s, acc in zip(sizes, accepted[lookup * len(sizes):(lookup + 1) * len(sizes)]):
             if s <= lookup:
                 continue  # the branch would replace every node
             al = 1.0 + acc / rounds

@@ -74,15 +74,16 @@ def check_calibration_counts(target):
     np.testing.assert_array_equal(per_size[:, -1], hist @ np.arange(hist.shape[1]))
     assert np.all(per_size[:, 0] <= hist.sum(axis=1))  # one node: at most one token a round
     assert per_size[:, -1].sum() > per_size[:, 1].sum()  # deep nodes do get accepted
-    # With a grafted lookup branch: S more columns (the sizes with the branch in place of
-    # their weakest nodes; exactness per round: tests/test_calibration.py), none of them
+    # With a grafted lookup branch of 3 tokens: 3 more blocks of S columns (the sizes with 1,
+    # 2, 3 of those tokens in place of their weakest nodes; exactness per round:
+    # tests/test_calibration.py), none of them
     # more than the grafted tree itself accepted, each family non-decreasing in s.
     run = decode(target, draft, _prompts(11, 4), [0] * 4, SamplingParams.make(), 40,
                  StopCriteria(), SpecConfig.tree(3, 3, 22).with_lookup(3), calibration_sizes=sizes)
-    counts = np.asarray(run.state.size_accepted)  # [B,2S]
+    counts = np.asarray(run.state.size_accepted)  # [B,S*(1+3)]: no branch, then 1..3 tokens
     hist = np.asarray(run.state.accept_hist)
-    assert counts.shape == (4, 2 * len(sizes))
-    for family in (counts[:, :len(sizes)], counts[:, len(sizes):]):
+    assert counts.shape == (4, 4 * len(sizes))
+    for family in np.split(counts, 4, axis=1):
         assert np.all(np.diff(family, axis=1) >= 0)
         assert np.all(family <= (hist @ np.arange(hist.shape[1]))[:, None])
 
@@ -106,15 +107,14 @@ def check_auto(target):
     assert auto.expected_speedup == speedup
     assert auto.choice is None or (auto.choice.method == "tree" and
                                    auto.choice.lookup_replaces == bool(auto.choice.lookup))
-    for lookup in (0, LOOKUP):  # each family: verify cost and AL grow with the node count
+    tree_sizes = [row["total_tokens"] for row in auto.table if row["lookup"] == 0][1:]
+    for lookup in range(LOOKUP + 1):  # each family: verify cost and AL grow with the nodes
         rows = [row for row in auto.table[1:] if row["lookup"] == lookup]
-        assert [row["total_tokens"] for row in rows] == sorted(row["total_tokens"] for row in rows)
         verify = [auto.table[0]["verify_ms"]] + [row["verify_ms"] for row in rows]
         assert verify == sorted(verify)
         als = [row["acceptance_length"] for row in rows]
         assert als == sorted(als) and als[-1] > 1.5  # the self-draft accepts deep paths
-    assert {row["total_tokens"] for row in auto.table if row["lookup"]} == \
-        {s for s in sizes[1:] if s > LOOKUP}
+        assert [row["total_tokens"] for row in rows] == [s for s in tree_sizes if s > lookup]
     plain = eaglejax.generate(_prompts(5, 2), target=target, max_new_tokens=24,
                               ignore_eos=True)
     out = eaglejax.generate(_prompts(5, 2), target=target, draft=draft,

@@ -58,7 +58,7 @@ class SpecState(NamedTuple):
     row_keys: jax.Array  # [B] PRNG keys, one per row (sampling)
     accept_hist: jax.Array  # [B,D+1] rounds per row that accepted exactly a draft tokens
     forwards: jax.Array  # int32 scalar: target forwards in the loop
-    size_accepted: jax.Array  # [B,S] or [B,2S]: see `spec_loop`
+    size_accepted: jax.Array  # [B,S*(1+lookup)]: see `spec_loop`
     context: jax.Array  # [B,C] x_0..x_n per row when spec.lookup, else [B,0]
 
 
@@ -147,7 +147,7 @@ def _calibration_width(spec: SpecConfig, sizes: tuple[int, ...]) -> int:
     if sizes and (spec.method != "tree" or spec.lookup_replaces):
         raise ValueError(f"calibration counts need a dynamic tree whose lookup branch (if any) "
                          f"is grafted, not {spec.describe()}")
-    return len(sizes) * (2 if spec.lookup else 1)
+    return len(sizes) * (1 + spec.lookup)
 
 
 def _draft_round(head: Head, root: Root, spec: SpecConfig, greedy: bool,
@@ -197,9 +197,9 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
     `calibration_sizes` (greedy dynamic trees only) also counts in `size_accepted` [B,S],
     per row, the draft tokens the best s-node subtree of each round's tree would have
     accepted, for each s given: exact, since those subtrees are the trees a smaller
-    `total_tokens` would have drafted. With a (grafted) lookup branch, S more columns count
-    what each size with that branch in place of its weakest nodes would have accepted
-    (`decoding.calibration`).
+    `total_tokens` would have drafted. With a (grafted) lookup branch of L tokens, L more
+    blocks of S columns count what each size would have accepted with a branch of 1..L of
+    those tokens in place of its weakest nodes (`decoding.calibration`).
     """
     depth = spec.max_depth
     head = Head(draft_params, draft_config, params,
@@ -265,12 +265,11 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
         hist = s.accept_hist.at[rows, n_accepted].add(running.astype(jnp.int32))
         size_accepted = s.size_accepted
         if calibration_sizes:
-            counts = calibration.subtree_acceptance(tree, logits, depth, calibration_sizes)
-            if spec.lookup:
-                counts = jnp.concatenate([counts, calibration.lookup_subtree_acceptance(
-                    tree, logits, depth, calibration_sizes, copied,
-                    matched >= spec.lookup_ngram, spec.lookup)], axis=1)
-            size_accepted = size_accepted + running[:, None] * counts
+            counts = [calibration.subtree_acceptance(tree, logits, depth, calibration_sizes)]
+            counts += [calibration.lookup_subtree_acceptance(
+                tree, logits, depth, calibration_sizes, copied, matched >= spec.lookup_ngram, n)
+                for n in range(1, spec.lookup + 1)]
+            size_accepted = size_accepted + running[:, None] * jnp.concatenate(counts, axis=1)
         return SpecState(target_cache, draft_cache, jnp.where(running, bonus, s.last_token),
                          draft_logits, draft_hidden, out, s.row_keys, hist, s.forwards + 1,
                          size_accepted, context)
