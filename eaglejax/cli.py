@@ -306,6 +306,9 @@ def _bench(args: argparse.Namespace) -> None:
     validation.integer("--num-prompts", args.num_prompts, 1)
     speculative = _check_decoding_args(args)
     questions = mt_bench_questions(args.questions)
+    if args.num_prompts > len(questions):
+        raise InputError(f"--num-prompts {args.num_prompts}: the questions file has only "
+                         f"{len(questions)}")
     target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype)
     if args.balanced:
         questions = interleave_categories(questions)

@@ -314,6 +314,7 @@ _TRAIN = ["train-draft", "--data", "README.md"]
     (["bench", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["bench", "--batch-size", "0"], "--batch-size must be an integer"),
     (["bench", "--num-prompts", "0"], "--num-prompts must be an integer"),
+    (["bench", "--num-prompts", "81"], "--num-prompts 81: the questions file has only 80"),
     (["bench", "--auto-tree"], "--auto-tree needs --draft"),
     (["bench", "--questions", "/no/such.jsonl"], "/no/such.jsonl: MT-bench question file"),
     (["convert", "/no/such/head", "{tmp}/out", "--target", "x"], "SRC: /no/such/head"),
