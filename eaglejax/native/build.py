@@ -2,10 +2,11 @@
 machine, and load it.
 
 The library is built with `-march=native` (the kernels are tuned to the CPU that runs
-them) into `<eaglejax cache>/native/<key>/`, where the key hashes the source, the jaxlib
-version, the compiler and the CPU; a build goes to a temporary name and is renamed into
-place, so concurrent processes never load a half-written file. `$CXX` picks the compiler
-(default `g++`, then `c++`, then `clang++`); `EAGLEJAX_NATIVE=0` turns native kernels off.
+them) into `<eaglejax cache>/native/<key>/`, where the key hashes the source and the
+headers beside it (`*.h`), the jaxlib version, the compiler and the CPU; a build goes to a
+temporary name and is renamed into place, so concurrent processes never load a
+half-written file. `$CXX` picks the compiler (default `g++`, then `c++`, then `clang++`);
+`EAGLEJAX_NATIVE=0` turns native kernels off.
 A failed build is reported once (a warning with the compiler's message) and returns None.
 """
 
@@ -48,10 +49,11 @@ def compiler() -> str | None:
 
 
 def _build(source: Path, cxx: str) -> Path:
-    text = source.read_bytes()
+    headers = [header.read_bytes() for header in sorted(source.parent.glob("*.h"))]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"\0".join([
-        text, jaxlib.__version__.encode(), version.encode(), " ".join(FLAGS).encode(),
+        source.read_bytes(), *headers,
+        jaxlib.__version__.encode(), version.encode(), " ".join(FLAGS).encode(),
         repr(sorted(hardware.isa_features())).encode(), hardware.cpu_model().encode(),
     ])).hexdigest()[:16]
     target = cache_root() / "native" / key / f"{source.stem}.so"

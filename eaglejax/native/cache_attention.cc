@@ -9,57 +9,30 @@
 // new tokens in order (hidden ones weigh exactly 0), its dot products run over d in order
 // and its sums over keys in order, so its result does not depend on T or on the other
 // queries (a verify block reproduces the single-token step). Tasks are spread over XLA's intra-op
-// thread pool as in few_row_matmul.cc.
+// thread pool (parallel_tasks.h).
 //
 // q [B,T,Hq,D], k_cache/v_cache [B,Hkv,S,D], lengths [B] int32, k_new/v_new [B,T,Hkv,D],
 // mask [B,T,T] uint8 (query t sees new token j iff mask[b,t,j]); out [B,T,Hq,D]. A query
 // that sees nothing gets zeros. D must be a multiple of the vector width.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel_tasks.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
 constexpr int kMaxD = 256;
 constexpr int kQueryGroup = 4;  // queries accumulated together in the value pass
-
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-
-inline float lane_sum(Vec v) {
-#if defined(__AVX512F__)
-  auto h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  auto h8 = v;
-#endif
-  auto h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  auto h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
-  return h2[0] + h2[1];
-}
 
 // e^x lane by lane for x <= 0 (softmax weights), exactly 0 below -87 (and for -inf):
 // x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error
@@ -92,8 +65,6 @@ struct Job {
   const uint8_t* mask;
   float* out;
   int64_t B, T, Hq, Hkv, S, D;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 };
 
 // Every query of row b over KV head h. Queries sit in vector lanes (query i = (t, g),
@@ -183,15 +154,6 @@ void run_task(const Job& job, int64_t task, std::vector<float>& buffer) {
   }
 }
 
-void work(Job& job) {
-  std::vector<float> buffer;
-  const int64_t tasks = job.B * job.Hkv;
-  for (int64_t t; (t = job.next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
-    run_task(job, t, buffer);
-    job.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error cache_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
                            ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> k_new,
@@ -220,11 +182,11 @@ ffi::Error cache_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   job->D = qd[3];
   job->Hkv = kd[1];
   job->S = kd[2];
-  const int64_t tasks = job->B * job->Hkv;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { work(*job); });
-  work(*job);
-  while (job->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+  parallel_tasks(pool, job->B * job->Hkv, [job] {  // one (row, KV head) per task
+    return [job, buffer = std::vector<float>()](int64_t task) mutable {
+      run_task(*job, task, buffer);
+    };
+  });
   return ffi::Error::Success();
 }
 

@@ -7,16 +7,15 @@
 // in L1 and does M fused multiply-adds per weight element loaded. The float32 sum of every
 // output element runs over k in the same order whatever M is, so a row's result does not
 // depend on the other rows in the block (a verify block reproduces the single-token step).
-// Work is split over XLA's intra-op thread pool in chunks of w rows claimed atomically;
-// the calling thread works too and then waits only for chunks already claimed.
+// Work is split over XLA's intra-op thread pool in chunks of w rows (parallel_tasks.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 
+#include "parallel_tasks.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -24,10 +23,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;  // one zmm register
 constexpr int kRowsX = 6;   // x rows per tile: 6 x 4 accumulators + 4 w + 1 x registers
 #else
-constexpr int kLanes = 8;   // one ymm register (AVX2) or two xmm registers
 constexpr int kRowsX = 3;   // 3 x 4 accumulators in 16 registers
 #endif
 constexpr int kRowsW = 4;   // w rows per tile (8 when M <= 2)
@@ -36,16 +33,8 @@ constexpr int64_t kChunk = 32;  // w rows per unit of threaded work
 // the core waiting on memory: fetch each w stream this many floats (32 KB) ahead as well.
 constexpr int64_t kPrefetchAhead = 8192;
 
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-
 typedef uint16_t Half __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t Word __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 // bfloat16 is the top half of a float32: widen by shifting into place.
 inline Vec load(const uint16_t* p) {
@@ -64,19 +53,6 @@ inline float scalar(uint16_t v) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
-}
-
-// Pairwise: halves added until one lane is left (a fixed order).
-inline float lane_sum(Vec v) {
-#if defined(__AVX512F__)
-  auto h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  auto h8 = v;
-#endif
-  auto h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  auto h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
-  return h2[0] + h2[1];
 }
 
 // Output rows m0..m0+MX-1, columns n0..n0+RW-1.
@@ -136,9 +112,7 @@ struct Job {
   const float* x;
   const W* w;
   float* y;
-  int64_t M, K, N, n_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  int64_t M, K, N;
 };
 
 template <typename W>
@@ -156,14 +130,6 @@ void run_chunk(const Job<W>& job, int64_t chunk) {
   for (; n0 < end; ++n0) columns<1, W>(job.x, job.w, job.y, job.M, job.K, job.N, n0);
 }
 
-template <typename W>
-void work(Job<W>& job) {
-  for (int64_t c; (c = job.next.fetch_add(1, std::memory_order_relaxed)) < job.n_chunks;) {
-    run_chunk(job, c);
-    job.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 template <typename W, typename WBuffer>
 ffi::Error few_row_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuffer w,
                           ffi::ResultBuffer<ffi::F32> y) {
@@ -178,11 +144,9 @@ ffi::Error few_row_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuffer
   job->M = xd[0];
   job->K = xd[1];
   job->N = wd[0];
-  job->n_chunks = (job->N + kChunk - 1) / kChunk;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->n_chunks) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { work(*job); });
-  work(*job);
-  while (job->done.load(std::memory_order_acquire) < job->n_chunks) std::this_thread::yield();
+  parallel_tasks(pool, (job->N + kChunk - 1) / kChunk, [job] {
+    return [job](int64_t chunk) { run_chunk(*job, chunk); };
+  });
   return ffi::Error::Success();
 }
 
