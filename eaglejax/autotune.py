@@ -48,8 +48,12 @@ if TYPE_CHECKING:
 
 SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MARGIN = 1.05  # expected speed over plain decoding below which speculating is not worth it
-LOOKUP, LOOKUP_NGRAM = 6, 3  # lookup branches of 1..LOOKUP tokens are weighed
-CANDIDATES = "trees, trees with lookup 1-6 replacing"  # part of the disk key: what was weighed
+LOOKUP, LOOKUP_NGRAM = 4, 3  # lookup branches of 1..LOOKUP tokens are weighed
+CANDIDATES = "trees, trees with lookup 1-4 replacing"  # part of the disk key: what was weighed
+# On a CPU, verify blocks of up to 16 tokens run the native kernels and larger ones XLA's
+# dot at several times the cost per row: the calibration tree (largest size + LOOKUP) stays
+# within 16 nodes there, so the draft cost read off its round is that of the candidates.
+CPU_CALIBRATION_NODES = 16
 
 
 @dataclasses.dataclass
@@ -77,24 +81,26 @@ def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_ne
     largest_preset = SpecConfig.preset(jax.default_backend(), 1)
     top_k = top_k or largest_preset.top_k
     depth = depth or largest_preset.depth
-    sizes = tuple(s for s in SIZES if s <= num_candidates(top_k, depth) + 1)
+    most = num_candidates(top_k, depth) + 1
+    if jax.default_backend() == "cpu":
+        most = min(most, CPU_CALIBRATION_NODES - LOOKUP)
+    sizes = tuple(s for s in SIZES if s <= most)
     calibrated = SpecConfig.tree(top_k, depth, sizes[-1]).with_lookup(LOOKUP, LOOKUP_NGRAM)
     rows = encoded[:max_rows]
     greedy = SamplingParams.make()
     steps = min(calibration_tokens, max_new_tokens)
-    run = None
-    for _ in range(2):  # the first run compiles; the second is timed
-        run = decode(target, draft, rows, [0] * len(rows), greedy, steps, StopCriteria((), ()),
-                     calibrated, calibration_sizes=sizes)
+    runs = [decode(target, draft, rows, [0] * len(rows), greedy, steps, StopCriteria((), ()),
+                   calibrated, calibration_sizes=sizes) for _ in range(3)]
+    run = runs[0]  # greedy: every run drafts and accepts the same; the timings differ
     rounds = max(int(np.asarray(run.state.accept_hist).sum()), 1)
-    accepted = np.asarray(run.state.size_accepted).sum(axis=0)  # sizes, then with lookup
-    round_ms = 1e3 * run.decode_s / max(int(run.state.forwards), 1)
+    accepted = np.asarray(run.state.size_accepted).sum(axis=0)  # per size and branch length
+    round_ms = 1e3 * min(r.decode_s for r in runs) / max(int(run.state.forwards), 1)
 
     context = max(len(ids) for ids in encoded) + max_new_tokens // 2
     capacity = cache_capacity(max(len(ids) for ids in encoded), max_new_tokens,
                               calibrated.num_nodes)
     node_counts = (1, *sizes, calibrated.num_nodes)
-    verify_ms = {n: single_forward_ms(target, context, capacity, batch, repeats=5, tokens=n)
+    verify_ms = {n: single_forward_ms(target, context, capacity, batch, repeats=15, tokens=n)
                  for n in node_counts}
     for smaller, n in zip(node_counts, node_counts[1:]):  # more tokens never verify faster
         verify_ms[n] = max(verify_ms[n], verify_ms[smaller])

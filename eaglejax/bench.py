@@ -34,9 +34,10 @@ def median_seconds(fn: Callable, args: tuple, repeats: int = 20, warmup: int = 3
 
 def single_forward_ms(target: Target, context: int, capacity: int, batch: int = 1,
                       repeats: int = 20, tokens: int = 1) -> float:
-    """Median time of one jitted forward of `tokens` new tokens per row (with argmax) over a
-    `context`-long cache: with one token, the floor one decode step cannot beat; with more,
-    the cost of verifying that many draft nodes."""
+    """Median time of one jitted forward of `tokens` new tokens per row (with the output
+    head and argmax at every one of them, as verification needs) over a `context`-long
+    cache: with one token, the floor one decode step cannot beat; with more, the cost of
+    verifying that many draft nodes."""
     config = target.config
     offsets = jnp.arange(tokens)[None, :]
 
@@ -46,7 +47,7 @@ def single_forward_ms(target: Target, context: int, capacity: int, batch: int = 
         out = forward(params, config, block, cache.lengths[:, None] + offsets, cache,
                       attn_impl=target.attn_impl)
         cache = out.cache  # rows staged, lengths unchanged: every step sees the same context
-        return jnp.argmax(lm_head(params, out.hidden[:, -1]), -1).astype(jnp.int32), cache
+        return jnp.argmax(lm_head(params, out.hidden), -1)[:, -1].astype(jnp.int32), cache
 
     cache = kv_cache.init_cache(config.num_layers, batch, capacity, config.num_kv_heads,
                                 config.head_dim, target.dtype)
