@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 from collections.abc import Mapping
@@ -191,17 +192,24 @@ def _speculative_report(header: dict[str, Any], floor_ms: float, draft,
     """Speed, acceptance and round cost of one speculative run against the plain run."""
     rows = spec["results"]
     rounds = [r.metrics.target_forwards - 1 for r in rows]
-    al = float(np.average([r.metrics.acceptance_length for r in rows], weights=rounds))
-    by_position = np.average([r.metrics.acceptance_by_position for r in rows], axis=0,
-                             weights=rounds)
+    # With speculative="auto" a row may have run plainly (AL 1, no draft position reached)
+    # and rows may have run shapes of different depths.
+    lengths = [r.metrics.acceptance_length or 1.0 for r in rows]
+    positions = [r.metrics.acceptance_by_position or [] for r in rows]
+    depth = max(len(p) for p in positions)
+    al = float(np.average(lengths, weights=rounds))
+    by_position = np.average([p + [0.0] * (depth - len(p)) for p in positions], axis=0,
+                             weights=rounds) if depth else np.zeros(0)
     by_category: dict[str, list] = {}
-    for question, row, n in zip(questions, rows, rounds):
-        by_category.setdefault(question.category, []).append((row.metrics.acceptance_length, n))
+    for question, length, n in zip(questions, lengths, rounds):
+        by_category.setdefault(question.category, []).append((length, n))
+    shapes = collections.Counter(r.metrics.speculative for r in rows)
     plain_step_ms = 1e3 * plain["decode_s"] / plain["steps"]
     spec_step_ms = 1e3 * spec["decode_s"] / spec["steps"]
     return {
         "mode": "speculative", **header,
-        "draft": draft.source, "speculative": rows[0].metrics.speculative,
+        "draft": draft.source, "speculative": shapes.most_common(1)[0][0],
+        "speculative_shapes": dict(shapes),
         "plain_decode_tokens_per_s": plain["decode_tokens"] / plain["decode_s"],
         "spec_decode_tokens_per_s": spec["decode_tokens"] / spec["decode_s"],
         "speedup": (spec["decode_tokens"] / spec["decode_s"])

@@ -161,3 +161,20 @@ def test_bench_speculative_reports_side_by_side(smollm2):
                                 sampling=sampling)
     assert sampled["sampling"] == sampling and "identical_tokens" not in sampled
     assert sampled["acceptance_length"] >= 1.0 and sampled["spec_decode_tokens_per_s"] > 0
+
+
+def test_bench_reports_auto_rows_that_ran_plainly(smollm2):
+    """speculative="auto" may decode some rows plainly (here all: a random head never pays):
+    they count as AL 1 with no draft position reached, beside a shape that speculated."""
+    from eaglejax.bench import compare_speculative
+    from eaglejax.datasets import mt_bench_questions
+    from eaglejax.draft.draft import new_eagle3_draft
+
+    questions = mt_bench_questions()[:2]
+    chain, auto = compare_speculative(smollm2, new_eagle3_draft(smollm2, seed=2), questions,
+                                      [eaglejax.SpecConfig.chain(2), "auto"], max_new_tokens=6)
+    assert chain["speculative_shapes"] == {"chain K=2": 2}
+    assert auto["speculative_shapes"] == {"plain (auto: faster than speculating here)": 2}
+    assert auto["acceptance_length"] == 1.0 and auto["acceptance_by_position"] == []
+    assert set(auto["acceptance_length_by_category"].values()) == {1.0}
+    assert auto["identical_tokens"] and chain["identical_tokens"]
