@@ -1,5 +1,6 @@
 """`speculative="auto"`: pick the dynamic tree size (with or without a context-lookup
-branch) with the best expected tokens/s, or plain decoding when nothing is expected to beat it.
+branch) with the best expected tokens/s, or plain decoding when nothing is expected to
+beat it.
 
 As the reference's `total_token=-1`, the target's forward is timed at a few node counts
 (batch and context as in the request). The acceptance each candidate would reach is
@@ -7,9 +8,10 @@ measured, not modelled: one greedy calibration run drafts the largest tree with 
 branch of `LOOKUP` tokens grafted and records, every round, how many draft tokens each
 candidate would have accepted (exact, `decoding.calibration`): the tree `total_tokens=s`,
 and the same tree with a branch of n = 1..LOOKUP copied tokens in place of its n weakest
-nodes (`with_lookup(n, replaces=True)`: same node count, so same verify cost). Expected tokens/s for a candidate
-of s nodes is AL / (draft_ms + verify_ms(s)), draft_ms being the measured round time minus
-the calibration tree's verify time (lookup bookkeeping included). Plain decoding competes
+nodes (`with_lookup(n, replaces=True)`: same node count, so same verify cost). Expected
+tokens/s for a candidate of s nodes is AL / (draft_ms + verify_ms(s)), draft_ms being the
+fastest calibration round time minus the calibration tree's verify time (lookup
+bookkeeping included). Plain decoding competes
 as size 1: AL 1, one single-token forward a token (what a plain step costs; see
 BENCHMARKS.md). Timings are noisy on a shared machine: a size's verify time is taken as at
 least that of every smaller size, and speculation must be expected to beat plain decoding

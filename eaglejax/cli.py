@@ -259,8 +259,9 @@ def _generate(args: argparse.Namespace) -> None:
     from eaglejax import generate, load_target
     from eaglejax.draft.shipped import shipped_head
 
-    if args.draft is None and not args.no_draft and shipped_head(args.model) is not None:
-        args.draft, speculative = str(shipped_head(args.model)), "auto"
+    default_head = None if args.draft or args.no_draft else shipped_head(args.model)
+    if default_head is not None:
+        args.draft, speculative = str(default_head), "auto"
     target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype)
     results = generate(args.prompts, target=target, draft=_load_draft(args, target),
                        speculative=speculative,

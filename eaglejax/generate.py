@@ -224,7 +224,8 @@ def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seed
 
 
 def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "Draft",
-                  encoded: list[list[int]], max_new_tokens: int) -> tuple[SpecConfig | None, str]:
+                  encoded: list[list[int]],
+                  max_new_tokens: int) -> tuple[SpecConfig | None, str]:
     """The speculation shape to run (None: plain decoding, which `auto` found faster) and
     how to name it in the metrics."""
     if speculative is None:
