@@ -127,15 +127,26 @@ def check_auto(target):
     assert out[0].metrics.speculative == (
         "plain (auto: faster than speculating here)" if ran.choice is None else
         f"{ran.choice.describe()} (auto: expected {ran.expected_speedup:.2f}x plain)")
-    # A head that accepts nothing never pays for its drafting: auto decodes plainly.
+    # A head that accepts nothing never pays for its drafting: every tree without copied
+    # tokens loses to plain decoding, so auto decodes plainly or, where this tiny model
+    # repeats itself (lookup branches accept up to AL ~1.9 here), speculates through lookup
+    # only; which of the two wins is a matter of sub-millisecond timings.
     useless = random_eagle3(target, seed=3)
-    assert choose_tree(target, useless, _prompts(5, 2), 24, calibration_tokens=16, top_k=3,
-                       depth=3).choice is None
+    auto = choose_tree(target, useless, _prompts(5, 2), 24, calibration_tokens=16, top_k=3,
+                       depth=3)
+    trees = [row for row in auto.table[1:] if row["lookup"] == 0]
+    assert all(row["acceptance_length"] < 1.25 for row in trees)
+    plain_speed = auto.table[0]["expected_tokens_per_s"]
+    assert all(row["expected_tokens_per_s"] < plain_speed for row in trees)
+    assert auto.choice is None or auto.choice.lookup > 0
     out = eaglejax.generate(_prompts(5, 2), target=target, draft=useless,
                             speculative="auto", max_new_tokens=24, ignore_eos=True)
     assert [o.token_ids for o in out] == [p.token_ids for p in plain]
-    assert out[0].metrics.speculative.startswith("plain")
-    assert out[0].metrics.acceptance_length is None
+    ran = cached_choice(target, useless, _prompts(5, 2), 24)
+    assert ran.choice is None or ran.choice.lookup > 0
+    if ran.choice is None:
+        assert out[0].metrics.speculative.startswith("plain")
+        assert out[0].metrics.acceptance_length is None
 
 
 def check_auto_is_remembered(target, cache_dir):
