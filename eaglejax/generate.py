@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -20,6 +21,7 @@ from eaglejax.decoding.speculative import spec_loop, spec_prefill
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP, StopCriteria
 from eaglejax.errors import ConfigError, InputError
+from eaglejax.sharding.distributed import fetch
 from eaglejax.target import Target
 
 if TYPE_CHECKING:
@@ -205,7 +207,24 @@ def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seed
     common = dict(stop=criteria, attn_impl=target.attn_impl)
     args = (target.params, target.config)
     prompt, prompt_lengths = jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32)
+    if target.mesh is not None:  # every process passes the same inputs, replicated
+        from eaglejax.sharding.placement import replicate
 
+        prompt, prompt_lengths, row_keys, sampling, max_new = replicate(
+            (prompt, prompt_lengths, row_keys, sampling, max_new), target.mesh)
+    with on_mesh(target.mesh):
+        return _decode_compiled(target, draft, args, prompt, prompt_lengths, row_keys, sampling,
+                                max_new, capacity, max_tokens, greedy, spec, calibration_sizes,
+                                common)
+
+
+def on_mesh(mesh: jax.sharding.Mesh | None):
+    """The context that traces over `mesh` (`jax.set_mesh`); nothing without one."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def _decode_compiled(target, draft, args, prompt, prompt_lengths, row_keys, sampling, max_new,
+                     capacity, max_tokens, greedy, spec, calibration_sizes, common) -> DecodeRun:
     if draft is None:
         prefilled = _compile_then_run(
             plain.prefill, *args, prompt, prompt_lengths, row_keys, sampling, max_new,
@@ -326,9 +345,9 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
         spec, shape = _resolve_spec(speculative, target, draft, encoded, max_new_tokens)
         draft = draft if spec is not None else None
     run = decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria, spec)
-    tokens, counts, finish, forwards = jax.device_get(
+    tokens, counts, finish, forwards = fetch(
         (run.state.out.tokens, run.state.out.counts, run.state.out.finish, run.state.forwards))
-    hist = None if draft is None else jax.device_get(run.state.accept_hist)
+    hist = None if draft is None else fetch(run.state.accept_hist)
 
     results = []
     for i in range(batch):

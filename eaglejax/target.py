@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from eaglejax import validation
 from eaglejax.config import ModelConfig
@@ -50,6 +51,19 @@ class Target:
     source: str
     eos_token_ids: tuple[int, ...] = ()
     attn_impl: AttentionImpl = "auto"
+    mesh: Mesh | None = None  # the device mesh the parameters are sharded over
+
+    def on_mesh(self, mesh: Mesh) -> "Target":
+        """This target with its parameters sharded over `mesh` (`eaglejax.make_mesh`;
+        rule table: `eaglejax.sharding.rules`); parameters already placed there stay."""
+        from eaglejax.sharding.placement import TargetPlacement
+
+        if self.mesh is not None:
+            raise InputError(f"{self.source}: this target is already on a mesh; load it "
+                             f"again with load_target(..., mesh=) for another")
+        placement = TargetPlacement.plan(self.config, mesh)
+        params = placement.place_tree(self.params)
+        return dataclasses.replace(self, config=placement.config, params=params, mesh=mesh)
 
     @property
     def dtype(self) -> jnp.dtype:

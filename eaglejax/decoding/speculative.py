@@ -126,7 +126,7 @@ def spec_prefill(params: Params, config: ModelConfig, draft_params: Params,
     shifted = shifted.at[rows, prompt_lengths - 1].set(first)
     d = draft_config.decoder
     draft_cache = kv_cache.init_cache(d.num_layers, batch, capacity, d.num_kv_heads,
-                                      d.head_dim, compute_dtype(params))
+                                      d.head_dim, compute_dtype(params), heads_axis=None)
     draft_cache, draft_logits, draft_hidden = _draft_prefill(
         draft_params, draft_config, params, draft_cache, shifted,
         _features(prefilled, draft_config), prompt_lengths, attn_impl, prefill_chunk)

@@ -67,6 +67,16 @@ class Draft:
             return self.target.final_hidden(token_ids)
         return self.target.features(token_ids, self.config.tap_layers)
 
+    def for_target(self, target: "Target") -> "Draft":
+        """This head for `target`, the same model placed elsewhere (`Target.on_mesh`): on
+        a mesh the head is replicated on every device (see `eaglejax.sharding.placement`)."""
+        from eaglejax.sharding.placement import replicate
+
+        params, d2t = self.params, self.d2t
+        if target.mesh is not None:
+            params, d2t = replicate((params, d2t), target.mesh)
+        return dataclasses.replace(self, params=params, d2t=d2t, target=target)
+
     def save(self, path: str) -> None:
         """Write the head in eaglejax's own format (a new or empty directory)."""
         from eaglejax.draft.formats.native import save_draft

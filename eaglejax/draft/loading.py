@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eaglejax.draft.draft import Draft
 from eaglejax.errors import LoadError
@@ -71,5 +72,11 @@ def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | N
     layout, weights = detect_format(path)
     config, params, d2t = READERS[layout](path, target.config, weights)
     dtype = jnp.dtype(dtype) if dtype is not None else target.dtype
+    if target.mesh is not None:  # replicated on every device: see sharding.placement
+        from eaglejax.sharding.placement import replicate
+
+        host = jax.tree.map(lambda a: np.asarray(a).astype(dtype), params)
+        params, d2t = replicate((host, np.asarray(d2t, np.int32)), target.mesh)
+        return Draft(config, params, d2t, target, str(path))
     params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
     return Draft(config, params, jnp.asarray(d2t, jnp.int32), target, str(path))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from eaglejax.config import ModelConfig
 from eaglejax import validation
@@ -23,21 +24,26 @@ def default_dtype() -> jnp.dtype:
 
 
 def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = None,
-                weight_dtype: jnp.dtype | str | None = None) -> Target:
+                weight_dtype: jnp.dtype | str | None = None, mesh: Mesh | None = None) -> Target:
     """Load a target from a built-in name, a GGUF file, an HF directory or an eaglejax
     checkpoint. `dtype`: compute and parameter dtype; `weight_dtype`: store the matrices
-    in another (e.g. bfloat16 under float32 compute: `Target.with_weight_dtype`)."""
+    in another (e.g. bfloat16 under float32 compute: `Target.with_weight_dtype`).
+    `mesh` (`eaglejax.make_mesh`): every weight goes from the file straight into its
+    sharding on the mesh (`eaglejax.sharding.placement`), never whole onto one device."""
     if not isinstance(path_or_name, (str, os.PathLike)):
         raise InputError(f"load_target wants a model name or path, got {path_or_name!r}")
     if dtype is not None:
         dtype = validation.dtype("dtype", dtype, FLOAT_DTYPES)
     if weight_dtype is not None:
         weight_dtype = validation.dtype("weight_dtype", weight_dtype, FLOAT_DTYPES)
-    target = _load(path_or_name, dtype)
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise InputError(f"mesh must be a jax.sharding.Mesh (eaglejax.make_mesh), "
+                         f"got {type(mesh).__name__}")
+    target = _load(path_or_name, dtype, mesh)
     return target if weight_dtype is None else target.with_weight_dtype(weight_dtype)
 
 
-def _load(path_or_name: str | Path, dtype: jnp.dtype | str | None) -> Target:
+def _load(path_or_name: str | Path, dtype: jnp.dtype | str | None, mesh: Mesh | None) -> Target:
     from eaglejax.loading import checkpoint
     from eaglejax.loading.builtin import resolve_builtin
 
@@ -48,37 +54,51 @@ def _load(path_or_name: str | Path, dtype: jnp.dtype | str | None) -> Target:
                         f"(built-in: smollm2-135m-instruct)")
     dtype = jnp.dtype(dtype) if dtype is not None else None
     if path.is_dir() and checkpoint.is_checkpoint(path):
-        config, params, tokenizer, eos_ids = checkpoint.load_checkpoint(path, dtype)
-        return Target(config, params, tokenizer, str(path), eos_ids)
+        config, params, tokenizer, eos_ids = checkpoint.load_checkpoint(path, dtype, mesh)
+        target = Target(config, params, tokenizer, str(path), eos_ids)
+        return target if mesh is None else target.on_mesh(mesh)
     dtype = dtype or default_dtype()
     if path.is_dir():
         if (path / "params").is_dir() and not (path / "config.json").exists():
             raise LoadError(f"{path / checkpoint.MANIFEST}: missing, so {path} is not a "
                             f"complete eaglejax checkpoint (its save was interrupted, or the "
                             f"manifest was deleted)")
-        return _load_hf_dir(path, dtype)
+        return _load_hf_dir(path, dtype, mesh)
     require_regular_file(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == GGUF_MAGIC or path.suffix == ".gguf":
-        return _load_gguf(path, dtype)
+        return _load_gguf(path, dtype, mesh)
     raise LoadError(f"{path}: not a GGUF file, Hugging Face directory or eaglejax checkpoint")
 
 
-def _load_hf_dir(path: Path, dtype: jnp.dtype) -> Target:
+def _load_hf_dir(path: Path, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
     from eaglejax.loading.hf_dir import HFWeights, read_json
     from eaglejax.loading.weights import params_from_hf
 
     config_path = path / "config.json"
     config = ModelConfig.from_hf_dict(read_json(config_path), str(config_path))
     weights = HFWeights(path)
-    params = params_from_hf(weights.get, weights.shapes(), config, str(path), dtype)
+    placement = _placement(config, mesh)
+    params = params_from_hf(weights.get, weights.shapes(), config, str(path), dtype,
+                            placement and placement.place)
+    config, mesh = (placement.config, placement.mesh) if placement else (config, None)
     if (path / "tokenizer.json").exists():
         from eaglejax.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_hf_dir(path)
-        return Target(config, params, tokenizer, str(path), tuple(tokenizer.eos_token_ids))
-    return Target(config, params, None, str(path), _config_eos_ids(path))
+        return Target(config, params, tokenizer, str(path), tuple(tokenizer.eos_token_ids),
+                      mesh=mesh)
+    return Target(config, params, None, str(path), _config_eos_ids(path), mesh=mesh)
+
+
+def _placement(config: ModelConfig, mesh: Mesh | None):
+    """The plan for putting this model on `mesh`, or None without one."""
+    if mesh is None:
+        return None
+    from eaglejax.sharding.placement import TargetPlacement
+
+    return TargetPlacement.plan(config, mesh)
 
 
 def _config_eos_ids(path: Path) -> tuple[int, ...]:
@@ -93,13 +113,16 @@ def _config_eos_ids(path: Path) -> tuple[int, ...]:
     return ()
 
 
-def _load_gguf(path: Path, dtype: jnp.dtype) -> Target:
+def _load_gguf(path: Path, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
     from eaglejax.loading.gguf_file import read_gguf
     from eaglejax.loading.weights import params_from_hf
 
     model = read_gguf(path)
     config = ModelConfig.from_hf_dict(model.config, str(path))
     shapes = {name: tuple(t.shape) for name, t in model.tensors.items()}
-    params = params_from_hf(model.tensors.__getitem__, shapes, config, str(path), dtype)
+    placement = _placement(config, mesh)
+    params = params_from_hf(model.tensors.__getitem__, shapes, config, str(path), dtype,
+                            placement and placement.place)
+    config, mesh = (placement.config, placement.mesh) if placement else (config, None)
     return Target(config, params, model.tokenizer, str(path),
-                  tuple(model.tokenizer.eos_token_ids))
+                  tuple(model.tokenizer.eos_token_ids), mesh=mesh)

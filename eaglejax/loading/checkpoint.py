@@ -17,13 +17,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh
 
 from eaglejax.config import ModelConfig
 from eaglejax.errors import EaglejaxError, LoadError
 from eaglejax.loading.files import file_checksums, verify_checksums, write_atomically
 from eaglejax.loading.hf_dir import read_json
 from eaglejax.loading.orbax_io import restore_tree
-from eaglejax.models.llama import Params, param_shapes
+from eaglejax.models.llama import Params, logical_axes, param_shapes
 from eaglejax.target import MATRICES
 
 MANIFEST = "eaglejax.json"
@@ -63,8 +64,11 @@ def saved_dtype_of(manifest: dict, source: str, key: str = "dtype") -> jnp.dtype
         raise LoadError(f"{source}: unknown {key} {value!r}") from None
 
 
-def load_checkpoint(path: Path, dtype: jnp.dtype | None):
-    """(config, params, tokenizer or None, eos ids) from a checkpoint directory."""
+def load_checkpoint(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None = None):
+    """(config, params, tokenizer or None, eos ids) from a checkpoint directory. With a
+    `mesh`, each parameter is read straight into its sharding there (orbax reads only each
+    device's slice) unless the model's KV heads must be widened for the mesh first
+    (`eaglejax.sharding.placement`): then the caller places them."""
     from eaglejax.tokenizer import Tokenizer
 
     manifest = read_json(path / MANIFEST)
@@ -86,6 +90,15 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None):
 
     abstract = jax.tree_util.tree_map_with_path(stored, param_shapes(config),
                                                 is_leaf=lambda x: isinstance(x, tuple))
+    if mesh is not None:
+        from eaglejax.sharding.placement import TargetPlacement
+        from eaglejax.sharding.rules import shardings
+
+        if TargetPlacement.plan(config, mesh).factor == 1:
+            where = shardings(mesh, logical_axes(config), abstract)
+            abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                      sharding=s),
+                                    abstract, where)
     params: Params = restore_tree(path / "params", abstract)
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
         params = jax.tree.map(lambda a: a.astype(dtype), params)

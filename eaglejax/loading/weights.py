@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -152,18 +153,29 @@ def check_hf_tensors(names_and_shapes: Mapping[str, tuple[int, ...]], config: Mo
                         f"a {config.model_type} model of this config")
 
 
+Placer = Callable[[tuple, np.ndarray], jax.Array]  # (parameter path, host array) -> array
+
+
 def params_from_hf(get: Callable[[str], np.ndarray], names_and_shapes: Mapping[str, tuple[int, ...]],
-                   config: ModelConfig, source: str, dtype: jnp.dtype) -> Params:
-    """Build the parameter tree from HF tensors fetched one by one with `get(name)`."""
+                   config: ModelConfig, source: str, dtype: jnp.dtype,
+                   place: Placer | None = None) -> Params:
+    """Build the parameter tree from HF tensors fetched one by one with `get(name)`.
+    `place(path, host array in dtype)` puts each parameter where it belongs (a device
+    mesh: `eaglejax.sharding.placement`); by default the default device."""
     check_hf_tensors(names_and_shapes, config, source)
-    to_dtype = lambda a: jnp.asarray(np.asarray(a, dtype=np.float32), dtype=dtype)  # noqa: E731
+    if place is None:
+        def to_dtype(path, a):
+            return jnp.asarray(np.asarray(a, dtype=np.float32), dtype=dtype)
+    else:
+        def to_dtype(path, a):
+            return place(path, np.asarray(a, dtype=np.float32).astype(dtype))
     layers = []
     for i in range(config.num_layers):
         layer = layer_params_from_hf(config, lambda name, i=i: get(_LAYER.format(i=i) + name))
-        layers.append({key: to_dtype(value) for key, value in layer.items()})
-    params: Params = {"embed": to_dtype(get("model.embed_tokens.weight")),
+        layers.append({key: to_dtype(("layers", i, key), value) for key, value in layer.items()})
+    params: Params = {"embed": to_dtype(("embed",), get("model.embed_tokens.weight")),
                       "layers": layers,
-                      "final_norm": to_dtype(get("model.norm.weight"))}
+                      "final_norm": to_dtype(("final_norm",), get("model.norm.weight"))}
     if not config.tie_word_embeddings:
-        params["lm_head"] = to_dtype(get("lm_head.weight"))
+        params["lm_head"] = to_dtype(("lm_head",), get("lm_head.weight"))
     return params

@@ -7,6 +7,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from eaglejax.sharding.rules import constrain
+
 
 class KVCache(NamedTuple):
     """k, v: one [batch, kv_heads, capacity, head_dim] array per layer; lengths: [batch] int32.
@@ -31,12 +33,19 @@ class KVCache(NamedTuple):
 
 
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int,
-               dtype: jnp.dtype) -> KVCache:
-    """An empty cache (all lengths 0)."""
+               dtype: jnp.dtype, heads_axis: str | None = "kv_heads") -> KVCache:
+    """An empty cache (all lengths 0). Traced over a device mesh, rows are split along
+    "batch" and heads along `heads_axis` (None: every device holds all heads, as for the
+    replicated draft head); see `eaglejax.sharding.rules`."""
     shape = (batch, num_kv_heads, capacity, head_dim)
-    layers = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-    return KVCache(layers, tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-                   jnp.zeros((batch,), jnp.int32))
+    axes = ("batch", heads_axis, "cache_seq", "head_dim")
+
+    def zeros() -> jax.Array:
+        return constrain(jnp.zeros(shape, dtype), axes)
+
+    return KVCache(tuple(zeros() for _ in range(num_layers)),
+                   tuple(zeros() for _ in range(num_layers)),
+                   constrain(jnp.zeros((batch,), jnp.int32), ("batch",)))
 
 
 def write_block(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:

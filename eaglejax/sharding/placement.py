@@ -1,0 +1,108 @@
+"""Putting weights onto a mesh: every array goes from host memory straight into its
+sharding (`jax.make_array_from_callback`: each device receives only its slice, and each
+process of a multi-host run reads only the slices of its own devices).
+
+Models with fewer KV heads than `tp` (e.g. 2 KV heads on tp=4) are widened first: each KV
+head is repeated `tp / num_kv_heads` times, each copy serving its share of the query
+heads, so attention still splits over `tp` (the same function; the K/V projections and
+the KV cache grow by that factor, as in vLLM and sglang-jax). Where neither count divides
+the other, attention stays replicated and only the MLP and vocabulary split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from eaglejax.config import ModelConfig
+from eaglejax.errors import ConfigError
+from eaglejax.models.llama import logical_axes
+from eaglejax.sharding.rules import logical_spec
+
+GROUPED_BY_KV_HEAD = ("wqkv", "bqkv")  # [kv_heads, kv_group + 2, head_dim, ...]
+
+
+def kv_widening(config: ModelConfig, tp: int) -> int:
+    """How many times to repeat each KV head on a `tp`-wide mesh: 1 when tp divides the KV
+    heads (or the attention cannot split anyway), tp / num_kv_heads when that splits it."""
+    kv = config.num_kv_heads
+    if kv % tp == 0 or tp % kv or config.num_heads % tp:
+        return 1
+    return tp // kv
+
+
+def widen_kv_heads(grouped: np.ndarray, factor: int) -> np.ndarray:
+    """[kv, group + 2, ...] -> [kv * factor, group / factor + 2, ...]: copy j of KV head g
+    carries query heads j * group / factor ... of g's group, then g's key and value."""
+    if factor == 1:
+        return grouped
+    kv, width = grouped.shape[:2]
+    share = (width - 2) // factor
+    copies = [np.concatenate([grouped[:, j * share:(j + 1) * share], grouped[:, -2:]], axis=1)
+              for j in range(factor)]
+    return np.stack(copies, axis=1).reshape(kv * factor, share + 2, *grouped.shape[2:])
+
+
+def on_mesh(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array (the same on every process), each device given
+    only its own slice."""
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Every array leaf of `tree` (host or device) as a global array replicated on `mesh`."""
+    sharding = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: on_mesh(np.asarray(x), sharding), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetPlacement:
+    """Where each parameter of a target goes on `mesh`. `config` is the model as placed
+    (KV heads widened by `factor`); `place(path, host)` puts one parameter there."""
+
+    mesh: Mesh
+    source_config: ModelConfig
+    config: ModelConfig
+    factor: int
+
+    @staticmethod
+    def plan(config: ModelConfig, mesh: Mesh) -> "TargetPlacement":
+        if set(mesh.axis_names) != {"dp", "tp"}:
+            raise ConfigError(f"the mesh must have the axes ('dp', 'tp') of "
+                              f"eaglejax.make_mesh, got {mesh.axis_names}")
+        factor = kv_widening(config, mesh.shape["tp"])
+        placed = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * factor)
+        return TargetPlacement(mesh, config, placed, factor)
+
+    def axes(self, path: tuple[str | int, ...]) -> tuple[str, ...]:
+        axes: Any = logical_axes(self.config)
+        for key in path:
+            axes = axes[key]
+        return axes
+
+    def place(self, path: tuple[str | int, ...], host: np.ndarray) -> jax.Array:
+        """Parameter `path` (e.g. ("layers", 3, "wqkv")) from its host array."""
+        if path[-1] in GROUPED_BY_KV_HEAD:
+            host = widen_kv_heads(np.asarray(host), self.factor)
+        return on_mesh(host, self.sharding(path, np.shape(host)))
+
+    def sharding(self, path: tuple[str | int, ...], shape: tuple[int, ...]) -> NamedSharding:
+        """Where parameter `path` of this (placed) shape lives."""
+        return NamedSharding(self.mesh, logical_spec(self.axes(path), shape, self.mesh))
+
+    def place_tree(self, params: Any) -> Any:
+        """Every parameter of a tree placed (from host, or from where it is); one already in
+        its sharding stays as it is."""
+        def leaf(path, x):
+            keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+            if (self.factor == 1 and isinstance(x, jax.Array)
+                    and x.sharding.is_equivalent_to(self.sharding(keys, x.shape), x.ndim)):
+                return x
+            return self.place(keys, np.asarray(x))
+
+        return jax.tree_util.tree_map_with_path(leaf, params)
