@@ -13,9 +13,11 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from eaglejax.native import cache_attention
+from eaglejax.sharding.rules import logical_spec
 
 AttentionImpl = Literal["auto", "pallas", "xla"]
 IMPLS = ("auto", "pallas", "xla")
@@ -41,9 +43,7 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_length
     if resolve_impl(impl) == "pallas":
         if k_cache.shape[2] == 0:  # prefill has no prefix; the kernel wants one (masked) slot
             k_cache = v_cache = jnp.zeros((*k_cache.shape[:2], 1, k_cache.shape[3]), k_cache.dtype)
-        return pallas_kernels.tree_attention(
-            q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, kv_layout="bhsd",
-            interpret=jax.default_backend() == "cpu")
+        return _pallas_over_local_heads(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask)
     if cache_attention.applies(q, k_cache):
         reference = functools.partial(pallas_kernels.tree_attention_reference, kv_layout="bhsd")
         return cache_attention.attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
@@ -55,6 +55,25 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_length
                                  block=KEY_BLOCK)
     return pallas_kernels.tree_attention_reference(
         q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, kv_layout="bhsd")
+
+
+def _pallas_over_local_heads(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask):
+    """The Pallas kernel, run by each device on its own rows and heads when traced over a
+    mesh (`shard_map`: a bare `pallas_call` has no partitioning rule). The heads split
+    over `tp` only where the cache's KV heads do (`eaglejax.sharding.rules`)."""
+    kernel = functools.partial(pallas_kernels.tree_attention, kv_layout="bhsd",
+                               interpret=jax.default_backend() == "cpu")
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return kernel(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask)
+    cache = logical_spec(("batch", "kv_heads", "cache_seq", "head_dim"), k_cache.shape, mesh)
+    rows, heads = cache[0], cache[1]
+    per_token = P(rows, None, heads, None)  # q, k_new, v_new: [B,T,heads,D]
+    return jax.shard_map(kernel, mesh=mesh, check_vma=False,
+                         in_specs=(per_token, cache, cache, P(rows), per_token, per_token,
+                                   P(rows, None, None)),
+                         out_specs=per_token)(q, k_cache, v_cache, cache_lengths, k_new, v_new,
+                                              mask)
 
 
 def _online_update(state: tuple[jax.Array, jax.Array, jax.Array], scores: jax.Array,
