@@ -6,10 +6,12 @@ from eaglejax.draft import Draft, load_draft
 from eaglejax.errors import ConfigError, EaglejaxError, InputError, LoadError
 from eaglejax.generate import Generation, GenerationMetrics, generate
 from eaglejax.loading import load_target
+from eaglejax.sharding import make_mesh
 from eaglejax.target import Target
 
 __all__ = [
     "ConfigError", "Draft", "EaglejaxError", "Generation", "GenerationMetrics", "InputError",
     "LoadError", "ModelConfig", "SpecConfig", "Target", "generate", "load_draft", "load_target",
+    "make_mesh",
 ]
 __version__ = "0.1.0"
