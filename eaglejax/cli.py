@@ -64,6 +64,42 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "jax-compilation; also EAGLEJAX_COMPILATION_CACHE=0)")
 
 
+def _add_mesh_args(parser: argparse.ArgumentParser) -> None:
+    mesh = parser.add_argument_group(
+        "devices", "run over a device mesh, on this host or several (jax.distributed)")
+    mesh.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (heads, MLP, "
+                      "vocabulary split over them)")
+    mesh.add_argument("--dp", type=int, default=1, help="data-parallel devices (rows split)")
+    mesh.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                      help="process 0's address, for a multi-process run (also "
+                           "$EAGLEJAX_COORDINATOR)")
+    mesh.add_argument("--num-processes", type=int, default=None,
+                      help="processes in the run (also $EAGLEJAX_NUM_PROCESSES)")
+    mesh.add_argument("--process-id", type=int, default=None,
+                      help="this process's rank, 0 .. N-1 (also $EAGLEJAX_PROCESS_ID)")
+
+
+def _mesh(args: argparse.Namespace):
+    """Join the multi-process run the flags or environment describe, then the --tp x --dp
+    mesh over every process's devices (None for one device)."""
+    validation.integer("--tp", args.tp, 1)
+    validation.integer("--dp", args.dp, 1)
+    from eaglejax.sharding.distributed import initialize
+
+    multi = initialize(args.coordinator, args.num_processes, args.process_id)
+    if args.tp * args.dp == 1 and not multi:
+        return None
+    from eaglejax.sharding import make_mesh
+
+    return make_mesh(tp=args.tp, dp=args.dp)
+
+
+def _is_first_process() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -154,6 +190,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="decode plainly even where eaglejax ships a head for --model (by "
                           "default a built-in model with a shipped head speculates with it "
                           "whenever `auto` finds that faster on this machine)")
+    _add_mesh_args(gen)
 
     bench = commands.add_parser("bench", help="decoding speed on MT-bench first turns")
     _add_model_args(bench)
@@ -256,18 +293,25 @@ def _generate(args: argparse.Namespace) -> None:
     speculative = _check_decoding_args(args)
     validation.prompt_list(args.prompts)
     validation.stop_strings(args.stop, name="--stop")
+    import jax
+
     from eaglejax import generate, load_target
     from eaglejax.draft.shipped import shipped_head
 
+    mesh = _mesh(args)
     default_head = None if args.draft or args.no_draft else shipped_head(args.model)
-    if default_head is not None:
-        args.draft, speculative = str(default_head), "auto"
-    target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype)
+    if default_head is not None:  # auto times one machine; several processes take the preset
+        args.draft = str(default_head)
+        speculative = "auto" if jax.process_count() == 1 else None
+    target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype,
+                         mesh=mesh)
     results = generate(args.prompts, target=target, draft=_load_draft(args, target),
                        speculative=speculative,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=args.chat,
                        stop=args.stop, ignore_eos=args.ignore_eos)
+    if not _is_first_process():
+        return  # every process holds the results; process 0 prints them
     if args.json:
         print(json.dumps([{"text": r.text, "token_ids": r.token_ids,
                            "finish_reason": r.finish_reason,

@@ -21,7 +21,7 @@ from eaglejax.decoding.speculative import spec_loop, spec_prefill
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP, StopCriteria
 from eaglejax.errors import ConfigError, InputError
-from eaglejax.sharding.distributed import fetch
+from eaglejax.sharding.distributed import fetch, prompts_from_first
 from eaglejax.target import Target
 
 if TYPE_CHECKING:
@@ -252,6 +252,9 @@ def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "
         return spec, spec.describe()
     if isinstance(speculative, SpecConfig):
         return speculative, speculative.describe()
+    if jax.process_count() > 1:
+        raise InputError("speculative='auto' times this machine alone, and the processes of "
+                         "a multi-process run must agree on one shape: pass a SpecConfig")
     from eaglejax.autotune import cached_choice  # "auto", see _check_speculation
 
     auto = cached_choice(target, draft, encoded, max_new_tokens)
@@ -329,7 +332,7 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
         raise ConfigError(f"the draft head {draft.source} was loaded for target "
                           f"{draft.target.source}, not {target.source}; load it with this target")
     criteria = _stop_criteria(target, stop, ignore_eos)
-    encoded = _encode_prompts(prompts, target, chat)
+    encoded, seeds = prompts_from_first(_encode_prompts(prompts, target, chat), seeds)
     batch = len(encoded)
 
     lengths = [len(ids) for ids in encoded]

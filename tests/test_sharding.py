@@ -61,6 +61,21 @@ def test_bad_mesh_arguments_are_refused():
         eaglejax.load_target("smollm2-135m-instruct", mesh="tp=2")
 
 
+@pytest.mark.parametrize("flags,match", [
+    (["--tp", "2"], "needs 2 devices"),
+    (["--dp", "0"], "--dp"),
+    (["--coordinator", "127.0.0.1:1"], "missing num_processes, process_id"),
+])
+def test_cli_refuses_bad_mesh_flags(flags, match, capsys, monkeypatch):
+    from eaglejax.cli import main
+
+    for variable in ("EAGLEJAX_COORDINATOR", "EAGLEJAX_NUM_PROCESSES", "EAGLEJAX_PROCESS_ID"):
+        monkeypatch.delenv(variable, raising=False)
+    assert main(["generate", "hi", "--no-draft", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eaglejax: error:") and match in err, err
+
+
 @pytest.mark.slow
 def test_meshes_decode_like_one_device(tmp_path):
     """tp=2, dp=2, tp=2 x dp=2 and tp=4 over 2 KV heads (widened), plus 3 KV heads on tp=2

@@ -52,6 +52,22 @@ def broadcast_from_first(value: Any) -> Any:
     return multihost_utils.broadcast_one_to_all(value)
 
 
+def prompts_from_first(prompts: list[list[int]], seeds: list[int]
+                       ) -> tuple[list[list[int]], list[int]]:
+    """Process 0's token-id prompts and row seeds on every process (each process may have
+    read its own copy of the input; process 0's is the one that runs)."""
+    if jax.process_count() == 1:
+        return prompts, seeds
+    header = np.array([len(prompts), max(map(len, prompts))], np.int64)
+    count, longest = (int(n) for n in broadcast_from_first(header))
+    table = np.full((count, longest + 2), -1, np.int64)  # seed, length, ids...
+    if jax.process_index() == 0:
+        for row, (ids, seed) in enumerate(zip(prompts, seeds)):
+            table[row, :len(ids) + 2] = [seed, len(ids), *ids]
+    table = np.asarray(broadcast_from_first(table))
+    return ([row[2:2 + row[1]].tolist() for row in table], [int(row[0]) for row in table])
+
+
 def fetch(tree: Any) -> Any:
     """Host numpy copies of a tree of (global) arrays on every process, gathered from the
     other processes where this one holds only part of an array."""

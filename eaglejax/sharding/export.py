@@ -1,0 +1,403 @@
+"""The compiled decoding loops as programs to inspect without the hardware they target.
+
+`loop_programs` pairs each jitted loop (plain `prefill` / `decode_loop`, speculative
+`spec_prefill` / `spec_loop`) with ABSTRACT arguments: weights are `jax.ShapeDtypeStruct`s
+carrying their mesh shardings (`TargetPlacement`), never materialised, so an 8B model costs
+nothing but tracing. `export_programs` serialises them with `jax.export` for "cuda" or
+"tpu" (the Pallas kernels inside as Triton / Mosaic custom calls, from a CPU host);
+`compile_programs` compiles them for this host's devices, whose partitioned HLO shows the
+collectives the sharding design implies (`count_collectives`, `layer_collectives`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from eaglejax import native
+from eaglejax.config import ModelConfig
+from eaglejax.decoding import plain
+from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.decoding.speculative import spec_loop, spec_prefill
+from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.draft import head
+from eaglejax.draft.config import DraftConfig
+from eaglejax.models import kv_cache
+from eaglejax.models.llama import param_shapes
+from eaglejax.sharding.placement import TargetPlacement
+from eaglejax.sharding.rules import logical_spec
+
+# meta-llama/Llama-3.1-8B-Instruct's config.json (the fields eaglejax reads)
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+}
+EAGLE3_DRAFT_VOCAB = 32000  # the EAGLE-3 heads published for Llama 3.1 8B
+
+# the Pallas kernels' custom calls, which carry no cross-version compatibility guarantee
+KERNEL_CALLS = tuple(jax.export.DisabledSafetyCheck.custom_call(target)
+                     for target in ("__gpu$xla.gpu.triton", "tpu_custom_call"))
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+               "collective-permute")
+# an HLO instruction: "%name = type op-name(" (async pairs as op-start / op-done)
+_OP = re.compile(r"=\s*\S.*?\s([a-z][a-z0-9-]*)\(")
+
+
+def llama31_8b_config(num_layers: int = 32) -> ModelConfig:
+    """Llama-3.1-8B's shapes (llama3 rope scaling, untied output head), `num_layers` deep."""
+    return ModelConfig.from_hf_dict({**LLAMA31_8B, "num_hidden_layers": num_layers},
+                                    source="Llama-3.1-8B")
+
+
+def eagle3_config(target: ModelConfig, draft_vocab_size: int = EAGLE3_DRAFT_VOCAB,
+                  tap_layers: tuple[int, ...] | None = None) -> DraftConfig:
+    """A one-layer EAGLE-3 head for `target` (as `new_eagle3_draft` builds it). Default taps:
+    layers 2, L/2 and L-3, or (0, L/2, L) for models too shallow for those."""
+    from eaglejax.target import default_tap_layers
+
+    layers = target.num_layers
+    if tap_layers is None:
+        tap_layers = default_tap_layers(layers) if layers >= 5 else (0, layers // 2, layers)
+    decoder = dataclasses.replace(target, model_type="llama", num_layers=1,
+                                  tie_word_embeddings=False, attention_bias=False,
+                                  qk_norm=False)
+    return DraftConfig("eagle3", decoder, draft_vocab_size, target.hidden_size,
+                       tuple(tap_layers))
+
+
+def _abstract(shape: Sequence[int], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def abstract_params(config: ModelConfig, mesh: Mesh,
+                    dtype: Any = jnp.bfloat16) -> tuple[ModelConfig, Any]:
+    """The target as placed on `mesh` (KV heads widened where tp exceeds them) and its
+    parameters as shape structs in their shardings (`TargetPlacement`)."""
+    placement = TargetPlacement.plan(config, mesh)
+
+    def leaf(path, shape):
+        keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+        return _abstract(shape, dtype, placement.sharding(keys, shape))
+
+    shapes = param_shapes(placement.config)
+    return placement.config, jax.tree_util.tree_map_with_path(leaf, shapes, is_leaf=_is_shape)
+
+
+def abstract_draft(draft_config: DraftConfig, mesh: Mesh,
+                   dtype: Any = jnp.bfloat16) -> tuple[Any, jax.ShapeDtypeStruct]:
+    """A draft head's parameters and d2t table as shape structs, replicated on `mesh` (as
+    `Draft.for_target` places a head)."""
+    everywhere = NamedSharding(mesh, PartitionSpec())
+    params = jax.tree.map(lambda shape: _abstract(shape, dtype, everywhere),
+                          head.param_shapes(draft_config), is_leaf=_is_shape)
+    return params, _abstract((draft_config.draft_vocab_size,), jnp.int32, everywhere)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopShapes:
+    """The static batch shape the loops compile for (`generate` buckets to these)."""
+
+    batch: int = 1
+    prompt_len: int = 128
+    max_new_tokens: int = 128
+
+    def capacity(self, spec: SpecConfig | None) -> int:
+        from eaglejax.generate import cache_capacity
+
+        return cache_capacity(self.prompt_len, self.max_new_tokens,
+                              spec.num_nodes if spec else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One jitted loop and the abstract arguments to trace it with. `tokens` is how many
+    positions one target forward of the loop runs per row (its all-reduce payload)."""
+
+    name: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    mesh: Mesh
+    tokens: int
+
+    def trace(self) -> jax.stages.Traced:
+        with self.context():
+            return self.fn.trace(*self.args, **self.kwargs)
+
+    def out_shapes(self) -> Any:
+        """The program's outputs as shape structs (no sharding)."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                            self.trace().out_info)
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """Traced over the mesh, with XLA's ops in place of the native CPU kernels."""
+        with jax.set_mesh(self.mesh), native.xla_only(), accelerator_kernels():
+            yield
+
+
+def _replicated(tree: Any, mesh: Mesh) -> Any:
+    everywhere = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: _abstract(x.shape, x.dtype, everywhere), tree)
+
+
+def _on_mesh(state: Any, mesh: Mesh) -> Any:
+    """Shape structs of a loop state in the shardings the prefill leaves it in: KV caches
+    (target: rows on dp, KV heads on tp; draft: rows on dp) and every other leaf's rows
+    on dp, scalars replicated."""
+    def cache(c: kv_cache.KVCache, heads: str | None) -> kv_cache.KVCache:
+        axes = ("batch", heads, "cache_seq", "head_dim")
+        place = lambda x: _abstract(  # noqa: E731
+            x.shape, x.dtype, NamedSharding(mesh, logical_spec(axes, x.shape, mesh)))
+        return kv_cache.KVCache(tuple(map(place, c.k)), tuple(map(place, c.v)),
+                                rows(c.lengths))
+
+    def rows(x: Any) -> jax.ShapeDtypeStruct:
+        axes = ("batch",) + (None,) * (len(x.shape) - 1) if x.shape else ()
+        spec = logical_spec(axes, x.shape, mesh)
+        return _abstract(x.shape, x.dtype, NamedSharding(mesh, spec))
+
+    parts = state._asdict()
+    for name in ("cache", "target_cache"):
+        if name in parts:
+            parts[name] = cache(parts[name], "kv_heads")
+    if "draft_cache" in parts:
+        parts["draft_cache"] = cache(parts["draft_cache"], None)
+    for name, value in parts.items():
+        if not isinstance(value, kv_cache.KVCache):
+            parts[name] = jax.tree.map(rows, value)
+    return type(state)(**parts)
+
+
+def loop_programs(config: ModelConfig, mesh: Mesh, shapes: LoopShapes = LoopShapes(), *,
+                  specs: dict[str, SpecConfig] | None = None,
+                  draft_config: DraftConfig | None = None, attn_impl: str = "pallas",
+                  dtype: Any = jnp.bfloat16, greedy: bool = True) -> list[Program]:
+    """The plain loop (prefill, decode_loop) and, for each named SpecConfig in `specs`, the
+    speculative loop (spec_prefill, spec_loop with an EAGLE-3 head) of `config` placed on
+    `mesh`, as abstract programs. Default specs: chain K=5 and a dynamic tree (8, 6, 60)."""
+    if specs is None:
+        specs = {"chain5": SpecConfig.chain(5), "tree60": SpecConfig.tree(8, 6, 60)}
+    placed, params = abstract_params(config, mesh, dtype)
+    b = shapes.batch
+    inputs = _replicated((jax.ShapeDtypeStruct((b, shapes.prompt_len), jnp.int32),
+                          jax.ShapeDtypeStruct((b,), jnp.int32),
+                          jax.eval_shape(jax.vmap(jax.random.PRNGKey),
+                                         jax.ShapeDtypeStruct((b,), jnp.uint32)),
+                          jax.eval_shape(SamplingParams.make),
+                          jax.ShapeDtypeStruct((), jnp.int32)), mesh)
+    prompt, lengths, keys, sampling, max_new = inputs
+    max_tokens = -(-shapes.max_new_tokens // 16) * 16
+    common = dict(greedy=greedy, stop=StopCriteria(), attn_impl=attn_impl)
+    programs = []
+
+    def add(name, fn, args, kwargs, tokens):
+        programs.append(Program(name, fn, args, kwargs, mesh, tokens))
+        return programs[-1]
+
+    first = add("prefill", plain.prefill, (params, placed, prompt, lengths, keys, sampling,
+                                           max_new),
+                dict(capacity=shapes.capacity(None), max_tokens=max_tokens, **common),
+                min(shapes.prompt_len, plain.PREFILL_CHUNK))
+    state = first.out_shapes()
+    add("decode", plain.decode_loop, (params, placed, _on_mesh(state, mesh), sampling,
+                                      max_new), common, 1)
+    if not specs:
+        return programs
+    draft_config = draft_config or eagle3_config(config)
+    draft_params, d2t = abstract_draft(draft_config, mesh, dtype)
+    for spec_name, spec in specs.items():
+        kwargs = dict(capacity=shapes.capacity(spec), max_tokens=max_tokens, spec=spec,
+                      **common)
+        first = add(f"spec_prefill[{spec_name}]", spec_prefill,
+                    (params, placed, draft_params, draft_config, prompt, lengths, keys,
+                     sampling, max_new), kwargs, min(shapes.prompt_len, plain.PREFILL_CHUNK))
+        state = first.out_shapes()
+        add(f"spec_loop[{spec_name}]", spec_loop,
+            (params, placed, draft_params, draft_config, d2t, _on_mesh(state, mesh), sampling,
+             max_new), dict(spec=spec, **common), spec.num_nodes)
+    return programs
+
+
+def export_programs(programs: Sequence[Program],
+                    platforms: Sequence[str] = ("cuda", "tpu")) -> dict[tuple[str, str], Any]:
+    """`jax.export.Exported` of every program for each platform, keyed (name, platform)."""
+    exported = {}
+    for program in programs:
+        for platform in platforms:
+            with program.context():
+                exported[program.name, platform] = jax.export.export(
+                    program.fn, platforms=(platform,), disabled_checks=KERNEL_CALLS)(
+                        *program.args, **program.kwargs)
+    return exported
+
+
+def compile_programs(programs: Sequence[Program]) -> dict[str, jax.stages.Compiled]:
+    """Every program compiled for this host's devices (the mesh's), keyed by name."""
+    compiled = {}
+    for program in programs:
+        with program.context():
+            compiled[program.name] = program.fn.lower(*program.args,
+                                                      **program.kwargs).compile()
+    return compiled
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """How many of each collective op the (partitioned) HLO text holds; an async pair
+    (`all-reduce-start` / `-done`) counts once."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for line in hlo_text.splitlines():
+        match = _OP.search(line)
+        if match is None:
+            continue
+        op = match.group(1)
+        op = op[:-len("-start")] if op.endswith("-start") else op
+        if op in counts:
+            counts[op] += 1
+    return counts
+
+
+def split_entry(hlo_text: str) -> tuple[str, str]:
+    """An HLO module's text as (its ENTRY computation, every other computation). A loop's
+    collectives sit in the others (its while body: once per step or round); those XLA
+    hoisted out of the loop, or of a program without one, in ENTRY (once per call)."""
+    entry, rest, in_entry = [], [], False
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line != "}":
+            in_entry = line.startswith("ENTRY")
+        (entry if in_entry else rest).append(line)
+    return "\n".join(entry), "\n".join(rest)
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """`count_collectives` of a compiled program, split into "call" (ENTRY: once per call)
+    and "step" (inside loops: once per decode step or speculation round)."""
+    entry, nested = split_entry(hlo_text)
+    return {"call": count_collectives(entry), "step": count_collectives(nested)}
+
+
+def layer_collectives(config: ModelConfig, mesh: Mesh, shapes: LoopShapes = LoopShapes(),
+                      depths: tuple[int, int] = (1, 2), names: Sequence[str] | None = None,
+                      **kwargs: Any) -> dict[str, dict]:
+    """Per program (`loop_programs(..., **kwargs)` compiled for this host's devices; only
+    `names` if given): the `collectives` each decoder layer adds ("per_layer", from the
+    programs at `depths[0]` and `depths[1]` layers) and those of no layer ("fixed": the
+    embedding, logits and draft head), both split into "call" and "step". Attention is
+    XLA's unless asked (the Pallas interpreter would bury the kernel in loops); the draft
+    head keeps the same taps at both depths."""
+    kwargs.setdefault("attn_impl", "xla")
+    shallow, deep = (dataclasses.replace(config, num_layers=d) for d in depths)
+    kwargs.setdefault("draft_config", eagle3_config(shallow))
+    counts = []
+    for model in (shallow, deep):
+        programs = [p for p in loop_programs(model, mesh, shapes, **kwargs)
+                    if names is None or p.name in names]
+        compiled = compile_programs(programs)
+        counts.append({name: collectives(c.as_text()) for name, c in compiled.items()})
+    result = {}
+    for name, base in counts[0].items():
+        more = counts[1][name]
+        per_layer = {where: {op: (more[where][op] - base[where][op]) // (depths[1] - depths[0])
+                             for op in COLLECTIVES} for where in base}
+        fixed = {where: {op: base[where][op] - depths[0] * per_layer[where][op]
+                         for op in COLLECTIVES} for where in base}
+        result[name] = {"per_layer": per_layer, "fixed": fixed}
+    return result
+
+
+def allreduce_bytes(batch: int, tokens: int, hidden: int, itemsize: int = 2) -> int:
+    """Bytes of one residual-stream all-reduce: B x T x hidden x itemsize."""
+    return batch * tokens * hidden * itemsize
+
+
+def ring_allreduce_seconds(nbytes: int, devices: int, bandwidth: float = 450e9,
+                           latency: float = 0.0) -> float:
+    """A ring all-reduce's time: each device sends and receives 2 (n-1)/n of the payload at
+    `bandwidth` bytes/s per direction, plus a fixed `latency` per call."""
+    if devices <= 1:
+        return 0.0
+    return 2 * (devices - 1) / devices * nbytes / bandwidth + latency
+
+
+# ------------------------------------------------------- the Pallas kernels, per platform
+
+
+@contextlib.contextmanager
+def accelerator_kernels() -> Iterator[None]:
+    """Trace `pallas_kernels.tree_attention` as the kernel of the platform being LOWERED
+    for (Triton on "cuda", Mosaic on "tpu", interpret mode elsewhere) instead of the one of
+    the process's default backend: `eaglejax.models.attention` picks `interpret` from
+    `jax.default_backend()`, which on a CPU host would export the interpreter's loops.
+
+    On "tpu" a cache of fewer than 16 slots (the one masked slot the prefill passes) is
+    padded to 16 masked slots: Mosaic fails to verify the kernel for a 1-slot cache
+    ("'vector.broadcast' op failed to verify that source operand and result have same
+    element type"), see `tpu_kernel_lowers`."""
+    import pallas_kernels
+
+    kernel = pallas_kernels.tree_attention
+    if getattr(kernel, "per_platform", False):  # already inside
+        yield
+        return
+
+    def tpu(q, k_cache, v_cache, *rest, **kwargs):
+        if k_cache.shape[2] < 16 and kwargs.get("kv_layout") == "bhsd":
+            pad = ((0, 0), (0, 0), (0, 16 - k_cache.shape[2]), (0, 0))
+            k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
+        return kernel(q, k_cache, v_cache, *rest, **kwargs, backend="tpu")
+
+    def per_platform(*args, **kwargs):
+        kwargs.pop("interpret", None)
+        kwargs.pop("backend", None)
+        return jax.lax.platform_dependent(
+            *args, cuda=functools.partial(kernel, **kwargs, backend="gpu"),
+            rocm=functools.partial(kernel, **kwargs, backend="gpu"),
+            tpu=functools.partial(tpu, **kwargs),
+            default=functools.partial(kernel, **kwargs, interpret=True))
+
+    per_platform.per_platform = True
+    pallas_kernels.tree_attention = per_platform
+    try:
+        yield
+    finally:
+        pallas_kernels.tree_attention = kernel
+
+
+def tpu_kernel_lowers(s_cache: int, t_new: int = 8, heads: tuple[int, int] = (4, 1),
+                      head_dim: int = 128) -> bool:
+    """Whether the bare Mosaic tree-attention kernel lowers for a [1, Hkv, s_cache, D]
+    head-major bf16 cache (False where Mosaic refuses it, e.g. s_cache=1 in jax 0.10.2)."""
+    import pallas_kernels
+
+    sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    n_q, n_kv = heads
+    cache = sds((1, n_kv, s_cache, head_dim), bf16)
+    new = sds((1, t_new, n_kv, head_dim), bf16)
+    args = (sds((1, t_new, n_q, head_dim), bf16), cache, cache, sds((1,), jnp.int32), new,
+            new, sds((1, t_new, t_new), jnp.bool_))
+    fn = functools.partial(pallas_kernels.tree_attention, backend="tpu", kv_layout="bhsd")
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+    except Exception as err:  # noqa: BLE001 - Mosaic raises its own verification errors
+        if "verif" in type(err).__name__.lower() or "verif" in str(err).lower():
+            return False
+        raise
+    return True

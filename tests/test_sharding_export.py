@@ -1,0 +1,166 @@
+"""The sharded decoding loops export for accelerators from this CPU host (`jax.export`,
+Pallas kernels inside), and their tp=8 partitioning runs exactly the collectives counted
+below (`eaglejax.sharding.export`).
+
+The checks run in a subprocess with 8 host CPU devices (the suite's own process has one).
+Llama-3.1-8B's widths, at 2 layers (exports) and 1 and 2 layers (compiled collective
+counts): tracing and compiling all 32 layers would take minutes per program on CI's two
+cores; examples/export_sharded.py exports the full 32-layer model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eaglejax.sharding.export import count_collectives, split_entry, tpu_kernel_lowers
+
+HERE = Path(__file__).resolve().parent
+
+# Per decoder layer, tp=8 (Megatron layout: wqkv/w_gate_up split by output, wo/w_down by
+# input), inside a decode step / speculation round ("step") or once per call ("call"):
+#   all-reduce 2: after `wo` and after `w_down` (partial sums of the residual stream).
+#   all-gather 4: the KV cache write (`kv_cache.write_block`, a scatter with the heads as
+#     an index array): GSPMD gathers the scatter's indices and updates (the new K/V rows of
+#     every head, B x T x kv_heads x D) onto every device, for K and for V. The tree loop
+#     writes twice (the staged tree, then `_commit_path`): 8.
+#   collective-permute 4 (step): `jnp.split` of the gate/up product. `w_gate_up` [2, I, H]
+#     is reshaped to [2I, H], which merges the replicated gate/up dim with the split mlp
+#     dim: devices 0-3 end up with gate columns and 4-7 with up columns, and the split
+#     pairs them again point to point.
+#   all-to-all 1 + collective-permute 1 (call): that reshape resharding the WEIGHT itself
+#     (each device's [2, I/8, H] slice, 29 MB at 8B widths), hoisted out of the while
+#     loop by XLA: once per call, and a second copy of every w_gate_up held meanwhile.
+# With write_block as a scatter whose heads are a window dim (vmap over rows of
+# `buf.at[:, slots].set(...)`) and the MLP as einsum("gmh,...h->...gm") on the 3-D weight,
+# the same programs compile to the 2 all-reduces per layer alone (checked by hand).
+PER_LAYER = {
+    "decode": {"step": {"all-reduce": 2, "all-gather": 4, "collective-permute": 4},
+               "call": {"all-to-all": 1, "collective-permute": 1}},
+    "spec_loop[chain5]": {"step": {"all-reduce": 2, "all-gather": 4, "collective-permute": 4},
+                          "call": {"all-to-all": 1, "collective-permute": 1}},
+    "spec_loop[tree]": {"step": {"all-reduce": 2, "all-gather": 8, "collective-permute": 4},
+                        "call": {"all-to-all": 1, "collective-permute": 1}},
+}
+# Per step / round, whatever the depth:
+#   decode: 1 all-reduce (the token's embedding row from the vocab-split table) and 2
+#     all-gathers (argmax over vocab-split logits: each device's best value and index).
+#   chain K=5: embeddings of the verified block, of the head's catch-up block and of its
+#     4 later draft steps (the EAGLE-3 head reads the target's vocab-split table): 6
+#     all-reduces; the greedy acceptance's argmax: 4 all-gathers.
+#   tree 4/3/12: embeddings of the verified tree, the catch-up and 2 expansion steps: 4.
+FIXED = {
+    "decode": {"all-reduce": 1, "all-gather": 2},
+    "spec_loop[chain5]": {"all-reduce": 6, "all-gather": 4},
+    "spec_loop[tree]": {"all-reduce": 4, "all-gather": 4},
+}
+
+
+@pytest.mark.slow
+def test_loops_export_and_collectives_in_8_device_process():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(HERE / "test_sharding_export.py")], cwd=HERE,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("exported ok") == 2 and "collectives ok" in proc.stdout
+
+
+def test_count_collectives_reads_sync_and_async_ops():
+    hlo = """HloModule m
+
+%body (p: f32[8]) -> f32[8] {
+  %a = f32[8]{0} all-reduce(f32[8]{0} %p), channel_id=1, to_apply=%add
+  %s = (f32[8]{0}, f32[8]{0}) all-reduce-start(f32[8]{0} %a), channel_id=2
+  %d = f32[8]{0} all-reduce-done((f32[8]{0}, f32[8]{0}) %s)
+  ROOT %t = (f32[1,8]{1,0}, f32[1,8]{1,0}) all-to-all(f32[1,8]{1,0} %d, f32[1,8]{1,0} %d)
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %g = f32[64]{0} all-gather(f32[8]{0} %x), dimensions={0}, metadata={op_name="all-gather(x)"}
+  ROOT %c = f32[8]{0} collective-permute(f32[8]{0} %g), source_target_pairs={{0,1}}
+}
+"""
+    entry, rest = split_entry(hlo)
+    assert count_collectives(rest) == {"all-reduce": 2, "all-gather": 0, "reduce-scatter": 0,
+                                       "all-to-all": 1, "collective-permute": 0}
+    assert count_collectives(entry) == {"all-reduce": 0, "all-gather": 1, "reduce-scatter": 0,
+                                        "all-to-all": 0, "collective-permute": 1}
+
+
+@pytest.mark.xfail(strict=True, reason="Mosaic (jax 0.10.2) fails to verify the TPU kernel "
+                   "for a 1-slot cache, the masked slot attention.py gives the prefill: "
+                   "'vector.broadcast' op failed to verify ... same element type")
+def test_tpu_kernel_lowers_with_the_prefills_one_slot_cache():
+    assert tpu_kernel_lowers(s_cache=1)
+
+
+def test_tpu_kernel_lowers_with_two_or_more_slots():
+    assert tpu_kernel_lowers(s_cache=2) and tpu_kernel_lowers(s_cache=16)
+
+
+# ------------------------------------------------------------ the 8-device subprocess
+
+
+def check_exports(mesh, config) -> None:
+    from eaglejax.decoding.spec_config import SpecConfig
+    from eaglejax.sharding import export
+
+    specs = {"chain5": SpecConfig.chain(5), "tree60": SpecConfig.tree(8, 6, 60)}
+    programs = export.loop_programs(config, mesh, export.LoopShapes(2, 128, 64), specs=specs)
+    assert [p.name for p in programs] == [
+        "prefill", "decode", "spec_prefill[chain5]", "spec_loop[chain5]",
+        "spec_prefill[tree60]", "spec_loop[tree60]"]
+    # the weights stay abstract and sharded: the vocabulary split over tp
+    embed = programs[0].args[0]["embed"]
+    assert embed.shape == (128256, 4096) and embed.sharding.spec[0] == (
+        "tp" if mesh.size == 8 else None)
+    exported = export.export_programs(programs, ("cuda", "tpu"))
+    for (name, platform), ex in exported.items():
+        text = ex.mlir_module()
+        assert ex.nr_devices == mesh.size and ex.platforms == (platform,), (name, platform)
+        assert ("__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call") in text
+        # the kernels are the compiled ones, not the interpreter's loops around them
+        assert ("tpu_custom_call" if platform == "cuda" else "xla.gpu.triton") not in text
+        if mesh.size > 1:
+            assert "sdy.manual_computation" in text or "shard_map" in text or (
+                "mhlo.sharding" in text), (name, platform)
+    print(f"{mesh.size} devices: exported ok")
+
+
+def check_collectives(mesh_tp, mesh_dp, config) -> None:
+    from eaglejax.decoding.spec_config import SpecConfig
+    from eaglejax.sharding import export
+
+    specs = {"chain5": SpecConfig.chain(5), "tree": SpecConfig.tree(4, 3, 12)}
+    counts = export.layer_collectives(config, mesh_tp, export.LoopShapes(1, 128, 64),
+                                      specs=specs, names=tuple(PER_LAYER))
+    zero = dict.fromkeys(export.COLLECTIVES, 0)
+    for name, want in PER_LAYER.items():
+        for where in ("step", "call"):
+            assert counts[name]["per_layer"][where] == {**zero, **want[where]}, (name, where)
+        assert counts[name]["fixed"]["step"] == {**zero, **FIXED[name]}, name
+    # dp=8: each device runs its own row; no layer communicates
+    rows = export.layer_collectives(config, mesh_dp, export.LoopShapes(8, 128, 64), specs={},
+                                    names=("decode",))
+    assert rows["decode"]["per_layer"] == {"step": zero, "call": zero}, rows
+    print("collectives ok")
+
+
+def main() -> None:
+    import jax
+
+    from eaglejax.sharding import export, make_mesh
+
+    assert len(jax.devices()) == 8, jax.devices()
+    config = export.llama31_8b_config(2)
+    check_exports(make_mesh(tp=1, devices=jax.devices()[:1]), config)
+    check_exports(make_mesh(tp=8), config)
+    check_collectives(make_mesh(tp=8), make_mesh(dp=8), config)
+
+
+if __name__ == "__main__":
+    main()
