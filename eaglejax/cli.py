@@ -285,6 +285,7 @@ def _add_train_args(commands) -> None:
                        help="regeneration cache folder (default: $EAGLEJAX_CACHE/regenerated "
                             "or ~/.cache/eaglejax/regenerated)")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_mesh_args(train)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -407,7 +408,7 @@ def _train_draft(args: argparse.Namespace) -> None:
         eval_max_new_tokens=args.eval_max_new_tokens)
     regen = RegenConfig(args.regen_temperature, args.regen_max_new_tokens, args.seq_len,
                         args.regen_slots, args.seed) if args.regenerate else None
-    target = load_target(args.target, dtype=args.dtype)
+    target = load_target(args.target, dtype=args.dtype, mesh=_mesh(args))
     rows = prepare_rows(target, args.data, seq_len=args.seq_len,
                         max_conversations=args.max_conversations, regen=regen,
                         regen_cache=args.regen_cache, cut_repeats=args.cut_repeats,

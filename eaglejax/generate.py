@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -22,6 +21,7 @@ from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP, StopCriteria
 from eaglejax.errors import ConfigError, InputError
 from eaglejax.sharding.distributed import fetch, prompts_from_first
+from eaglejax.sharding.mesh import mesh_context
 from eaglejax.target import Target
 
 if TYPE_CHECKING:
@@ -212,15 +212,10 @@ def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seed
 
         prompt, prompt_lengths, row_keys, sampling, max_new = replicate(
             (prompt, prompt_lengths, row_keys, sampling, max_new), target.mesh)
-    with on_mesh(target.mesh):
+    with mesh_context(target.mesh):
         return _decode_compiled(target, draft, args, prompt, prompt_lengths, row_keys, sampling,
                                 max_new, capacity, max_tokens, greedy, spec, calibration_sizes,
                                 common)
-
-
-def on_mesh(mesh: jax.sharding.Mesh | None):
-    """The context that traces over `mesh` (`jax.set_mesh`); nothing without one."""
-    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def _decode_compiled(target, draft, args, prompt, prompt_lengths, row_keys, sampling, max_new,

@@ -53,8 +53,7 @@ V = 64  # the tiny target's vocabulary: small, so every step is fast
 PERM = np.random.RandomState(5).permutation(V)
 
 
-@pytest.fixture(scope="module")
-def tiny_target() -> Target:
+def make_tiny_target() -> Target:
     """A random 4-layer Llama (init_params, scale 0.1) with 3x larger embeddings and an
     output matrix made of its embedding rows permuted by PERM: its next token is often
     PERM^-1 of the current token and otherwise depends on the context. Its greedy text is
@@ -66,18 +65,27 @@ def tiny_target() -> Target:
     return Target(config, params, None, "tiny-random-target")
 
 
-@pytest.fixture(scope="module")
-def sampled_rows(tiny_target):
-    """256 sequences sampled from the tiny target (temperature 1): 4 random prompt tokens
-    (no loss) and 60 sampled tokens (loss), one per 64-token row."""
+def sample_rows(target: Target, count: int = 256):
+    """`count` sequences sampled from the tiny target (temperature 1): 4 random prompt
+    tokens (no loss) and 60 sampled tokens (loss), one per 64-token row."""
     rs = np.random.RandomState(0)
-    prompts = [rs.randint(0, V, 4).tolist() for _ in range(256)]
-    outs = eaglejax.generate(prompts, target=tiny_target, max_new_tokens=60, temperature=1.0,
-                             seed=list(range(256)))
+    prompts = [rs.randint(0, V, 4).tolist() for _ in range(count)]
+    outs = eaglejax.generate(prompts, target=target, max_new_tokens=60, temperature=1.0,
+                             seed=list(range(count)))
     examples = [Example(np.array(p + o.token_ids, np.int32),
                         np.array([False] * len(p) + [True] * len(o.token_ids)))
                 for p, o in zip(prompts, outs)]
     return pack(examples, 64)
+
+
+@pytest.fixture(scope="module")
+def tiny_target() -> Target:
+    return make_tiny_target()
+
+
+@pytest.fixture(scope="module")
+def sampled_rows(tiny_target):
+    return sample_rows(tiny_target)
 
 
 @pytest.fixture(scope="module")

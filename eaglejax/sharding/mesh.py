@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import ContextManager, Sequence
 
 import jax
 import numpy as np
@@ -31,3 +32,9 @@ def make_mesh(tp: int = 1, dp: int = 1, devices: Sequence[jax.Device] | None = N
                          f"{len(devices)} are given (jax.devices(): {len(jax.devices())})")
     grid = np.asarray(devices, dtype=object).reshape(dp, tp)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def mesh_context(mesh: Mesh | None) -> ContextManager:
+    """Trace over `mesh` inside the block (`jax.set_mesh`: the loops' sharding constraints
+    and `shard_map` find it there); nothing without one."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)

@@ -60,6 +60,17 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda x: on_mesh(np.asarray(x), sharding), tree)
 
 
+def split_rows(tree: Any, mesh: Mesh) -> Any:
+    """Every host array of `tree` as a global array whose leading (row) dimension is split
+    over "dp" (replicated where dp does not divide it)."""
+    def one(x: Any) -> jax.Array:
+        x = np.asarray(x)
+        axes = ("batch",) + (None,) * (x.ndim - 1)
+        return on_mesh(x, NamedSharding(mesh, logical_spec(axes, x.shape, mesh)))
+
+    return jax.tree.map(one, tree)
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetPlacement:
     """Where each parameter of a target goes on `mesh`. `config` is the model as placed

@@ -36,6 +36,7 @@ from eaglejax.fingerprints import draft_fingerprint, target_fingerprint
 from eaglejax.generate import generate
 from eaglejax.loading.orbax_io import describe_failure, drop_failed_restore_debris
 from eaglejax.models.llama import Params
+from eaglejax.sharding.mesh import mesh_context
 from eaglejax.target import Target
 from eaglejax.training.data import PackedRows
 from eaglejax.training.run import append_log, open_run, read_log, truncate_log
@@ -380,6 +381,15 @@ def train(target: Target, rows: PackedRows, out: str | Path,
     state = TrainState(draft.params, make_optimizer(config).init(draft.params))
     step_fn = _train_step(draft.config, target.config, config.core(), target.attn_impl)
     used, t2d = jnp.asarray(vocab.used), jnp.asarray(vocab.t2d)
+    mesh = target.mesh
+    if mesh is not None:  # data parallel: the head replicated, each batch's rows split
+        from eaglejax.sharding.placement import replicate, split_rows
+
+        if jax.process_count() > 1:
+            raise InputError("train-draft runs over the devices of one process; every process "
+                             "of a multi-process run would write the same checkpoints")
+        state, used, t2d = replicate((state, used, t2d), mesh)
+        draft = draft.for_target(target)
     schedule = learning_rate(config)
 
     def evaluate(step: int, params: Params) -> float:
@@ -408,9 +418,12 @@ def train(target: Target, rows: PackedRows, out: str | Path,
         for step in range(start, config.steps):
             batch_np = rows.take(batch_rows(step, config.batch_size, len(rows), config.seed))
             tokens = int((batch_np.segments > 0).sum())
-            batch = Batch(*(jnp.asarray(a) for a in dataclasses.astuple(batch_np)))
+            arrays = dataclasses.astuple(batch_np)
+            batch = Batch(*(split_rows(arrays, mesh) if mesh is not None else
+                            (jnp.asarray(a) for a in arrays)))
             began = time.perf_counter()
-            state, metrics = step_fn(state, target.params, batch, used, t2d)
+            with mesh_context(mesh):
+                state, metrics = step_fn(state, target.params, batch, used, t2d)
             metrics = jax.device_get(metrics)
             seconds = None if step == start else time.perf_counter() - began
             tokens_seen += tokens
