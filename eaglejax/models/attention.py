@@ -17,13 +17,14 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from eaglejax.native import cache_attention
-from eaglejax.sharding.rules import logical_spec
+from eaglejax.sharding.rules import logical_spec, over_mesh
 
 AttentionImpl = Literal["auto", "pallas", "xla"]
 IMPLS = ("auto", "pallas", "xla")
 
 KEY_BLOCK = 512  # cache keys per online-softmax step on the XLA path
 BLOCKED_MIN_SCORES = 1 << 22  # blocked XLA attention when Hq * T * S reaches this (per row)
+PREFILL_SLOTS = 16  # masked cache slots the kernels get at prefill (Mosaic refuses 1 slot)
 
 
 def resolve_impl(impl: str) -> str:
@@ -41,8 +42,9 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_length
     """Queries q [B,T,Hq,D] over the cached prefix (k/v_cache [B,Hkv,S,D], lengths [B]) plus
     the new K/V [B,T,Hkv,D] under mask [B,T,T]."""
     if resolve_impl(impl) == "pallas":
-        if k_cache.shape[2] == 0:  # prefill has no prefix; the kernel wants one (masked) slot
-            k_cache = v_cache = jnp.zeros((*k_cache.shape[:2], 1, k_cache.shape[3]), k_cache.dtype)
+        if k_cache.shape[2] == 0:  # prefill has no prefix; the kernels want a (masked) block
+            k_cache = v_cache = jnp.zeros((*k_cache.shape[:2], PREFILL_SLOTS, k_cache.shape[3]),
+                                          k_cache.dtype)
         return _pallas_over_local_heads(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask)
     if cache_attention.applies(q, k_cache):
         reference = functools.partial(pallas_kernels.tree_attention_reference, kv_layout="bhsd")
@@ -57,15 +59,25 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_length
         q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, kv_layout="bhsd")
 
 
+def _kernel_per_platform(*args: jax.Array) -> jax.Array:
+    """The tree-attention kernel of the platform being lowered for: Triton on GPUs, Mosaic
+    on TPUs, interpret mode elsewhere (so a program exported from a CPU host for "cuda" or
+    "tpu" carries the compiled kernel)."""
+    kernel = functools.partial(pallas_kernels.tree_attention, kv_layout="bhsd")
+    gpu = functools.partial(kernel, backend="gpu")
+    return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu,
+                                      tpu=functools.partial(kernel, backend="tpu"),
+                                      default=functools.partial(kernel, interpret=True))
+
+
 def _pallas_over_local_heads(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask):
     """The Pallas kernel, run by each device on its own rows and heads when traced over a
     mesh (`shard_map`: a bare `pallas_call` has no partitioning rule). The heads split
     over `tp` only where the cache's KV heads do (`eaglejax.sharding.rules`)."""
-    kernel = functools.partial(pallas_kernels.tree_attention, kv_layout="bhsd",
-                               interpret=jax.default_backend() == "cpu")
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    kernel = _kernel_per_platform
+    if not over_mesh():
         return kernel(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask)
+    mesh = jax.sharding.get_abstract_mesh()
     cache = logical_spec(("batch", "kv_heads", "cache_seq", "head_dim"), k_cache.shape, mesh)
     rows, heads = cache[0], cache[1]
     per_token = P(rows, None, heads, None)  # q, k_new, v_new: [B,T,heads,D]

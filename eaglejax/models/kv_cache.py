@@ -50,13 +50,18 @@ def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, he
 
 def write_block(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """Write new [B,T,kv,D] into buffer [B,kv,S,D] at slots start[b] .. start[b]+T-1
-    (slots past the capacity are dropped)."""
-    batch, t_new, n_heads, _ = new.shape
-    rows = jnp.arange(batch)[:, None, None]
-    heads = jnp.arange(n_heads)[None, :, None]
-    slots = (start[:, None] + jnp.arange(t_new)[None, :])[:, None, :]
-    return buffer.at[rows, heads, slots].set(jnp.swapaxes(new, 1, 2).astype(buffer.dtype),
-                                             mode="drop")
+    (slots past the capacity are dropped).
+
+    One scatter whose heads and head dims are whole windows: XLA:CPU updates the buffer in
+    place, and over a mesh each device writes its own rows and heads (with the heads as an
+    index array, the partitioner gathered every head's new rows onto every device)."""
+    t_new = new.shape[1]
+
+    def one_row(buf: jax.Array, rows: jax.Array, first: jax.Array) -> jax.Array:
+        slots = first + jnp.arange(t_new)
+        return buf.at[:, slots].set(jnp.swapaxes(rows, 0, 1).astype(buf.dtype), mode="drop")
+
+    return jax.vmap(one_row)(buffer, new, start)
 
 
 def append(cache: KVCache, k_new: tuple[jax.Array, ...], v_new: tuple[jax.Array, ...],

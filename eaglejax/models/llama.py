@@ -21,6 +21,7 @@ from eaglejax.models.attention import AttentionImpl, attention
 from eaglejax.models.kv_cache import KVCache, write_block
 from eaglejax.models.rope import apply_rope, inverse_frequencies, rope_tables
 from eaglejax.native import few_row_matmul
+from eaglejax.sharding.rules import over_mesh
 
 Params = dict[str, Any]
 
@@ -183,8 +184,11 @@ def attention_output_and_mlp(config: ModelConfig, h: jax.Array, layer: Params,
     batch, t_new, _ = h.shape
     h = h + linear(attn.reshape(batch, t_new, -1), layer["wo"])
     x = rms_norm(h, layer["mlp_norm"], config.rms_norm_eps)
-    gate, up = jnp.split(linear(x, layer["w_gate_up"].reshape(-1, config.hidden_size)), 2,
-                         axis=-1)
+    w_gate_up = layer["w_gate_up"]
+    if over_mesh():  # two products: merging [2, I, H] to [2I, H] would reshard the split I
+        gate, up = linear(x, w_gate_up[0]), linear(x, w_gate_up[1])
+    else:
+        gate, up = jnp.split(linear(x, w_gate_up.reshape(-1, config.hidden_size)), 2, axis=-1)
     return h + linear(jax.nn.silu(gate) * up, layer["w_down"])
 
 

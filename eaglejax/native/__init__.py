@@ -25,7 +25,6 @@ def xla_only() -> Iterator[None]:
 def kernels_allowed() -> bool:
     """False inside `xla_only()` and while tracing over a device mesh (the partitioner
     cannot split a custom call: it would gather every sharded operand onto each device)."""
-    from jax.sharding import get_abstract_mesh
+    from eaglejax.sharding.rules import over_mesh
 
-    mesh = get_abstract_mesh()
-    return not _xla_only and (mesh.empty or mesh.size == 1)
+    return not _xla_only and not over_mesh()

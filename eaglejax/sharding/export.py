@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import re
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -150,7 +149,7 @@ class Program:
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
         """Traced over the mesh, with XLA's ops in place of the native CPU kernels."""
-        with jax.set_mesh(self.mesh), native.xla_only(), accelerator_kernels():
+        with jax.set_mesh(self.mesh), native.xla_only():
             yield
 
 
@@ -165,7 +164,7 @@ def _on_mesh(state: Any, mesh: Mesh) -> Any:
     on dp, scalars replicated."""
     def cache(c: kv_cache.KVCache, heads: str | None) -> kv_cache.KVCache:
         axes = ("batch", heads, "cache_seq", "head_dim")
-        place = lambda x: _abstract(  # noqa: E731
+        place = lambda x: _abstract(
             x.shape, x.dtype, NamedSharding(mesh, logical_spec(axes, x.shape, mesh)))
         return kv_cache.KVCache(tuple(map(place, c.k)), tuple(map(place, c.v)),
                                 rows(c.lengths))
@@ -269,7 +268,7 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
         if match is None:
             continue
         op = match.group(1)
-        op = op[:-len("-start")] if op.endswith("-start") else op
+        op = op.removesuffix("-start")
         if op in counts:
             counts[op] += 1
     return counts
@@ -335,69 +334,3 @@ def ring_allreduce_seconds(nbytes: int, devices: int, bandwidth: float = 450e9,
     if devices <= 1:
         return 0.0
     return 2 * (devices - 1) / devices * nbytes / bandwidth + latency
-
-
-# ------------------------------------------------------- the Pallas kernels, per platform
-
-
-@contextlib.contextmanager
-def accelerator_kernels() -> Iterator[None]:
-    """Trace `pallas_kernels.tree_attention` as the kernel of the platform being LOWERED
-    for (Triton on "cuda", Mosaic on "tpu", interpret mode elsewhere) instead of the one of
-    the process's default backend: `eaglejax.models.attention` picks `interpret` from
-    `jax.default_backend()`, which on a CPU host would export the interpreter's loops.
-
-    On "tpu" a cache of fewer than 16 slots (the one masked slot the prefill passes) is
-    padded to 16 masked slots: Mosaic fails to verify the kernel for a 1-slot cache
-    ("'vector.broadcast' op failed to verify that source operand and result have same
-    element type"), see `tpu_kernel_lowers`."""
-    import pallas_kernels
-
-    kernel = pallas_kernels.tree_attention
-    if getattr(kernel, "per_platform", False):  # already inside
-        yield
-        return
-
-    def tpu(q, k_cache, v_cache, *rest, **kwargs):
-        if k_cache.shape[2] < 16 and kwargs.get("kv_layout") == "bhsd":
-            pad = ((0, 0), (0, 0), (0, 16 - k_cache.shape[2]), (0, 0))
-            k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
-        return kernel(q, k_cache, v_cache, *rest, **kwargs, backend="tpu")
-
-    def per_platform(*args, **kwargs):
-        kwargs.pop("interpret", None)
-        kwargs.pop("backend", None)
-        return jax.lax.platform_dependent(
-            *args, cuda=functools.partial(kernel, **kwargs, backend="gpu"),
-            rocm=functools.partial(kernel, **kwargs, backend="gpu"),
-            tpu=functools.partial(tpu, **kwargs),
-            default=functools.partial(kernel, **kwargs, interpret=True))
-
-    per_platform.per_platform = True
-    pallas_kernels.tree_attention = per_platform
-    try:
-        yield
-    finally:
-        pallas_kernels.tree_attention = kernel
-
-
-def tpu_kernel_lowers(s_cache: int, t_new: int = 8, heads: tuple[int, int] = (4, 1),
-                      head_dim: int = 128) -> bool:
-    """Whether the bare Mosaic tree-attention kernel lowers for a [1, Hkv, s_cache, D]
-    head-major bf16 cache (False where Mosaic refuses it, e.g. s_cache=1 in jax 0.10.2)."""
-    import pallas_kernels
-
-    sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
-    n_q, n_kv = heads
-    cache = sds((1, n_kv, s_cache, head_dim), bf16)
-    new = sds((1, t_new, n_kv, head_dim), bf16)
-    args = (sds((1, t_new, n_q, head_dim), bf16), cache, cache, sds((1,), jnp.int32), new,
-            new, sds((1, t_new, t_new), jnp.bool_))
-    fn = functools.partial(pallas_kernels.tree_attention, backend="tpu", kv_layout="bhsd")
-    try:
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
-    except Exception as err:  # noqa: BLE001 - Mosaic raises its own verification errors
-        if "verif" in type(err).__name__.lower() or "verif" in str(err).lower():
-            return False
-        raise
-    return True

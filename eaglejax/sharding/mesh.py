@@ -19,14 +19,18 @@ def make_mesh(tp: int = 1, dp: int = 1, devices: Sequence[jax.Device] | None = N
     """A mesh of `dp * tp` devices with axes ("dp", "tp"): rows of a batch split over `dp`,
     attention heads, MLP width and vocabulary over `tp` (see `eaglejax.sharding.rules`).
 
-    `devices`: default all of them (every process's, under `jax.distributed`), in
-    `jax.devices()` order, so `tp` neighbours are adjacent devices (the fastest links on a
+    `devices`: default the first `dp * tp` of `jax.devices()` (all of them, every process's,
+    under `jax.distributed`), in that order, so `tp` neighbours are adjacent devices (the fastest links on a
     GPU host, the tightest ring on a TPU slice). Both axes are `AxisType.Auto`: the
     compiler propagates shardings from the weights and the constraints eaglejax places.
     """
     tp = validation.integer("tp", tp, 1)
     dp = validation.integer("dp", dp, 1)
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:  # one process may use some of its devices; several use them all
+        devices = jax.devices()
+        if jax.process_count() == 1:
+            devices = devices[:tp * dp]
+    devices = list(devices)
     if tp * dp != len(devices):
         raise InputError(f"a mesh of dp={dp} x tp={tp} needs {dp * tp} devices, but "
                          f"{len(devices)} are given (jax.devices(): {len(jax.devices())})")

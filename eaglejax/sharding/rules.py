@@ -57,10 +57,16 @@ def shardings(mesh: Mesh, axes_tree: Any, arrays: Any) -> Any:
         axes_tree, arrays, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def over_mesh() -> bool:
+    """Whether the code being traced runs over a mesh of several devices (`jax.set_mesh`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.size > 1
+
+
 def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
     """`x` constrained to its logical axes on the mesh being traced over (`jax.set_mesh`);
     unchanged outside one."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    if not over_mesh():
         return x
+    mesh = jax.sharding.get_abstract_mesh()
     return jax.lax.with_sharding_constraint(x, logical_spec(axes, x.shape, mesh))
