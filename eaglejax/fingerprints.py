@@ -27,7 +27,10 @@ def target_fingerprint(target: Target) -> str:
 
 def draft_fingerprint(draft: Draft) -> str:
     """sha256 over a head's config, draft vocabulary and every parameter."""
-    digest = hashlib.sha256(repr(draft.config).encode())
+    config = repr(draft.config)
+    if not draft.config.parallel:  # as before P-EAGLE's field existed: earlier runs resume
+        config = config.replace(", mask_token_id=None)", ")")
+    digest = hashlib.sha256(config.encode())
     digest.update(np.asarray(draft.d2t).tobytes())
     for path, leaf in jax.tree_util.tree_leaves_with_path(draft.params):
         digest.update(jax.tree_util.keystr(path).encode())

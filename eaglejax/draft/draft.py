@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.draft.config import DraftConfig
-from eaglejax.draft.head import draft_forward, head_logits, to_target_logits
+from eaglejax.draft.head import draft_forward, head_logits, mask_slots, to_target_logits
+from eaglejax import validation
 from eaglejax.errors import InputError
 from eaglejax.models.llama import Params
 
@@ -28,6 +29,21 @@ def _teacher_forced_logits(params: Params, config: DraftConfig, target_params: P
     out = draft_forward(params, config, target_params, tokens, features, positions,
                         attn_impl=attn_impl)
     logits = head_logits(params, config, target_params, out.hidden)
+    return to_target_logits(logits, d2t, config.decoder.vocab_size)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "k", "attn_impl"))
+def _parallel_logits(params: Params, config: DraftConfig, target_params: Params,
+                     d2t: jax.Array, tokens: jax.Array, features: jax.Array, *, k: int,
+                     attn_impl: str) -> jax.Array:
+    batch, length = tokens.shape
+    mask_tokens, mask_features = mask_slots(params, config, batch, k - 1)
+    tokens = jnp.concatenate([tokens, mask_tokens], axis=1)
+    features = jnp.concatenate([features, mask_features.astype(features.dtype)], axis=1)
+    positions = jnp.broadcast_to(jnp.arange(length + k - 1)[None], tokens.shape)
+    out = draft_forward(params, config, target_params, tokens, features, positions,
+                        attn_impl=attn_impl)
+    logits = head_logits(params, config, target_params, out.hidden[:, length - 1:])
     return to_target_logits(logits, d2t, config.decoder.vocab_size)
 
 
@@ -52,14 +68,32 @@ class Draft:
         `token_ids[t]`: to score a sequence x with target features f pass `x[:, 1:]` and
         `f[:, :-1]`."""
         tokens = self.target._token_array(token_ids)
+        return _teacher_forced_logits(self.params, self.config, self.target.params, self.d2t,
+                                      tokens, self._checked_features(tokens, features),
+                                      attn_impl=self.target.attn_impl)
+
+    def _checked_features(self, tokens: jax.Array, features: np.ndarray | jax.Array
+                          ) -> jax.Array:
         features = jnp.asarray(features)
         want = (*tokens.shape, self.config.feature_size)
         if features.shape != want:
             raise InputError(f"features must have shape {want} for this head, "
                              f"got {features.shape}")
-        return _teacher_forced_logits(self.params, self.config, self.target.params, self.d2t,
-                                      tokens, features.astype(self.target.dtype),
-                                      attn_impl=self.target.attn_impl)
+        return features.astype(self.target.dtype)
+
+    def parallel_logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray,
+                        features: np.ndarray | jax.Array, num_draft_tokens: int) -> jax.Array:
+        """P-EAGLE's K draft distributions [B,K,V] (target vocabulary, -inf outside the
+        draft vocabulary) after a sequence, from ONE forward: `token_ids` and `features` as
+        for `logits` (x[:, 1:] with f[:, :-1]); slot 1 is the next token's, slots 2..K come
+        from the K-1 mask slots that follow."""
+        if not self.config.parallel:
+            raise InputError(f"{self.source} is not a P-EAGLE head (no mask token)")
+        k = validation.integer("num_draft_tokens", num_draft_tokens, 1)
+        tokens = self.target._token_array(token_ids)
+        features = self._checked_features(tokens, features)
+        return _parallel_logits(self.params, self.config, self.target.params, self.d2t, tokens,
+                                features, k=k, attn_impl=self.target.attn_impl)
 
     def target_features(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> jax.Array:
         """The target features this head consumes, for a full sequence."""
@@ -86,7 +120,7 @@ class Draft:
 
 def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
                      num_layers: int = 1, seed: int = 0, scale: float = 0.02,
-                     from_target: bool = False) -> Draft:
+                     from_target: bool = False, mask_token_id: int | None = None) -> Draft:
     """A freshly initialised EAGLE-3 head for `target` (the starting point of training).
 
     Its decoder layers mirror the target's attention shape (heads, KV heads, head dim,
@@ -95,6 +129,7 @@ def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
     target's output rows of the draft vocabulary, its final norm the target's, and `fc`
     passes the deepest tap through, so before any training the head already reads the
     target's late residual stream through the target's own output layer ("logit lens").
+    `mask_token_id` makes it a P-EAGLE head (K tokens per forward; `DraftConfig.parallel`).
     """
     from eaglejax.draft.head import init_params
     from eaglejax.target import default_tap_layers
@@ -106,8 +141,10 @@ def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
                          f"[0, {c.vocab_size}), got {used!r:.80}")
     decoder = dataclasses.replace(c, model_type="llama", num_layers=num_layers,
                                   tie_word_embeddings=False, attention_bias=False, qk_norm=False)
+    if mask_token_id is not None:
+        validation.integer("mask_token_id", mask_token_id, 0, c.vocab_size - 1)
     config = DraftConfig("eagle3", decoder, len(used), c.hidden_size,
-                         default_tap_layers(c.num_layers))
+                         default_tap_layers(c.num_layers), mask_token_id=mask_token_id)
     params = init_params(config, jax.random.PRNGKey(seed), dtype=target.dtype, scale=scale)
     if from_target:
         h, deepest = c.hidden_size, int(np.argmax(config.tap_layers))

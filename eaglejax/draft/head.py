@@ -7,6 +7,8 @@ EAGLE-1/2: `x = fc(concat(embed(token), feature))` with the target's final norme
 state (or the head's own output) as feature, decoder layers whose first has no input
 norm, and the target's lm_head applied to the un-normed output.
 Draft position t consumes token t+1 and the target feature of position t.
+P-EAGLE (`DraftConfig.parallel`): an EAGLE-3 head whose forward also runs K-1 mask slots
+after the newest position (`mask_slots`): one forward proposes K tokens.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def param_shapes(config: DraftConfig) -> Params:
             shapes["fc_norm"] = (len(config.tap_layers), config.target_hidden_size)
         if config.input_norm:
             shapes["input_norm"] = (config.feature_size,)
+        if config.parallel:
+            shapes["mask_hidden"] = (config.feature_size,)
     else:
         shapes = {"fc": (h, 2 * h), "layers": [first, *layers[1:]]}
         if config.fc_bias:
@@ -74,6 +78,8 @@ def logical_axes(config: DraftConfig) -> Params:
             axes["fc_norm"] = ("taps", "features")
         if config.input_norm:
             axes["input_norm"] = ("features",)
+        if config.parallel:
+            axes["mask_hidden"] = ("features",)
     else:
         axes = {"fc": ("embed", "embed2"), "layers": [first, *layers[1:]]}
         if config.fc_bias:
@@ -87,6 +93,16 @@ def init_params(config: DraftConfig, key: jax.Array, dtype: jnp.dtype = jnp.floa
                 scale: float = 0.02) -> Params:
     """Random head parameters (normal * scale; norms at 1)."""
     return random_params(param_shapes(config), key, dtype, scale)
+
+
+def mask_slots(params: Params, config: DraftConfig, batch: int, count: int
+               ) -> tuple[jax.Array, jax.Array]:
+    """P-EAGLE's mask slots: tokens [B,count] (the mask token) and their features
+    [B,count,feature_size] (the learned `mask_hidden`, which passes through `fc` like
+    target features)."""
+    tokens = jnp.full((batch, count), config.mask_token_id, jnp.int32)
+    features = jnp.broadcast_to(params["mask_hidden"], (batch, count, config.feature_size))
+    return tokens, features
 
 
 def _fc_input(params: Params, config: DraftConfig, features: jax.Array) -> jax.Array:

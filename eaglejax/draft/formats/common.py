@@ -66,6 +66,26 @@ def layer_ids(value: Any, source: str, key: str) -> tuple[int, ...] | None:
     return tuple(value)
 
 
+# Where P-EAGLE heads name their mask token, in the order vLLM looks (first match wins).
+MASK_TOKEN_KEYS = ("mask_token_id", "ptd_token_id", "pard_token", "dspark_noise_token_id",
+                   "dflash_config.mask_token_id")
+
+
+def mask_token_id(cfg: Mapping[str, Any], source: str) -> tuple[int | None, str | None]:
+    """A P-EAGLE head's mask token id and the key that gave it, or (None, None)."""
+    for key in MASK_TOKEN_KEYS:
+        section, _, name = key.rpartition(".")
+        holder = cfg.get(section) if section else cfg
+        value = holder.get(name) if isinstance(holder, Mapping) else None
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{source}: {key!r} must be a non-negative token id, "
+                              f"got {value!r}")
+        return value, key
+    return None, None
+
+
 def refuse_unsupported(cfg: Mapping[str, Any], source: str) -> None:
     """Refuse config flags eaglejax's head does not implement (rather than ignore them)."""
     if cfg.get("norm_output"):
@@ -142,6 +162,9 @@ def validate_config(config: DraftConfig, target: ModelConfig, source: str,
             raise ConfigError(f"{source}: tap layers {list(config.tap_layers)} (entering-layer "
                               f"ids, from {tap_key}) are out of range for a target with "
                               f"{target.num_layers} layers (allowed 0..{target.num_layers})")
+        if config.parallel and not 0 <= config.mask_token_id < target.vocab_size:
+            raise ConfigError(f"{source}: mask token id {config.mask_token_id} is outside the "
+                              f"target's vocabulary [0, {target.vocab_size})")
         if not config.own_embedding and config.hidden_size != target.hidden_size:
             raise LoadError(f"{source}: the head's hidden size {config.hidden_size} differs from "
                             f"the target's {target.hidden_size}, so it needs its own "

@@ -11,8 +11,9 @@ import numpy as np
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import (
-    ReadResult, Shapes, check_t2d, check_tensors, d2t_from_tensors, validate, validate_config,
-    weights_source)
+    MASK_TOKEN_KEYS, ReadResult, Shapes, check_t2d, check_tensors, d2t_from_tensors, validate,
+    validate_config, weights_source)
+from eaglejax.errors import ConfigError
 from eaglejax.loading.weights import hf_layer_shapes, layer_params_from_hf, layer_params_to_hf
 from eaglejax.models.llama import Params
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 REFERENCE_FIRST = "midlayer."
 SPECULATORS_FIRST = "layers.0."
+MASK_HIDDEN = "mask_hidden"  # P-EAGLE's learned stand-in for target features (before fc)
 
 
 def _layer_prefix(first: str, i: int) -> str:
@@ -44,6 +46,8 @@ def expected_shapes(config: DraftConfig, first: str) -> Shapes:
         shapes["input_norm.weight"] = (config.feature_size,)
     if config.own_embedding:
         shapes["embed_tokens.weight"] = (d.vocab_size, h)
+    if config.parallel:
+        shapes[MASK_HIDDEN] = (1, 1, config.feature_size)  # speculators' shape
     return shapes
 
 
@@ -68,6 +72,8 @@ def params_from_tensors(config: DraftConfig, get: Callable[[str], np.ndarray],
         params["input_norm"] = f32("input_norm.weight")
     if config.own_embedding:
         params["embed"] = f32("embed_tokens.weight")
+    if config.parallel:
+        params["mask_hidden"] = f32(MASK_HIDDEN).reshape(config.feature_size)
     return params
 
 
@@ -90,6 +96,8 @@ def tensors_from_params(config: DraftConfig, params: Params, first: str) -> dict
         out["input_norm.weight"] = arr(params["input_norm"])
     if config.own_embedding:
         out["embed_tokens.weight"] = arr(params["embed"])
+    if config.parallel:
+        out[MASK_HIDDEN] = arr(params["mask_hidden"]).reshape(1, 1, config.feature_size)
     return out
 
 
@@ -105,7 +113,14 @@ def read_eagle3_weights(config: DraftConfig, weights: "HFWeights", path: Path,
     validate_config(config, target, source, tap_key)
     shapes = weights.shapes()
     wsource = weights_source(path)
-    check_tensors(shapes, with_vocab_maps(shapes, expected_shapes(config, first)), wsource)
+    if MASK_HIDDEN in shapes and not config.parallel:
+        raise ConfigError(f"{source}: the head has a {MASK_HIDDEN!r} tensor (P-EAGLE) but no "
+                          f"mask token id under any of {', '.join(MASK_TOKEN_KEYS)}")
+    expected = expected_shapes(config, first)
+    if config.parallel and MASK_HIDDEN in shapes and \
+            int(np.prod(shapes[MASK_HIDDEN])) == config.feature_size:
+        expected[MASK_HIDDEN] = tuple(shapes[MASK_HIDDEN])  # [F], [1,F] or [1,1,F]
+    check_tensors(shapes, with_vocab_maps(shapes, expected), wsource)
     check_t2d(shapes.get("t2d"), target.vocab_size, wsource)
     d2t = d2t_from_tensors(weights.get("d2t") if "d2t" in shapes else None,
                            config.draft_vocab_size, config.decoder.vocab_size, wsource)

@@ -1,4 +1,6 @@
-"""EAGLE-3 heads in the reference layout (SafeAILab/EAGLE) and its SpecForge/SGLang copies.
+"""EAGLE-3 heads in the reference layout (SafeAILab/EAGLE) and its SpecForge/SGLang copies,
+and P-EAGLE heads in it as vLLM reads them (a `mask_hidden` tensor, the mask token id under
+one of `formats.common.MASK_TOKEN_KEYS`).
 
 `config.json` is a Llama config with `draft_vocab_size` (and optionally `target_hidden_size`,
 `fc_norm`, `eagle_config.eagle_aux_hidden_state_layer_ids`); the single decoder layer lives
@@ -17,7 +19,7 @@ import numpy as np
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import (
-    ReadResult, consumer_layer_config, dtype_name, flag, layer_ids, open_weights,
+    ReadResult, consumer_layer_config, dtype_name, flag, layer_ids, mask_token_id, open_weights,
     parse_decoder, prepare_output_dir, refuse_unsupported, t2d_for, to_numpy)
 from eaglejax.draft.formats.eagle3_tensors import (
     REFERENCE_FIRST, read_eagle3_weights, tensors_from_params)
@@ -78,7 +80,8 @@ def read_reference(path: Path, target: ModelConfig, weights: "HFWeights | None" 
         fc_norm=flag(cfg, "fc_norm", False, source),
         input_norm=flag(cfg, "norm_before_fc", False, source),
         norm_before_residual=flag(cfg, "norm_before_residual", False, source),
-        own_embedding="embed_tokens.weight" in shapes)
+        own_embedding="embed_tokens.weight" in shapes,
+        mask_token_id=mask_token_id(cfg, source)[0])
     return read_eagle3_weights(config, weights, path, target, source, tap_key,
                                REFERENCE_FIRST)
 
@@ -117,6 +120,8 @@ def export_reference(draft: "Draft", path: str | Path) -> Path:
                   draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size)
     if c.fc_norm:
         config["fc_norm"] = True
+    if c.parallel:
+        config["mask_token_id"] = c.mask_token_id
     if c.tap_layers != default:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids":
                                   [i - 1 for i in c.tap_layers], "use_aux_hidden_state": True}

@@ -1,6 +1,8 @@
-"""EAGLE-3 heads in the speculators layout (vllm-project/speculators; what vLLM reads).
+"""EAGLE-3 and P-EAGLE heads in the speculators layout (vllm-project/speculators; what vLLM
+reads).
 
-`config.json`: `speculators_model_type: "eagle3"`, a nested `transformer_layer_config` (a
+`config.json`: `speculators_model_type: "eagle3"` or `"peagle"` (with `mask_token_id`, and a
+`mask_hidden` tensor [1, 1, taps x H]), a nested `transformer_layer_config` (a
 complete Llama/Qwen3 config whose vocab_size is the TARGET's: vLLM turns it into a bare
 PretrainedConfig, so every key its layers read must be written), `draft_vocab_size`,
 `target_hidden_size`, `norm_before_residual` (true when absent, as in vLLM), `norm_before_fc`,
@@ -21,7 +23,7 @@ import numpy as np
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import (
-    ReadResult, consumer_layer_config, dtype_name, flag, layer_ids, open_weights,
+    ReadResult, consumer_layer_config, dtype_name, flag, layer_ids, mask_token_id, open_weights,
     parse_decoder, prepare_output_dir, refuse_unsupported, t2d_for, to_numpy)
 from eaglejax.draft.formats.eagle3_tensors import (
     SPECULATORS_FIRST, read_eagle3_weights, tensors_from_params)
@@ -48,9 +50,13 @@ def read_speculators(path: Path, target: ModelConfig, weights: "HFWeights | None
     source = str(config_path)
     cfg = read_json(config_path)
     kind = cfg.get("speculators_model_type")
-    if kind != "eagle3":
+    if kind not in ("eagle3", "peagle"):
         raise ConfigError(f"{source}: speculators_model_type {kind!r} is not supported "
-                          f"(supported: 'eagle3')")
+                          f"(supported: 'eagle3', 'peagle')")
+    mask_id, _ = mask_token_id(cfg, source)
+    if kind == "peagle" and mask_id is None:
+        raise ConfigError(f"{source}: a 'peagle' head needs its mask token id "
+                          f"('mask_token_id')")
     refuse_unsupported(cfg, source)
     layer_cfg = cfg.get("transformer_layer_config")
     if not isinstance(layer_cfg, dict):
@@ -67,8 +73,9 @@ def read_speculators(path: Path, target: ModelConfig, weights: "HFWeights | None
         tap_layers=taps or default_tap_layers(target.num_layers),
         fc_norm=flag(cfg, "fc_norm", False, source),
         input_norm=flag(cfg, "norm_before_fc", False, source),
-        norm_before_residual=flag(cfg, "norm_before_residual", True, source),
-        own_embedding="embed_tokens.weight" in shapes)
+        # absent: vLLM reads true for eagle3 heads, false for peagle heads
+        norm_before_residual=flag(cfg, "norm_before_residual", kind == "eagle3", source),
+        own_embedding="embed_tokens.weight" in shapes, mask_token_id=mask_id)
     return read_eagle3_weights(config, weights, path, target, source, tap_key,
                                SPECULATORS_FIRST)
 
@@ -107,9 +114,12 @@ def _config_json(draft: "Draft", speculative_tokens: int) -> dict[str, Any]:
     # vLLM sizes fc from `num_aux_hidden_states` (else 3 taps), not from the tap list
     layer_config["num_aux_hidden_states"] = len(c.tap_layers)
     target = draft.target
+    kind = "peagle" if c.parallel else "eagle3"
+    parallel = {"mask_token_id": c.mask_token_id} if c.parallel else {}
     return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "architectures": ["PEagleDraftModel" if c.parallel else "Eagle3Speculator"],
+        "speculators_model_type": kind,
+        **parallel,
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         TAPS_KEY: list(c.tap_layers),
@@ -119,7 +129,7 @@ def _config_json(draft: "Draft", speculative_tokens: int) -> dict[str, Any]:
         "norm_output": False,
         "transformer_layer_config": layer_config,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": kind,
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy",
                                   "speculative_tokens": speculative_tokens,

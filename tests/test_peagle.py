@@ -1,0 +1,231 @@
+"""P-EAGLE heads: read from the speculators layout (and the reference layout vLLM reads),
+their K draft distributions of one forward equal those of the `speculators` package's own
+P-EAGLE torch model (the oracle), and exported heads reload in speculators identically.
+
+The oracle is speculators' training forward (`PEagleDraftModel.forward`) driven in the
+inference layout: the package has no drafting entry point, so its sampler of (anchor,
+depth) pairs is replaced by the one rollout inference makes: every context position at
+depth 0, then K-1 mask slots at depths 1..K-1 after the last one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from speculators.config import SpeculatorsConfig, VerifierConfig
+from speculators.losses import resolve_loss_config
+from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
+from speculators.proposals.greedy import GreedyTokenProposalConfig
+from transformers import LlamaConfig
+
+import eaglejax
+from eaglejax.draft import export_reference, export_speculators, load_draft
+from eaglejax.errors import ConfigError, InputError
+
+V, H, DRAFT_V, MASK = 97, 64, 60, 96
+TAPS = [1, 2, 3]
+K = 5
+# float32 on both sides through 2 decoder layers and a 60-way output: differences are
+# float32 rounding (~1e-6 of logits of size ~1-10); 1e-4 is the issue's bound.
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from conftest import make_hf_model
+
+    directory = tmp_path_factory.mktemp("peagle-target")
+    make_hf_model("llama", directory, seed=2, num_hidden_layers=4, vocab_size=V)
+    return eaglejax.load_target(directory)
+
+
+def speculators_head(seed: int, norm_before_residual: bool, layers: int = 2
+                     ) -> PEagleDraftModel:
+    """A random P-EAGLE model of the speculators package: `layers` layers, random norms, a
+    draft vocabulary of DRAFT_V random target ids."""
+    torch.manual_seed(seed)
+    draft_vocab = DRAFT_V
+    layer = LlamaConfig(hidden_size=H, intermediate_size=128, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
+                        max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0)
+    config = PEagleSpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=draft_vocab,
+        norm_before_residual=norm_before_residual, eagle_aux_hidden_state_layer_ids=TAPS,
+        mask_token_id=MASK,
+        speculators_config=SpeculatorsConfig(
+            algorithm="peagle", default_proposal_method="greedy",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=K)],
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
+    model = PEagleDraftModel(config)
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_(0, 1.0)
+        model.lm_head.weight.normal_(0, 0.2)
+        model.mask_hidden.normal_(0, 1.0)
+        for name, p in model.named_parameters():
+            if "norm" in name and "verifier" not in name:
+                p.add_(0.1 * torch.randn_like(p))
+    keep = torch.sort(torch.randperm(V)[:draft_vocab])[0]
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[keep] = True
+    model.load_vocab_mappings(t2d, keep - torch.arange(draft_vocab))
+    return model.eval()
+
+
+def reload_speculators(directory) -> PEagleDraftModel:
+    """A saved P-EAGLE head in speculators' own classes (its `from_pretrained` needs a
+    verifier path, so config and tensors are read separately)."""
+    model = PEagleDraftModel(PEagleSpeculatorConfig.from_pretrained(directory))
+    missing, unexpected = model.load_state_dict(load_file(directory / "model.safetensors"),
+                                                strict=False)
+    assert not unexpected and all(name.startswith("verifier_") for name in missing), missing
+    return model.eval()
+
+
+def oracle_logits(model: PEagleDraftModel, features: np.ndarray, tokens: np.ndarray
+                  ) -> np.ndarray:
+    """speculators' K draft-vocabulary logits [K,DV] after the context (row i: the token at
+    position i+1 and the taps of position i)."""
+    import speculators.models.peagle.core as core
+
+    n = tokens.shape[1]
+    anchor = torch.cat([torch.arange(n), torch.full((K - 1,), n - 1)])
+    depth = torch.cat([torch.zeros(n, dtype=torch.long), torch.arange(1, K)])
+    captured = {}
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: captured.update(logits=o))
+    sampler, core.generate_cod_sample_indices = (core.generate_cod_sample_indices,
+                                                 lambda **kw: (anchor, depth))
+    hidden = torch.as_tensor(features)
+    pad = K - 1  # the forward reads rows anchor + depth before replacing them with masks
+    try:
+        with torch.no_grad():
+            model.forward(
+                hidden_states=torch.cat([hidden, hidden.new_zeros(1, pad, hidden.shape[-1])], 1),
+                input_ids=torch.cat([torch.as_tensor(tokens),
+                                     torch.zeros(1, pad, dtype=torch.long)], 1),
+                document_ids=torch.zeros(1, n + pad, dtype=torch.long),
+                loss_mask=torch.ones(1, n + pad),
+                verifier_last_hidden_states=hidden.new_zeros(1, n + pad, H), num_depths=K,
+                loss_config=resolve_loss_config("kl_div", "eager"))
+    finally:
+        core.generate_cod_sample_indices = sampler
+        hook.remove()
+    return captured["logits"][0, n - 1:].numpy()
+
+
+def _inputs(seed: int, n: int = 9) -> tuple[np.ndarray, np.ndarray]:
+    rs = np.random.RandomState(seed)
+    return (rs.randn(1, n, len(TAPS) * H).astype(np.float32),
+            rs.randint(0, V - 1, (1, n)).astype(np.int64))
+
+
+def _draft_columns(draft, logits: np.ndarray) -> np.ndarray:
+    """eaglejax's target-vocabulary logits [..., V] at the draft vocabulary's ids."""
+    ids = np.arange(draft.config.draft_vocab_size) + np.asarray(draft.d2t)
+    return np.asarray(logits)[..., ids]
+
+
+@pytest.mark.parametrize("norm_before_residual", [True, False])
+def test_k_draft_logits_match_speculators(target, tmp_path, norm_before_residual):
+    model = speculators_head(3, norm_before_residual)
+    model.save_pretrained(tmp_path / "head")
+    draft = load_draft(tmp_path / "head", target=target)
+    assert draft.config.parallel and draft.config.mask_token_id == MASK
+    assert draft.config.norm_before_residual == norm_before_residual
+    features, tokens = _inputs(1)
+    want = oracle_logits(model, features, tokens)
+    got = _draft_columns(draft, draft.parallel_logits(tokens, features, K)[0])
+    assert got.shape == want.shape == (K, DRAFT_V)
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    # slot 1 is the next-token proposal an EAGLE-3 forward of the context alone gives
+    np.testing.assert_allclose(got[0], _draft_columns(draft, draft.logits(tokens, features)
+                                                      [0, -1]), atol=ATOL, rtol=0)
+
+
+def test_exported_heads_reload_identically(target, tmp_path):
+    model = speculators_head(4, True)
+    model.save_pretrained(tmp_path / "head")
+    draft = load_draft(tmp_path / "head", target=target)
+    features, tokens = _inputs(2)
+    want = draft.parallel_logits(tokens, features, K)
+    export_speculators(draft, tmp_path / "speculators")
+    saved = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert saved["speculators_model_type"] == "peagle" and saved["mask_token_id"] == MASK
+    reloaded = reload_speculators(tmp_path / "speculators")
+    np.testing.assert_allclose(oracle_logits(reloaded, features, tokens),
+                               _draft_columns(draft, want[0]), atol=ATOL, rtol=0)
+    export_reference(draft_with_one_layer(target, tmp_path), tmp_path / "reference")
+    for layout in ("speculators", "reference"):
+        again = load_draft(tmp_path / layout, target=target)
+        assert again.config.mask_token_id == MASK, layout
+    again = load_draft(tmp_path / "speculators", target=target)
+    np.testing.assert_array_equal(again.parallel_logits(tokens, features, K), want)
+
+
+def draft_with_one_layer(target, tmp_path):
+    """A one-layer P-EAGLE head (the reference layout holds one layer) saved by speculators
+    and read back."""
+    speculators_head(5, False, layers=1).save_pretrained(tmp_path / "one-layer")
+    return load_draft(tmp_path / "one-layer", target=target)
+
+
+def test_reference_layout_round_trip_keeps_the_k_logits(target, tmp_path):
+    draft = draft_with_one_layer(target, tmp_path)
+    export_reference(draft, tmp_path / "reference")
+    again = load_draft(tmp_path / "reference", target=target)
+    features, tokens = _inputs(3)
+    np.testing.assert_array_equal(again.parallel_logits(tokens, features, K),
+                                  draft.parallel_logits(tokens, features, K))
+
+
+@pytest.mark.parametrize("key", ["ptd_token_id", "pard_token", "dspark_noise_token_id"])
+def test_mask_token_under_other_keys(target, tmp_path, key):
+    draft = draft_with_one_layer(target, tmp_path)
+    export_reference(draft, tmp_path / "reference")
+    path = tmp_path / "reference" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg[key] = cfg.pop("mask_token_id")
+    path.write_text(json.dumps(cfg))
+    assert load_draft(tmp_path / "reference", target=target).config.mask_token_id == MASK
+    cfg.pop(key)
+    cfg["dflash_config"] = {"mask_token_id": 7}
+    path.write_text(json.dumps(cfg))
+    assert load_draft(tmp_path / "reference", target=target).config.mask_token_id == 7
+
+
+def test_unusable_heads_are_refused(target, tmp_path):
+    draft = draft_with_one_layer(target, tmp_path)
+    export_reference(draft, tmp_path / "reference")
+    path = tmp_path / "reference" / "config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in cfg.items() if k != "mask_token_id"}))
+    with pytest.raises(ConfigError, match="'mask_hidden' tensor .* no mask token id"):
+        load_draft(tmp_path / "reference", target=target)
+    path.write_text(json.dumps({**cfg, "mask_token_id": V}))
+    with pytest.raises(ConfigError, match="mask token id 97 is outside"):
+        load_draft(tmp_path / "reference", target=target)
+    path.write_text(json.dumps({**cfg, "mask_token_id": "x"}))
+    with pytest.raises(ConfigError, match="'mask_token_id' must be a non-negative token id"):
+        load_draft(tmp_path / "reference", target=target)
+    model = speculators_head(6, True)
+    model.save_pretrained(tmp_path / "no-mask")
+    spec_cfg = tmp_path / "no-mask" / "config.json"
+    spec = json.loads(spec_cfg.read_text())
+    spec.pop("mask_token_id")
+    spec_cfg.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="a 'peagle' head needs its mask token id"):
+        load_draft(tmp_path / "no-mask", target=target)
+    # mask_hidden of the wrong width: named, with both shapes
+    from safetensors.numpy import load_file as load_np, save_file
+
+    tensors = load_np(str(tmp_path / "one-layer" / "model.safetensors"))
+    tensors["mask_hidden"] = tensors["mask_hidden"][..., :-1]
+    save_file(tensors, str(tmp_path / "one-layer" / "model.safetensors"))
+    with pytest.raises(Exception, match="mask_hidden"):
+        load_draft(tmp_path / "one-layer", target=target)
+    eagle3 = eaglejax.draft.draft.new_eagle3_draft(target)
+    with pytest.raises(InputError, match="not a P-EAGLE head"):
+        eagle3.parallel_logits(*_inputs(4)[::-1], K)
