@@ -13,7 +13,7 @@ from eaglejax import validation
 from eaglejax.errors import EaglejaxError, InputError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SPECULATION_FLAGS = ("num_draft_tokens", "tree", "static_tree", "auto_tree", "lookup")
+SPECULATION_FLAGS = ("num_draft_tokens", "parallel", "tree", "static_tree", "auto_tree", "lookup")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,6 +41,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
                        help="speculate with a chain of K draft tokens")
+    shape.add_argument("--parallel", type=int, default=None, metavar="K",
+                       help="a P-EAGLE head's K draft tokens from one forward (the default "
+                            "for such heads: 5 on CPU, 7 on accelerators)")
     shape.add_argument("--tree", default=None, metavar="TOP_K,DEPTH,TOTAL",
                        help="speculate with an EAGLE-2 dynamic tree, e.g. 4,4,12")
     shape.add_argument("--static-tree", default=None, metavar="JSON",
@@ -124,8 +127,8 @@ def _speculation(args: argparse.Namespace):
             raise InputError("--lookup-replaces needs --lookup N")
         return shape
     if not isinstance(shape, SpecConfig):
-        raise InputError("--lookup needs the shape it extends: --num-draft-tokens, --tree or "
-                         "--static-tree")
+        raise InputError("--lookup needs the shape it extends: --num-draft-tokens, --parallel, "
+                         "--tree or --static-tree")
     return shape.with_lookup(args.lookup, args.lookup_ngram, args.lookup_replaces)
 
 
@@ -135,6 +138,8 @@ def _speculation_shape(args: argparse.Namespace):
 
     if args.num_draft_tokens is not None:
         return SpecConfig.chain(args.num_draft_tokens)
+    if args.parallel is not None:
+        return SpecConfig.parallel(args.parallel)
     if args.tree is not None:
         try:
             top_k, depth, total = (int(v) for v in args.tree.split(","))

@@ -243,7 +243,10 @@ def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "
     """The speculation shape to run (None: plain decoding, which `auto` found faster) and
     how to name it in the metrics."""
     if speculative is None:
-        spec = SpecConfig.preset(jax.default_backend(), len(encoded))
+        if draft.config.parallel:  # P-EAGLE's own shape (K of its paper on accelerators)
+            spec = SpecConfig.parallel(5 if jax.default_backend() == "cpu" else 7)
+        else:
+            spec = SpecConfig.preset(jax.default_backend(), len(encoded))
         return spec, spec.describe()
     if isinstance(speculative, SpecConfig):
         return speculative, speculative.describe()
@@ -341,6 +344,10 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     spec, shape = None, None
     if draft is not None:
         spec, shape = _resolve_spec(speculative, target, draft, encoded, max_new_tokens)
+        if spec is not None and spec.method == "parallel" and not draft.config.parallel:
+            raise ConfigError(f"{spec.describe()} needs a P-EAGLE head (one with a mask "
+                              f"token); {draft.source} drafts one token per forward: use "
+                              f"SpecConfig.chain or a tree")
         draft = draft if spec is not None else None
     run = decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria, spec)
     tokens, counts, finish, forwards = fetch(

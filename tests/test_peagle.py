@@ -229,3 +229,79 @@ def test_unusable_heads_are_refused(target, tmp_path):
     eagle3 = eaglejax.draft.draft.new_eagle3_draft(target)
     with pytest.raises(InputError, match="not a P-EAGLE head"):
         eagle3.parallel_logits(*_inputs(4)[::-1], K)
+
+
+def test_the_loop_drafts_what_parallel_logits_proposes(target, tmp_path):
+    """Inside the compiled loop, the prefill and the catch-up (its mask slots in the same
+    forward as the accepted block, hidden from the block's unaccepted rows) propose exactly
+    the K distributions `Draft.parallel_logits` gives for the committed sequence."""
+    import jax.numpy as jnp
+
+    from eaglejax import SpecConfig
+    from eaglejax.decoding.sampling import SamplingParams
+    from eaglejax.decoding.speculative import _catch_up, spec_prefill
+    from eaglejax.decoding.stopping import StopCriteria
+    from eaglejax.draft.head import to_target_logits
+
+    speculators_head(7, True).save_pretrained(tmp_path / "head")
+    draft = load_draft(tmp_path / "head", target=target)
+    rs = np.random.RandomState(5)
+    prompt = rs.randint(0, V, (1, 11))
+    state = spec_prefill(target.params, target.config, draft.params, draft.config,
+                         jnp.asarray(prompt, jnp.int32), jnp.asarray([11], jnp.int32),
+                         jnp.zeros((1, 2), jnp.uint32), SamplingParams.make(), jnp.int32(8),
+                         capacity=128, max_tokens=16, spec=SpecConfig.parallel(K), greedy=True,
+                         stop=StopCriteria())
+    # s: the prompt, the first token, then 6 more; draft row p consumes s[p+1] and the
+    # target's taps at p
+    s = np.concatenate([prompt, [[int(state.last_token[0])]], rs.randint(0, V, (1, 6))], 1)
+    taps = np.asarray(target.features(s, draft.config.tap_layers))
+    want = draft.parallel_logits(s[:, 1:12], taps[:, :11], K)
+    got = to_target_logits(state.draft_logits, draft.d2t, V)
+    np.testing.assert_allclose(_draft_columns(draft, got), _draft_columns(draft, want),
+                               atol=ATOL, rtol=0)
+    # a round whose 5-row block (positions 11..15) kept 3 rows: the other 2 are garbage
+    kept = 3
+    garbage = np.r_[1, 1, 1, 9, 9][None, :, None]
+    cache, logits, _ = _catch_up(draft.params, draft.config, target.params, state.draft_cache,
+                                 jnp.asarray(s[:, 12:17], jnp.int32),
+                                 jnp.asarray(taps[:, 11:16] * garbage), jnp.asarray([kept]),
+                                 "xla", slots=K - 1)
+    assert int(cache.lengths[0]) == 11 + kept
+    want = draft.parallel_logits(s[:, 1:12 + kept], taps[:, :11 + kept], K)
+    np.testing.assert_allclose(_draft_columns(draft, to_target_logits(logits, draft.d2t, V)),
+                               _draft_columns(draft, want), atol=ATOL, rtol=0)
+
+
+def test_parallel_greedy_decoding_equals_plain(target):
+    """Greedy P-EAGLE decoding (chain from one forward, K=1..5, batch 3) is plain greedy
+    decoding token for token, and a head that proposes the target's own next token at
+    every slot is accepted in full."""
+    from eaglejax import SpecConfig
+    from eaglejax.draft.draft import new_eagle3_draft
+
+    draft = new_eagle3_draft(target, mask_token_id=MASK, seed=1, scale=0.05)
+    rs = np.random.RandomState(0)
+    prompts = [rs.randint(0, V, size=rs.randint(2, 30)).tolist() for _ in range(3)]
+    kwargs = dict(target=target, max_new_tokens=20, ignore_eos=True)
+    plain = [g.token_ids for g in eaglejax.generate(prompts, **kwargs)]
+    for k in (1, 3, 5):
+        out = eaglejax.generate(prompts, draft=draft, speculative=SpecConfig.parallel(k),
+                                **kwargs)
+        assert [g.token_ids for g in out] == plain, k
+        assert out[0].metrics.speculative == f"parallel K={k}"
+
+
+def test_parallel_needs_a_parallel_head_and_is_its_default(target, capsys):
+    from eaglejax import SpecConfig
+    from eaglejax.draft.draft import new_eagle3_draft
+
+    eagle3 = new_eagle3_draft(target)
+    with pytest.raises(ConfigError, match="parallel K=4 needs a P-EAGLE head"):
+        eaglejax.generate([[1, 2, 3]], target=target, draft=eagle3,
+                          speculative=SpecConfig.parallel(4), max_new_tokens=4)
+    peagle = new_eagle3_draft(target, mask_token_id=MASK)
+    out = eaglejax.generate([[1, 2, 3]], target=target, draft=peagle, max_new_tokens=4)
+    assert out[0].metrics.speculative == "parallel K=5"  # the CPU default for such heads
+    with pytest.raises(InputError, match="mask_token_id must be an integer in"):
+        new_eagle3_draft(target, mask_token_id=V)

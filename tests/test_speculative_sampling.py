@@ -116,3 +116,27 @@ def test_speculative_sampling_is_seeded_and_row_independent(selfdraft_target):
     alone = eaglejax.generate([prompts[1]], seed=4, **kwargs)
     assert alone[0].token_ids == batch[1].token_ids
     assert batch[0].token_ids == eaglejax.generate(prompts, seed=[3, 4, 5], **kwargs)[0].token_ids
+
+
+@pytest.mark.parametrize("which", ["random", "uniform"])
+def test_parallel_drafts_keep_sampling_exact(which, selfdraft_target):
+    """P-EAGLE (K tokens from one forward, each slot's distribution its own q): a random
+    head over 60 draft tokens (mostly rejected) and a head proposing the uniform
+    distribution at every slot (often accepted on this flat target: long paths)."""
+    import jax.numpy as jnp
+
+    from eaglejax.draft.draft import new_eagle3_draft
+
+    draft = new_eagle3_draft(selfdraft_target, mask_token_id=3, seed=4,
+                             scale=0.05 if which == "uniform" else 1.0,  # peaked: rejected
+                             used_tokens=None if which == "uniform" else
+                             np.sort(np.random.RandomState(4).choice(97, 60, replace=False)))
+    if which == "uniform":
+        draft.params["lm_head"] = jnp.zeros_like(draft.params["lm_head"])
+    out = eaglejax.generate([PROMPT] * N, target=selfdraft_target, draft=draft,
+                            max_new_tokens=3, temperature=1.0, top_p=0.95, seed=list(range(N)),
+                            ignore_eos=True, speculative=eaglejax.SpecConfig.parallel(3))
+    al = np.mean([r.metrics.acceptance_length for r in out])
+    assert (al > 1.8) if which == "uniform" else (al < 1.5), al
+    assert_follows(np.array([r.token_ids for r in out]),
+                   exact_marginals(selfdraft_target, SamplingParams.make(1.0, 0, 0.95), 3))

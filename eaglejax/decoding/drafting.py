@@ -50,7 +50,8 @@ class Head(NamedTuple):
 
 class Root(NamedTuple):
     """Where a round starts, per row: the last accepted token, the head's logits [B,DV]
-    and hidden state [B,H] proposing the next one, and the committed draft cache."""
+    (a P-EAGLE head's: [B,K,DV], one per draft position) and hidden state [B,H] proposing
+    the next one, and the committed draft cache."""
 
     token: jax.Array
     logits: jax.Array
@@ -80,6 +81,19 @@ def draft_chain(head: Head, root: Root, k: int, greedy: bool, sampling: Sampling
         drafted.append(token)
         dists.append(probs)
     return jnp.stack(drafted, axis=1), None if greedy else jnp.stack(dists, axis=1)
+
+
+def draft_parallel(head: Head, root: Root, greedy: bool, sampling: SamplingParams,
+                   keys: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array | None]:
+    """P-EAGLE: the K tokens [B,K] of the K proposals `root.logits` [B,K,DV] one forward
+    made (argmax, or sampled with their distributions [B,K,V] returned for the min(1, p/q)
+    rule: a slot's distribution does not depend on the tokens drafted before it)."""
+    if greedy:
+        return head.draft_ids[jnp.argmax(root.logits, axis=-1)].astype(jnp.int32), None
+    drawn = [draft_sample(root.logits[:, i], sampling, keys[:, i], head.draft_ids, vocab)
+             for i in range(root.logits.shape[1])]
+    return (jnp.stack([token for token, _ in drawn], axis=1),
+            jnp.stack([probs for _, probs in drawn], axis=1))
 
 
 def draft_dynamic_tree(head: Head, root: Root, top_k: int, depth: int,

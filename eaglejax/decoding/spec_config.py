@@ -8,7 +8,7 @@ from typing import Literal, Sequence
 from eaglejax.decoding.tree import num_candidates
 from eaglejax.errors import InputError
 
-Method = Literal["chain", "tree", "static"]
+Method = Literal["chain", "parallel", "tree", "static"]
 
 
 def _positive_int(name: str, value: object, high: int) -> None:
@@ -47,6 +47,8 @@ class SpecConfig:
 
     method "chain": `num_draft_tokens` (K) tokens drafted one after another; when
     sampling, the draft samples them and the min(1, p/q) rule verifies.
+    method "parallel": a chain of K tokens a P-EAGLE head proposed in ONE forward (the
+    next-token slot and K-1 mask slots), verified as a chain.
     method "tree": an EAGLE-2 dynamic tree: `depth` expansion rounds of `top_k` children
     per frontier node, then the best `total_tokens - 1` candidates (root excluded) by
     cumulative draft log-probability are verified.
@@ -73,8 +75,9 @@ class SpecConfig:
     lookup_replaces: bool = False
 
     def __post_init__(self):
-        if self.method not in ("chain", "tree", "static"):
-            raise InputError(f"method must be 'chain', 'tree' or 'static', got {self.method!r}")
+        if self.method not in ("chain", "parallel", "tree", "static"):
+            raise InputError(f"method must be 'chain', 'parallel', 'tree' or 'static', got "
+                             f"{self.method!r}")
         _positive_int("num_draft_tokens", self.num_draft_tokens, 64)
         if self.method == "tree":
             _positive_int("top_k", self.top_k, 64)
@@ -97,6 +100,11 @@ class SpecConfig:
     @classmethod
     def chain(cls, num_draft_tokens: int = 5) -> "SpecConfig":
         return cls(num_draft_tokens=num_draft_tokens)
+
+    @classmethod
+    def parallel(cls, num_draft_tokens: int = 5) -> "SpecConfig":
+        """P-EAGLE: K draft tokens from one forward of a parallel head."""
+        return cls(num_draft_tokens=num_draft_tokens, method="parallel")
 
     @classmethod
     def tree(cls, top_k: int = 4, depth: int = 4, total_tokens: int = 12) -> "SpecConfig":
@@ -132,10 +140,15 @@ class SpecConfig:
 
     def check_sampling(self, greedy: bool) -> None:
         """InputError when this shape cannot be verified losslessly with sampling."""
-        if self.lookup and self.method == "chain" and not greedy:
+        if self.lookup and self.is_chain and not greedy:
             raise InputError(f"{self.describe()}: a lookup branch with sampling needs a tree "
                              f"(method 'tree' or 'static'); a sampled chain verifies only its "
                              f"own draft")
+
+    @property
+    def is_chain(self) -> bool:
+        """One path of K draft tokens (drafted one by one, or in parallel)."""
+        return self.method in ("chain", "parallel")
 
     @property
     def max_depth(self) -> int:
@@ -145,7 +158,7 @@ class SpecConfig:
     @property
     def draft_depth(self) -> int:
         """The head's longest draft path (the lookup branch aside)."""
-        if self.method == "chain":
+        if self.is_chain:
             return self.num_draft_tokens
         if self.method == "tree":
             return self.depth
@@ -154,7 +167,7 @@ class SpecConfig:
     @property
     def num_nodes(self) -> int:
         """Tokens the target verifies per round, the root (last accepted token) included."""
-        if self.method == "chain":
+        if self.is_chain:
             head = self.num_draft_tokens + 1
         elif self.method == "tree":
             head = self.total_tokens
@@ -163,8 +176,8 @@ class SpecConfig:
         return head + (0 if self.lookup_replaces else self.lookup)
 
     def describe(self) -> str:
-        if self.method == "chain":
-            shape = f"chain K={self.num_draft_tokens}"
+        if self.is_chain:
+            shape = f"{self.method} K={self.num_draft_tokens}"
         elif self.method == "tree":
             shape = f"tree top_k={self.top_k} depth={self.depth} total={self.total_tokens}"
         else:

@@ -32,7 +32,7 @@ from eaglejax.config import ModelConfig
 from eaglejax.decoding import calibration, lookup
 from eaglejax.decoding.acceptance import sample_accept, tree_greedy_accept, tree_sample_accept
 from eaglejax.decoding.drafting import (
-    Head, Root, draft_chain, draft_dynamic_tree, draft_static_tree)
+    Head, Root, draft_chain, draft_dynamic_tree, draft_parallel, draft_static_tree)
 from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
 from eaglejax.decoding.plain import PREFILL_CHUNK, Prefilled, prefill_target
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
@@ -40,7 +40,8 @@ from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.decoding.tree import chain_tree, static_shape
 from eaglejax.draft.config import DraftConfig
-from eaglejax.draft.head import draft_forward, draft_forward_chunked, head_logits, to_target_ids
+from eaglejax.draft.head import (
+    draft_forward, draft_forward_chunked, head_logits, mask_slots, to_target_ids)
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import ForwardOutput, Params, compute_dtype, forward, lm_head
@@ -52,7 +53,7 @@ class SpecState(NamedTuple):
     target_cache: kv_cache.KVCache
     draft_cache: kv_cache.KVCache
     last_token: jax.Array  # [B] x_n
-    draft_logits: jax.Array  # [B,DV] the head's proposal for x_{n+1}
+    draft_logits: jax.Array  # [B,DV] the head's proposal for x_{n+1} ([B,K,DV]: P-EAGLE's)
     draft_hidden: jax.Array  # [B,H] the head's un-normed hidden state at position n-1
     out: Output
     row_keys: jax.Array  # [B] PRNG keys, one per row (sampling)
@@ -69,16 +70,52 @@ def _features(out: ForwardOutput | Prefilled, draft_config: DraftConfig) -> jax.
 
 def _catch_up(draft_params: Params, draft_config: DraftConfig, target_params: Params,
               cache: kv_cache.KVCache, tokens: jax.Array, features: jax.Array,
-              n_accepted: jax.Array, attn_impl: AttentionImpl):
+              n_accepted: jax.Array, attn_impl: AttentionImpl, slots: int | None = None):
     """Run the head over a block of new positions starting at each row's cache length, keep
-    the first n_accepted [B] rows, and return (cache, logits, hidden) at the last kept one."""
+    the first n_accepted [B] rows, and return (cache, logits, hidden) at the last kept one.
+
+    `slots` (P-EAGLE; None otherwise) mask slots ride in the same forward after each row's last kept row
+    (positions continuing from it, seeing the kept rows and each other only): logits
+    [B,1+slots,DV], the next token's and the mask slots' proposals."""
     batch, block = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(block)[None, :]
+    mask = None
+    if slots is not None:
+        slot_tokens, slot_features = mask_slots(draft_params, draft_config, batch, slots)
+        tokens = jnp.concatenate([tokens, slot_tokens], axis=1)
+        features = jnp.concatenate([features, slot_features.astype(features.dtype)], axis=1)
+        last = cache.lengths + n_accepted - 1
+        positions = jnp.concatenate(
+            [positions, last[:, None] + jnp.arange(1, slots + 1)[None, :]], axis=1)
+        width = block + slots
+        causal = np.tril(np.ones((width, width), bool))  # then hide unkept rows from the slots
+        unkept = jnp.arange(width)[None, :] >= n_accepted[:, None]  # [B,T]
+        slot_rows = jnp.arange(width) >= block
+        block_cols = jnp.arange(width) < block
+        mask = causal[None] & ~(slot_rows[None, :, None] & (block_cols[None, None, :]
+                                                            & unkept[:, None, :]))
     out = draft_forward(draft_params, draft_config, target_params, tokens, features, positions,
-                        cache, attn_impl=attn_impl)
+                        cache, mask=mask, attn_impl=attn_impl)
     hidden = out.hidden[jnp.arange(batch), n_accepted - 1]
     cache = out.cache._replace(lengths=cache.lengths + n_accepted)
+    if slots is not None:
+        proposing = jnp.concatenate([hidden[:, None], out.hidden[:, block:]], axis=1)
+        return cache, head_logits(draft_params, draft_config, target_params, proposing), hidden
     return cache, head_logits(draft_params, draft_config, target_params, hidden), hidden
+
+
+def _mask_slot_logits(draft_params: Params, draft_config: DraftConfig, target_params: Params,
+                      cache: kv_cache.KVCache, count: int, attn_impl: AttentionImpl
+                      ) -> jax.Array:
+    """P-EAGLE's `count` mask slots after each row's committed draft cache (positions
+    continuing from its last row): their proposals [B,count,DV]; nothing is committed."""
+    batch = cache.lengths.shape[0]
+    tokens, features = mask_slots(draft_params, draft_config, batch, count)
+    positions = cache.lengths[:, None] + jnp.arange(count)[None, :]
+    out = draft_forward(draft_params, draft_config, target_params, tokens,
+                        features.astype(draft_params["fc"].dtype), positions, cache,
+                        attn_impl=attn_impl)
+    return head_logits(draft_params, draft_config, target_params, out.hidden)
 
 
 def _draft_prefill(draft_params: Params, draft_config: DraftConfig, target_params: Params,
@@ -130,6 +167,12 @@ def spec_prefill(params: Params, config: ModelConfig, draft_params: Params,
     draft_cache, draft_logits, draft_hidden = _draft_prefill(
         draft_params, draft_config, params, draft_cache, shifted,
         _features(prefilled, draft_config), prompt_lengths, attn_impl, prefill_chunk)
+    if spec.method == "parallel":  # the K-1 mask slots' proposals too
+        draft_logits = draft_logits[:, None]
+        if spec.num_draft_tokens > 1:
+            slots = _mask_slot_logits(draft_params, draft_config, params, draft_cache,
+                                      spec.num_draft_tokens - 1, attn_impl)
+            draft_logits = jnp.concatenate([draft_logits, slots], axis=1)
     context = jnp.zeros((batch, capacity if spec.lookup else 0), jnp.int32)
     if spec.lookup:
         context = lookup.write_context(context.at[:, :prompt.shape[1]].set(prompt),
@@ -156,6 +199,9 @@ def _draft_round(head: Head, root: Root, spec: SpecConfig, greedy: bool,
     if spec.method == "chain":
         drafted, probs = draft_chain(head, root, spec.num_draft_tokens, greedy, sampling, keys,
                                      vocab)
+        return chain_tree(root.token, drafted), probs
+    if spec.method == "parallel":
+        drafted, probs = draft_parallel(head, root, greedy, sampling, keys, vocab)
         return chain_tree(root.token, drafted), probs
     if spec.method == "tree":
         return draft_dynamic_tree(head, root, spec.top_k, spec.depth, spec.total_tokens), None
@@ -204,7 +250,8 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
     depth = spec.max_depth
     head = Head(draft_params, draft_config, params,
                 to_target_ids(jnp.arange(draft_config.draft_vocab_size), d2t), attn_impl)
-    in_place = spec.method == "chain" and not spec.lookup  # accepted rows need no commit
+    in_place = spec.is_chain and not spec.lookup  # accepted rows need no commit
+    parallel_slots = spec.num_draft_tokens - 1 if spec.method == "parallel" else None
     spec.check_sampling(greedy)
 
     def step(s: SpecState) -> SpecState:
@@ -229,7 +276,7 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
                            mask=tree.mask, tap_layers=draft_config.tap_layers,
                            attn_impl=attn_impl)
         logits = lm_head(params, verified.hidden)
-        if spec.method == "chain" and not greedy:
+        if spec.is_chain and not greedy:
             n_accepted, bonus = sample_accept(tree.tokens[:, 1:], draft_probs, logits, sampling,
                                               keys[:, depth])
             path = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), tree.tokens.shape)
@@ -255,7 +302,7 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
         target_cache = target_cache._replace(lengths=s.target_cache.lengths + advance)
         draft_cache, draft_logits, draft_hidden = _catch_up(
             draft_params, draft_config, params, s.draft_cache, emitted, features,
-            jnp.maximum(advance, 1), attn_impl)
+            jnp.maximum(advance, 1), attn_impl, parallel_slots)
         # Rows that were already done keep their committed draft length.
         draft_cache = draft_cache._replace(
             lengths=jnp.where(running, draft_cache.lengths, s.draft_cache.lengths))
