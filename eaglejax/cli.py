@@ -263,6 +263,15 @@ def _add_train_args(commands) -> None:
     train.add_argument("--ttt-length", type=int, default=t.ttt_length,
                        help="training-time-test unroll steps")
     train.add_argument("--num-layers", type=int, default=t.num_layers, help="head decoder layers")
+    train.add_argument("--method", choices=["eagle3", "peagle"], default="eagle3",
+                       help="eagle3: a head drafting one token per forward (TTT over "
+                            "--ttt-length steps); peagle: P-EAGLE, --ttt-length tokens per "
+                            "forward (mask slots, depths sampled as --cod-rate^d, at least "
+                            "--cod-floor)")
+    train.add_argument("--mask-token-id", type=int, default=None,
+                       help="peagle: the mask slots' token (default: the vocabulary's last id)")
+    train.add_argument("--cod-rate", type=float, default=t.cod_rate)
+    train.add_argument("--cod-floor", type=float, default=t.cod_floor)
     train.add_argument("--init-from-target", action="store_true",
                        help="warm-start lm_head, final norm and fc from the target")
     train.add_argument("--init-head", default=None, metavar="PATH",
@@ -414,6 +423,11 @@ def _train_draft(args: argparse.Namespace) -> None:
     regen = RegenConfig(args.regen_temperature, args.regen_max_new_tokens, args.seq_len,
                         args.regen_slots, args.seed) if args.regenerate else None
     target = load_target(args.target, dtype=args.dtype, mesh=_mesh(args))
+    if args.method == "peagle":
+        mask = target.config.vocab_size - 1 if args.mask_token_id is None else args.mask_token_id
+        validation.integer("--mask-token-id", mask, 0, target.config.vocab_size - 1)
+        config = dataclasses.replace(config, mask_token_id=mask, cod_rate=args.cod_rate,
+                                     cod_floor=args.cod_floor)
     rows = prepare_rows(target, args.data, seq_len=args.seq_len,
                         max_conversations=args.max_conversations, regen=regen,
                         regen_cache=args.regen_cache, cut_repeats=args.cut_repeats,
@@ -447,6 +461,10 @@ def _check_train_args(args: argparse.Namespace) -> None:
     validation.real("--grad-clip", args.grad_clip, 0.0, low_open=True)
     validation.real("--weight-decay", args.weight_decay, 0.0)
     validation.real("--regen-temperature", args.regen_temperature, 0.0)
+    validation.real("--cod-rate", args.cod_rate, 0.0, 1.0, low_open=True)
+    validation.real("--cod-floor", args.cod_floor, 0.0, 1.0)
+    if args.method != "peagle" and args.mask_token_id is not None:
+        raise InputError("--mask-token-id needs --method peagle")
     validation.existing_path("--data", args.data)
     if args.init_head is not None:
         validation.existing_path("--init-head", args.init_head, directory=True)

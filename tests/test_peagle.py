@@ -305,3 +305,36 @@ def test_parallel_needs_a_parallel_head_and_is_its_default(target, capsys):
     assert out[0].metrics.speculative == "parallel K=5"  # the CPU default for such heads
     with pytest.raises(InputError, match="mask_token_id must be an integer in"):
         new_eagle3_draft(target, mask_token_id=V)
+
+
+def test_training_unroll_equals_the_k_draft_logits(target):
+    """Depth d at root t of P-EAGLE's training unroll is what decoding's mask slot d
+    proposes after the sequence up to t (`Draft.parallel_logits`, itself checked against
+    speculators above); COD keeps a share max(0.7^d, 0.2) of the roots, nested."""
+    import jax
+    import jax.numpy as jnp
+
+    from eaglejax.draft.draft import new_eagle3_draft
+    from eaglejax.draft.head import head_logits
+    from eaglejax.training.ttt import cod_keep, segment_mask, ttt_unroll
+    from tolerances import FORWARD_UNITS, assert_close_scaled
+
+    draft = new_eagle3_draft(target, mask_token_id=MASK, seed=2, scale=0.1, num_layers=2)
+    length = 10
+    tokens = np.random.RandomState(1).randint(0, V, (1, length + 1))
+    taps = np.asarray(target.features(tokens, draft.config.tap_layers))
+    drafted, features = jnp.asarray(tokens[:, 1:], jnp.int32), jnp.asarray(taps[:, :-1])
+    hiddens = jax.jit(ttt_unroll, static_argnums=(1, 7, 8))(
+        draft.params, draft.config, target.params, drafted, features,
+        jnp.arange(length)[None], segment_mask(jnp.ones((1, length), jnp.int32)), K, True)
+    unrolled = np.stack([np.asarray(head_logits(draft.params, draft.config, target.params, h))
+                         for h in hiddens])  # [K,1,T,DV]
+    for root in range(length):
+        want = _draft_columns(draft, draft.parallel_logits(drafted[:, :root + 1],
+                                                           features[:, :root + 1], K)[0])
+        # mask slots pass through 2 layers once: float32 noise of one forward
+        assert_close_scaled(unrolled[:, 0, root], want, units=FORWARD_UNITS)
+    kept = np.asarray(cod_keep(jax.random.PRNGKey(0), (64, 512), K))
+    shares = kept.mean(axis=(1, 2))
+    np.testing.assert_allclose(shares, [1, 0.7, 0.49, 0.343, 0.2401], atol=0.01)
+    assert np.all(kept[1:] <= kept[:-1])  # nested

@@ -120,7 +120,8 @@ class Draft:
 
 def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
                      num_layers: int = 1, seed: int = 0, scale: float = 0.02,
-                     from_target: bool = False, mask_token_id: int | None = None) -> Draft:
+                     from_target: bool = False, mask_token_id: int | None = None,
+                     own_embedding: bool = False) -> Draft:
     """A freshly initialised EAGLE-3 head for `target` (the starting point of training).
 
     Its decoder layers mirror the target's attention shape (heads, KV heads, head dim,
@@ -130,6 +131,7 @@ def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
     passes the deepest tap through, so before any training the head already reads the
     target's late residual stream through the target's own output layer ("logit lens").
     `mask_token_id` makes it a P-EAGLE head (K tokens per forward; `DraftConfig.parallel`).
+    `own_embedding`: the head keeps a copy of the target's embedding table (trainable).
     """
     from eaglejax.draft.head import init_params
     from eaglejax.target import default_tap_layers
@@ -144,8 +146,11 @@ def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
     if mask_token_id is not None:
         validation.integer("mask_token_id", mask_token_id, 0, c.vocab_size - 1)
     config = DraftConfig("eagle3", decoder, len(used), c.hidden_size,
-                         default_tap_layers(c.num_layers), mask_token_id=mask_token_id)
+                         default_tap_layers(c.num_layers), own_embedding=own_embedding,
+                         mask_token_id=mask_token_id)
     params = init_params(config, jax.random.PRNGKey(seed), dtype=target.dtype, scale=scale)
+    if own_embedding:
+        params["embed"] = jnp.array(target.params["embed"], target.dtype, copy=True)
     if from_target:
         h, deepest = c.hidden_size, int(np.argmax(config.tap_layers))
         output_rows = target.params.get("lm_head", target.params["embed"])

@@ -105,7 +105,8 @@ def mask_slots(params: Params, config: DraftConfig, batch: int, count: int
     return tokens, features
 
 
-def _fc_input(params: Params, config: DraftConfig, features: jax.Array) -> jax.Array:
+def fc_input(params: Params, config: DraftConfig, features: jax.Array) -> jax.Array:
+    """`fc` of target features [..., feature_size] (after the head's input norms, if any)."""
     eps = config.decoder.rms_norm_eps
     if config.fc_norm:
         taps = features.reshape(*features.shape[:-1], len(config.tap_layers), -1)
@@ -137,7 +138,7 @@ def draft_forward(params: Params, config: DraftConfig, target_params: Params, to
     embeds = embed_table[tokens].astype(dtype)
     first = params["layers"][0]
     if config.kind == "eagle3":
-        x = _fc_input(params, config, inputs) if from_features else inputs
+        x = fc_input(params, config, inputs) if from_features else inputs
         attn_input = jnp.concatenate([rms_norm(embeds, first["embed_norm"], eps),
                                       rms_norm(x, first["hidden_norm"], eps)], axis=-1)
         if config.norm_before_residual:

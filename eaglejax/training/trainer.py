@@ -40,7 +40,7 @@ from eaglejax.sharding.mesh import mesh_context
 from eaglejax.target import Target
 from eaglejax.training.data import PackedRows
 from eaglejax.training.run import append_log, open_run, read_log, truncate_log
-from eaglejax.training.ttt import Batch, target_signal, ttt_loss
+from eaglejax.training.ttt import Batch, peagle_loss, target_signal, ttt_loss
 from eaglejax.training.vocab import (
     DraftVocab,
     select_draft_vocab,
@@ -62,7 +62,10 @@ class TrainConfig:
     `lr * final_lr_fraction` at `steps`, or "constant" at `lr`. A constant schedule does
     not depend on `steps`, so such a run can be extended: run it again with more steps.
     `init_from_target`: warm-start the head's output side from the target (see
-    `new_eagle3_draft(from_target=True)`)."""
+    `new_eagle3_draft(from_target=True)`).
+    `mask_token_id` trains a P-EAGLE head instead (`ttt.peagle_loss`): `ttt_length` mask
+    depths, a share max(cod_rate^d, cod_floor) of roots at depth d, its own embedding
+    table (the mask token's row learned) copied from the target's."""
 
     seq_len: int = 1024
     batch_size: int = 4
@@ -87,6 +90,9 @@ class TrainConfig:
     eval_max_new_tokens: int = 64
     eval_num_draft_tokens: int = 5
     log_every: int = 10
+    mask_token_id: int | None = None
+    cod_rate: float = 0.7
+    cod_floor: float = 0.2
 
     def __post_init__(self):
         positive = ("seq_len", "batch_size", "steps", "ttt_length", "draft_vocab_size",
@@ -108,6 +114,12 @@ class TrainConfig:
         if self.eval_every < 0:
             raise InputError(f"eval_every must be >= 0 (0: no periodic evaluation), "
                              f"got {self.eval_every}")
+        if self.mask_token_id is not None and (not isinstance(self.mask_token_id, int)
+                                               or self.mask_token_id < 0):
+            raise InputError(f"mask_token_id must be a token id >= 0, got {self.mask_token_id!r}")
+        if not (0 < self.cod_rate <= 1 and 0 <= self.cod_floor <= 1):
+            raise InputError(f"cod_rate must be in (0, 1] and cod_floor in [0, 1], got "
+                             f"{self.cod_rate} and {self.cod_floor}")
         if not (self.lr > 0 and self.grad_clip > 0 and self.weight_decay >= 0
                 and 0 <= self.final_lr_fraction <= 1):
             raise InputError("lr and grad_clip must be > 0, weight_decay >= 0, "
@@ -126,6 +138,8 @@ class TrainConfig:
         """The settings that determine the trained parameters (`steps` only bounds an
         extendable run)."""
         ignored = BOOKKEEPING + (("steps",) if self.extendable else ())
+        if self.mask_token_id is None:  # an EAGLE-3 run: as before P-EAGLE's settings existed
+            ignored += ("mask_token_id", "cod_rate", "cod_floor")
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
 
     def core(self) -> TrainConfig:
@@ -174,11 +188,14 @@ def _train_step(draft_config: DraftConfig, target_config, config: TrainConfig, a
     optimizer = make_optimizer(config)
 
     def step(state: TrainState, target_params: Params, batch: Batch, used: jax.Array,
-             t2d: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+             t2d: jax.Array, key: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         signal = target_signal(target_params, target_config, batch, draft_config.tap_layers,
                                used, t2d, attn_impl)
 
         def loss_fn(params: Params):
+            if draft_config.parallel:
+                return peagle_loss(params, draft_config, target_params, batch, signal,
+                                   config.ttt_length, key, config.cod_rate, config.cod_floor)
             return ttt_loss(params, draft_config, target_params, batch, signal,
                             config.ttt_length, config.step_weight)
 
@@ -209,8 +226,9 @@ def acceptance_length(draft: Draft, prompts: Sequence[str] | Sequence[Sequence[i
                       num_draft_tokens: int = 5, max_new_tokens: int = 64) -> float:
     """Mean greedy acceptance length (bonus token included) of `draft` over `prompts`,
     decoded as one batch."""
+    method = "parallel" if draft.config.parallel else "chain"
     results = generate(list(prompts), target=draft.target, draft=draft,
-                       speculative=SpecConfig(num_draft_tokens=num_draft_tokens),
+                       speculative=SpecConfig(num_draft_tokens=num_draft_tokens, method=method),
                        max_new_tokens=max_new_tokens)
     values = [r.metrics.acceptance_length for r in results if r.metrics.acceptance_length]
     return float(np.mean(values)) if values else 1.0
@@ -224,7 +242,8 @@ def _draft_vocab(target: Target, rows: PackedRows, config: TrainConfig,
         return select_draft_vocab(rows, target.config.vocab_size, config.draft_vocab_size)
     c = init_head.config
     wanted = {"kind": ("eagle3", c.kind), "draft_vocab_size": (config.draft_vocab_size,
-              c.draft_vocab_size), "num_layers": (config.num_layers, c.decoder.num_layers)}
+              c.draft_vocab_size), "num_layers": (config.num_layers, c.decoder.num_layers),
+              "mask_token_id": (config.mask_token_id, c.mask_token_id)}
     wrong = [f"{name} {have!r} (settings: {want!r})" for name, (want, have) in wanted.items()
              if want != have]
     if wrong:
@@ -374,7 +393,9 @@ def train(target: Target, rows: PackedRows, out: str | Path,
         head_dir.rename(out / f"head-step{finished}")  # the earlier head is kept
     if init_head is None:
         draft = new_eagle3_draft(target, used_tokens=vocab.used, num_layers=config.num_layers,
-                                 from_target=config.init_from_target, seed=config.seed)
+                                 from_target=config.init_from_target, seed=config.seed,
+                                 mask_token_id=config.mask_token_id,
+                                 own_embedding=config.mask_token_id is not None)
     else:
         params = jax.tree.map(lambda p: jnp.array(p, target.dtype, copy=True), init_head.params)
         draft = dataclasses.replace(init_head, params=params, target=target)
@@ -422,8 +443,9 @@ def train(target: Target, rows: PackedRows, out: str | Path,
             batch = Batch(*(split_rows(arrays, mesh) if mesh is not None else
                             (jnp.asarray(a) for a in arrays)))
             began = time.perf_counter()
+            key = jax.random.fold_in(jax.random.PRNGKey(config.seed), step)  # COD's draws
             with mesh_context(mesh):
-                state, metrics = step_fn(state, target.params, batch, used, t2d)
+                state, metrics = step_fn(state, target.params, batch, used, t2d, key)
             metrics = jax.device_get(metrics)
             seconds = None if step == start else time.perf_counter() - began
             tokens_seen += tokens

@@ -1,4 +1,5 @@
-"""EAGLE-3 "training-time test" (TTT): the head unrolled over its own outputs, and its loss.
+"""EAGLE-3 "training-time test" (TTT): the head unrolled over its own outputs, and its loss;
+P-EAGLE's objective: the head's mask slots unrolled the same way, on sampled depths.
 
 Coordinates: a row holds target tokens x_0..x_{S-1}. Draft position t (the "root")
 consumes token x_{t+1} and the target feature of position t. Step 0 is the head run on
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
-from eaglejax.draft.head import draft_forward, head_logits
+from eaglejax.draft.head import draft_forward, fc_input, head_logits
+from eaglejax.draft.head import mask_slots as mask_slots_of
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import (
     Params,
@@ -111,13 +113,18 @@ def _unrolled_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: j
 
 def ttt_unroll(params: Params, config: DraftConfig, target_params: Params, tokens: jax.Array,
                features: jax.Array, positions: jax.Array, mask: jax.Array,
-               ttt_length: int) -> list[jax.Array]:
+               ttt_length: int, mask_slots: bool = False) -> list[jax.Array]:
     """The head's un-normed outputs [B,T,H] at steps 0..ttt_length-1, per root position.
 
     Draft-aligned inputs: root t consumes tokens[t] and features[t] at positions[t]; mask
-    [B,T,T] is the step-0 attention mask. Step k reads tokens[t+k] (0 past the end)."""
+    [B,T,T] is the step-0 attention mask. Step k reads tokens[t+k] (0 past the end) and the
+    head's step k-1 output; with `mask_slots` (P-EAGLE) it reads the mask token and the
+    learned `mask_hidden` instead (through `fc`, as decoding's mask slots do), attending
+    like step k of the chain: to the step-0 keys up to its root and its own slots."""
     if config.kind != "eagle3":
         raise ValueError(f"training-time test needs an EAGLE-3 head, got {config.kind!r}")
+    if mask_slots and not config.parallel:
+        raise ValueError("mask slots need a P-EAGLE head (DraftConfig.mask_token_id)")
     d, eps = config.decoder, config.decoder.rms_norm_eps
     out = draft_forward(params, config, target_params, tokens, features, positions, mask=mask,
                         attn_impl="xla")
@@ -126,9 +133,15 @@ def ttt_unroll(params: Params, config: DraftConfig, target_params: Params, token
     values = [[v] for v in out.v_new]
     embed_table = params.get("embed", target_params["embed"])
     first = params["layers"][0]
+    if mask_slots:
+        slot_tokens, slot_features = mask_slots_of(params, config, *tokens.shape)
+        slot_embeds = embed_table[slot_tokens].astype(out.hidden.dtype)
+        slot_hidden = fc_input(params, config, slot_features.astype(out.hidden.dtype))
     for step in range(1, ttt_length):
-        hidden = hiddens[-1]
-        embeds = embed_table[shift_left(tokens, step)]
+        if mask_slots:
+            embeds, hidden = slot_embeds, slot_hidden
+        else:
+            embeds, hidden = embed_table[shift_left(tokens, step)], hiddens[-1]
         attn_input = jnp.concatenate([rms_norm(embeds, first["embed_norm"], eps),
                                       rms_norm(hidden, first["hidden_norm"], eps)], axis=-1)
         x = rms_norm(hidden, first["hidden_norm"], eps) if config.norm_before_residual else hidden
@@ -177,3 +190,39 @@ def ttt_loss(params: Params, config: DraftConfig, target_params: Params, batch: 
     losses_array = jnp.stack(losses)
     total = jnp.sum(losses_array * step_weight ** jnp.arange(ttt_length))
     return total, (losses_array, jnp.stack(accuracies))
+
+
+def cod_keep(key: jax.Array, shape: tuple[int, int], num_depths: int, rate: float = 0.7,
+             floor: float = 0.2) -> jax.Array:
+    """P-EAGLE's conditional-on-depth sampling as a mask [num_depths,B,T] of (root, depth)
+    pairs: depth 0 keeps every root, depth d a random share max(rate^d, floor) of them,
+    nested (a root kept at depth d is kept at every shallower depth)."""
+    draw = jax.random.uniform(key, shape)
+    shares = jnp.maximum(rate ** jnp.arange(num_depths), floor).at[0].set(1.0)
+    return draw[None] < shares[:, None, None]
+
+
+def peagle_loss(params: Params, config: DraftConfig, target_params: Params, batch: Batch,
+                signal: TargetSignal, num_depths: int, key: jax.Array, rate: float = 0.7,
+                floor: float = 0.2) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """P-EAGLE's objective: the mean soft cross entropy over the sampled (root, depth) pairs
+    (`cod_keep`; depth d: the mask slot proposing token t+2+d), and (loss_d, top-1
+    accuracy_d) [num_depths] each. Validity as in `ttt_loss`."""
+    segments = batch.segments
+    hiddens = ttt_unroll(params, config, target_params, shift_left(batch.tokens, 1),
+                         signal.features, batch.positions, segment_mask(segments), num_depths,
+                         mask_slots=True)
+    kept = cod_keep(key, segments.shape, num_depths, rate, floor)
+    losses, accuracies, total, count = [], [], 0.0, 0
+    for depth, hidden in enumerate(hiddens):
+        target_ids = shift_left(signal.draft_argmax, 1 + depth, -1)
+        valid = (shift_left(batch.loss_mask, 2 + depth, False) & (segments > 0)
+                 & (shift_left(segments, 2 + depth) == segments) & (target_ids >= 0)
+                 & kept[depth])
+        loss, accuracy = _step_loss(params, config, hidden,
+                                    shift_left(signal.probs, 1 + depth), target_ids, valid)
+        pairs = jnp.sum(valid)
+        total, count = total + loss * jnp.maximum(pairs, 1), count + pairs
+        losses.append(loss)
+        accuracies.append(accuracy)
+    return total / jnp.maximum(count, 1), (jnp.stack(losses), jnp.stack(accuracies))
