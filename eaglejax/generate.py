@@ -344,7 +344,7 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     spec, shape = None, None
     if draft is not None:
         spec, shape = _resolve_spec(speculative, target, draft, encoded, max_new_tokens)
-        if spec is not None and spec.method == "parallel" and not draft.config.parallel:
+        if spec is not None and spec.is_parallel and not draft.config.parallel:
             raise ConfigError(f"{spec.describe()} needs a P-EAGLE head (one with a mask "
                               f"token); {draft.source} drafts one token per forward: use "
                               f"SpecConfig.chain or a tree")

@@ -290,6 +290,12 @@ def test_parallel_greedy_decoding_equals_plain(target):
                                 **kwargs)
         assert [g.token_ids for g in out] == plain, k
         assert out[0].metrics.speculative == f"parallel K={k}"
+    for shape in [(3, 4, 10), (1, 3, 4), (4, 2, 20), (2, 5, 19)]:
+        spec = SpecConfig.parallel_tree(*shape)
+        out = eaglejax.generate(prompts, draft=draft, speculative=spec, **kwargs)
+        assert [g.token_ids for g in out] == plain, shape
+        assert out[0].metrics.speculative == "parallel tree top_k={} depth={} total={}".format(
+            *shape)
 
 
 def test_parallel_needs_a_parallel_head_and_is_its_default(target, capsys):
@@ -338,3 +344,37 @@ def test_training_unroll_equals_the_k_draft_logits(target):
     shares = kept.mean(axis=(1, 2))
     np.testing.assert_allclose(shares, [1, 0.7, 0.49, 0.343, 0.2401], atol=0.01)
     assert np.all(kept[1:] <= kept[:-1])  # nested
+
+
+def test_parallel_tree_keeps_the_best_lattice_paths():
+    """The tree holds the `total - 1` best (slot-1 token, ..., slot-d token) paths by summed
+    log-probability over the lattice EAGLE-2's expansion reaches, each under its prefix."""
+    import itertools
+
+    import jax
+    import jax.numpy as jnp
+
+    from eaglejax.decoding.drafting import Root, draft_parallel_tree
+
+    rs = np.random.RandomState(0)
+    logits = jnp.asarray(rs.randn(1, 3, 12) * 2, jnp.float32)
+    tree = draft_parallel_tree(Root(jnp.array([7]), logits, None, None),
+                               jnp.arange(12) + 100, 12, 3, 30)
+    log_probs = np.asarray(jax.nn.log_softmax(logits, axis=-1))[0]
+    # with top_k = the whole draft vocabulary, the expansion keeps the best 12 frontier nodes
+    # of each depth: every path of the optimal 29 extends a kept frontier node, since a
+    # path's prefixes score at least as much as the path
+    paths = [p for d in (1, 2, 3) for p in itertools.product(range(12), repeat=d)]
+    score = {p: sum(log_probs[i, t] for i, t in enumerate(p)) for p in paths}
+    best = sorted(paths, key=lambda p: -score[p])[:29]
+    tokens, parents = np.asarray(tree.tokens)[0], np.asarray(tree.parents)[0]
+    assert tokens[0] == 7 and parents[0] == -1
+
+    def path_of(node):
+        out = []
+        while node > 0:
+            out.append(int(tokens[node]) - 100)
+            node = int(parents[node])
+        return tuple(reversed(out))
+
+    assert sorted(path_of(n) for n in range(1, 30)) == sorted(best)

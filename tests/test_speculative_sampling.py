@@ -118,11 +118,13 @@ def test_speculative_sampling_is_seeded_and_row_independent(selfdraft_target):
     assert batch[0].token_ids == eaglejax.generate(prompts, seed=[3, 4, 5], **kwargs)[0].token_ids
 
 
+@pytest.mark.parametrize("shape", ["chain", "tree"])
 @pytest.mark.parametrize("which", ["random", "uniform"])
-def test_parallel_drafts_keep_sampling_exact(which, selfdraft_target):
-    """P-EAGLE (K tokens from one forward, each slot's distribution its own q): a random
-    head over 60 draft tokens (mostly rejected) and a head proposing the uniform
-    distribution at every slot (often accepted on this flat target: long paths)."""
+def test_parallel_drafts_keep_sampling_exact(which, shape, selfdraft_target):
+    """P-EAGLE (K tokens from one forward, each slot's distribution its own q), as a
+    sampled chain (min(1, p/q)) and as a deterministic tree over the slots' top tokens
+    (recursive rejection): a random head over 60 draft tokens (mostly rejected) and a head
+    proposing the uniform distribution at every slot (often accepted on this flat target)."""
     import jax.numpy as jnp
 
     from eaglejax.draft.draft import new_eagle3_draft
@@ -133,10 +135,13 @@ def test_parallel_drafts_keep_sampling_exact(which, selfdraft_target):
                              np.sort(np.random.RandomState(4).choice(97, 60, replace=False)))
     if which == "uniform":
         draft.params["lm_head"] = jnp.zeros_like(draft.params["lm_head"])
+    spec = (eaglejax.SpecConfig.parallel(3) if shape == "chain" else
+            eaglejax.SpecConfig.parallel_tree(top_k=4, depth=3, total_tokens=12))
     out = eaglejax.generate([PROMPT] * N, target=selfdraft_target, draft=draft,
                             max_new_tokens=3, temperature=1.0, top_p=0.95, seed=list(range(N)),
-                            ignore_eos=True, speculative=eaglejax.SpecConfig.parallel(3))
+                            ignore_eos=True, speculative=spec)
     al = np.mean([r.metrics.acceptance_length for r in out])
-    assert (al > 1.8) if which == "uniform" else (al < 1.5), al
+    if shape == "chain":  # the sampled chain: long paths with the uniform proposals
+        assert (al > 1.8) if which == "uniform" else (al < 1.5), al
     assert_follows(np.array([r.token_ids for r in out]),
                    exact_marginals(selfdraft_target, SamplingParams.make(1.0, 0, 0.95), 3))

@@ -96,6 +96,35 @@ def draft_parallel(head: Head, root: Root, greedy: bool, sampling: SamplingParam
             jnp.stack([probs for _, probs in drawn], axis=1))
 
 
+def draft_parallel_tree(root: Root, draft_ids: jax.Array, top_k: int, depth: int,
+                        total_tokens: int) -> Tree:
+    """A tree from one P-EAGLE forward's proposals `root.logits` [B,depth,DV]: EAGLE-2's
+    expansion (`draft_dynamic_tree`) over the lattice of each slot's `top_k` tokens. A
+    mask slot never sees the tokens drafted before it, so slot d's children are the same
+    for every parent: no head call, only their scores (summed log-probabilities) differ."""
+    batch = root.token.shape[0]
+    k = top_k
+    slot_scores, slot_index = jax.lax.top_k(jax.nn.log_softmax(root.logits, axis=-1), k)
+    slot_tokens = draft_ids[slot_index]  # [B,depth,k]
+    cand_tokens, cand_scores = [slot_tokens[:, 0]], [slot_scores[:, 0]]
+    cand_parents = [jnp.full((batch, k), -1, jnp.int32)]
+    frontier_scores = slot_scores[:, 0]
+    frontier_cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
+    for r in range(1, depth):
+        cum = (frontier_scores[:, :, None] + slot_scores[:, r][:, None, :]).reshape(batch, k * k)
+        cand_tokens.append(jnp.broadcast_to(slot_tokens[:, r][:, None, :],
+                                            (batch, k, k)).reshape(batch, k * k))
+        cand_scores.append(cum)
+        cand_parents.append(jnp.repeat(frontier_cand, k, axis=1))
+        if r == depth - 1:
+            break
+        frontier_scores, best = jax.lax.top_k(cum, k)
+        frontier_cand = (k + (r - 1) * k * k + best).astype(jnp.int32)
+    return select_tree(root.token, jnp.concatenate(cand_tokens, axis=1),
+                       jnp.concatenate(cand_scores, axis=1),
+                       jnp.concatenate(cand_parents, axis=1), total_tokens, depth)
+
+
 def draft_dynamic_tree(head: Head, root: Root, top_k: int, depth: int,
                        total_tokens: int) -> Tree:
     """EAGLE-2: expand the best `top_k` frontier nodes for `depth` rounds (one head call per

@@ -8,7 +8,7 @@ from typing import Literal, Sequence
 from eaglejax.decoding.tree import num_candidates
 from eaglejax.errors import InputError
 
-Method = Literal["chain", "parallel", "tree", "static"]
+Method = Literal["chain", "parallel", "tree", "parallel_tree", "static"]
 
 
 def _positive_int(name: str, value: object, high: int) -> None:
@@ -49,6 +49,10 @@ class SpecConfig:
     sampling, the draft samples them and the min(1, p/q) rule verifies.
     method "parallel": a chain of K tokens a P-EAGLE head proposed in ONE forward (the
     next-token slot and K-1 mask slots), verified as a chain.
+    method "parallel_tree": a tree from that one forward's `depth` proposals: EAGLE-2's
+    expansion (best `top_k` frontier nodes, `top_k` children each, the best
+    `total_tokens - 1` by summed log-probability) over the lattice of each slot's top
+    tokens (a slot's proposal does not depend on the tokens drafted before it).
     method "tree": an EAGLE-2 dynamic tree: `depth` expansion rounds of `top_k` children
     per frontier node, then the best `total_tokens - 1` candidates (root excluded) by
     cumulative draft log-probability are verified.
@@ -75,11 +79,11 @@ class SpecConfig:
     lookup_replaces: bool = False
 
     def __post_init__(self):
-        if self.method not in ("chain", "parallel", "tree", "static"):
-            raise InputError(f"method must be 'chain', 'parallel', 'tree' or 'static', got "
-                             f"{self.method!r}")
+        if self.method not in ("chain", "parallel", "tree", "parallel_tree", "static"):
+            raise InputError(f"method must be 'chain', 'parallel', 'tree', 'parallel_tree' or "
+                             f"'static', got {self.method!r}")
         _positive_int("num_draft_tokens", self.num_draft_tokens, 64)
-        if self.method == "tree":
+        if self.method in ("tree", "parallel_tree"):
             _positive_int("top_k", self.top_k, 64)
             _positive_int("depth", self.depth, 32)
             most = num_candidates(self.top_k, self.depth) + 1
@@ -105,6 +109,12 @@ class SpecConfig:
     def parallel(cls, num_draft_tokens: int = 5) -> "SpecConfig":
         """P-EAGLE: K draft tokens from one forward of a parallel head."""
         return cls(num_draft_tokens=num_draft_tokens, method="parallel")
+
+    @classmethod
+    def parallel_tree(cls, top_k: int = 4, depth: int = 5, total_tokens: int = 12
+                      ) -> "SpecConfig":
+        """A tree over one P-EAGLE forward's `depth` proposals (see the class docstring)."""
+        return cls(method="parallel_tree", top_k=top_k, depth=depth, total_tokens=total_tokens)
 
     @classmethod
     def tree(cls, top_k: int = 4, depth: int = 4, total_tokens: int = 12) -> "SpecConfig":
@@ -151,6 +161,11 @@ class SpecConfig:
         return self.method in ("chain", "parallel")
 
     @property
+    def is_parallel(self) -> bool:
+        """Drafted from one P-EAGLE forward (`draft_depth` proposals)."""
+        return self.method in ("parallel", "parallel_tree")
+
+    @property
     def max_depth(self) -> int:
         """The longest draft path: most draft tokens one round can accept."""
         return self.draft_depth + self.lookup
@@ -160,7 +175,7 @@ class SpecConfig:
         """The head's longest draft path (the lookup branch aside)."""
         if self.is_chain:
             return self.num_draft_tokens
-        if self.method == "tree":
+        if self.method in ("tree", "parallel_tree"):
             return self.depth
         return max(len(p) for p in self.paths)
 
@@ -169,7 +184,7 @@ class SpecConfig:
         """Tokens the target verifies per round, the root (last accepted token) included."""
         if self.is_chain:
             head = self.num_draft_tokens + 1
-        elif self.method == "tree":
+        elif self.method in ("tree", "parallel_tree"):
             head = self.total_tokens
         else:
             head = len(self.paths) + 1
@@ -178,8 +193,9 @@ class SpecConfig:
     def describe(self) -> str:
         if self.is_chain:
             shape = f"{self.method} K={self.num_draft_tokens}"
-        elif self.method == "tree":
-            shape = f"tree top_k={self.top_k} depth={self.depth} total={self.total_tokens}"
+        elif self.method in ("tree", "parallel_tree"):
+            shape = (f"{self.method.replace('_', ' ')} top_k={self.top_k} depth={self.depth} "
+                     f"total={self.total_tokens}")
         else:
             shape = f"static tree of {len(self.paths)} nodes, depth {self.draft_depth}"
         if self.lookup:

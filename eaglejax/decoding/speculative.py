@@ -32,7 +32,8 @@ from eaglejax.config import ModelConfig
 from eaglejax.decoding import calibration, lookup
 from eaglejax.decoding.acceptance import sample_accept, tree_greedy_accept, tree_sample_accept
 from eaglejax.decoding.drafting import (
-    Head, Root, draft_chain, draft_dynamic_tree, draft_parallel, draft_static_tree)
+    Head, Root, draft_chain, draft_dynamic_tree, draft_parallel, draft_parallel_tree,
+    draft_static_tree)
 from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
 from eaglejax.decoding.plain import PREFILL_CHUNK, Prefilled, prefill_target
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
@@ -167,11 +168,11 @@ def spec_prefill(params: Params, config: ModelConfig, draft_params: Params,
     draft_cache, draft_logits, draft_hidden = _draft_prefill(
         draft_params, draft_config, params, draft_cache, shifted,
         _features(prefilled, draft_config), prompt_lengths, attn_impl, prefill_chunk)
-    if spec.method == "parallel":  # the K-1 mask slots' proposals too
+    if spec.is_parallel:  # the mask slots' proposals too
         draft_logits = draft_logits[:, None]
-        if spec.num_draft_tokens > 1:
+        if spec.draft_depth > 1:
             slots = _mask_slot_logits(draft_params, draft_config, params, draft_cache,
-                                      spec.num_draft_tokens - 1, attn_impl)
+                                      spec.draft_depth - 1, attn_impl)
             draft_logits = jnp.concatenate([draft_logits, slots], axis=1)
     context = jnp.zeros((batch, capacity if spec.lookup else 0), jnp.int32)
     if spec.lookup:
@@ -203,6 +204,9 @@ def _draft_round(head: Head, root: Root, spec: SpecConfig, greedy: bool,
     if spec.method == "parallel":
         drafted, probs = draft_parallel(head, root, greedy, sampling, keys, vocab)
         return chain_tree(root.token, drafted), probs
+    if spec.method == "parallel_tree":
+        return draft_parallel_tree(root, head.draft_ids, spec.top_k, spec.depth,
+                                   spec.total_tokens), None
     if spec.method == "tree":
         return draft_dynamic_tree(head, root, spec.top_k, spec.depth, spec.total_tokens), None
     return draft_static_tree(head, root, static_shape(spec.paths)), None
@@ -210,7 +214,7 @@ def _draft_round(head: Head, root: Root, spec: SpecConfig, greedy: bool,
 
 def _max_children(spec: SpecConfig) -> int:
     """Most children of one node (a lookup branch may add one to any node)."""
-    if spec.method == "tree":
+    if spec.method in ("tree", "parallel_tree"):
         most = spec.top_k
     elif spec.method == "static":
         most = int(np.bincount(static_shape(spec.paths).parents[1:]).max())
@@ -251,7 +255,7 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
     head = Head(draft_params, draft_config, params,
                 to_target_ids(jnp.arange(draft_config.draft_vocab_size), d2t), attn_impl)
     in_place = spec.is_chain and not spec.lookup  # accepted rows need no commit
-    parallel_slots = spec.num_draft_tokens - 1 if spec.method == "parallel" else None
+    parallel_slots = spec.draft_depth - 1 if spec.is_parallel else None
     spec.check_sampling(greedy)
 
     def step(s: SpecState) -> SpecState:
