@@ -30,20 +30,25 @@ CONFIGS = [SpecConfig.chain(3), SpecConfig.chain(5), SpecConfig.tree(4, 4, 8),
 
 
 def parse_shape(text: str) -> SpecConfig:
-    """'chain:K', 'tree:TOP_K:DEPTH:TOTAL' -> SpecConfig."""
+    """'chain:K', 'parallel:K', 'tree:TOP_K:DEPTH:TOTAL', 'ptree:TOP_K:DEPTH:TOTAL' ->
+    SpecConfig (parallel shapes need a P-EAGLE head)."""
     kind, *numbers = text.split(":")
-    if kind == "chain" and len(numbers) == 1:
-        return SpecConfig.chain(int(numbers[0]))
-    if kind == "tree" and len(numbers) == 3:
-        return SpecConfig.tree(*(int(n) for n in numbers))
-    raise SystemExit(f"--shapes: {text!r} is not chain:K or tree:TOP_K:DEPTH:TOTAL")
+    if kind in ("chain", "parallel") and len(numbers) == 1:
+        return getattr(SpecConfig, kind)(int(numbers[0]))
+    if kind in ("tree", "ptree") and len(numbers) == 3:
+        make = SpecConfig.tree if kind == "tree" else SpecConfig.parallel_tree
+        return make(*(int(n) for n in numbers))
+    raise SystemExit(f"--shapes: {text!r} is not chain:K, parallel:K, tree:TOP_K:DEPTH:TOTAL "
+                     f"or ptree:TOP_K:DEPTH:TOTAL")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--draft", default="random", help="draft head path, or 'random'")
+    parser.add_argument("--draft", default="random",
+                        help="draft head path, or 'random' (EAGLE-3), or 'random-peagle' (a "
+                             "random P-EAGLE head: runs sequential and parallel shapes)")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -56,8 +61,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     target = eaglejax.load_target(args.model)
-    draft = (new_eagle3_draft(target) if args.draft == "random"
-             else eaglejax.load_draft(args.draft, target=target))
+    if args.draft in ("random", "random-peagle"):
+        mask = target.config.vocab_size - 1 if args.draft == "random-peagle" else None
+        draft = new_eagle3_draft(target, mask_token_id=mask)
+    else:
+        draft = eaglejax.load_draft(args.draft, target=target)
     questions = interleave_categories(mt_bench_questions())[:args.num_prompts]
     shapes = CONFIGS if args.shapes is None else [parse_shape(s) for s in args.shapes.split(",")]
     shapes = [shape.with_lookup(n, replaces=replaces) for shape in shapes for n in args.lookup
