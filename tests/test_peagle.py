@@ -378,3 +378,14 @@ def test_parallel_tree_keeps_the_best_lattice_paths():
         return tuple(reversed(out))
 
     assert sorted(path_of(n) for n in range(1, 30)) == sorted(best)
+
+
+def test_eaglejax_format_keeps_the_mask_slot(target, tmp_path):
+    speculators_head(8, True).save_pretrained(tmp_path / "head")
+    draft = load_draft(tmp_path / "head", target=target)
+    draft.save(str(tmp_path / "native"))
+    again = load_draft(tmp_path / "native", target=target)
+    assert again.config == draft.config
+    features, tokens = _inputs(6)
+    np.testing.assert_array_equal(again.parallel_logits(tokens, features, K),
+                                  draft.parallel_logits(tokens, features, K))
