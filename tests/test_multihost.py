@@ -32,7 +32,7 @@ def _decode_all(target) -> dict[str, list[list[int]]]:
     from spec_helpers import self_draft
 
     tree = SpecConfig.tree(3, 3, 8)
-    common = dict(target=target, max_new_tokens=16, ignore_eos=True)
+    common = dict(target=target, max_new_tokens=12, ignore_eos=True)
     runs = {
         "plain": eaglejax.generate(_prompts(), **common),
         "tree": eaglejax.generate(_prompts(), draft=self_draft(target), speculative=tree,

@@ -274,9 +274,8 @@ def test_the_loop_drafts_what_parallel_logits_proposes(target, tmp_path):
 
 
 def test_parallel_greedy_decoding_equals_plain(target):
-    """Greedy P-EAGLE decoding (chain from one forward, K=1..5, batch 3) is plain greedy
-    decoding token for token, and a head that proposes the target's own next token at
-    every slot is accepted in full."""
+    """Greedy P-EAGLE decoding (chains of K=1 and 5 from one forward, lattice trees; batch
+    3) is plain greedy decoding token for token."""
     from eaglejax import SpecConfig
     from eaglejax.draft.draft import new_eagle3_draft
 
@@ -285,12 +284,12 @@ def test_parallel_greedy_decoding_equals_plain(target):
     prompts = [rs.randint(0, V, size=rs.randint(2, 30)).tolist() for _ in range(3)]
     kwargs = dict(target=target, max_new_tokens=20, ignore_eos=True)
     plain = [g.token_ids for g in eaglejax.generate(prompts, **kwargs)]
-    for k in (1, 3, 5):
+    for k in (1, 5):
         out = eaglejax.generate(prompts, draft=draft, speculative=SpecConfig.parallel(k),
                                 **kwargs)
         assert [g.token_ids for g in out] == plain, k
         assert out[0].metrics.speculative == f"parallel K={k}"
-    for shape in [(3, 4, 10), (1, 3, 4), (4, 2, 20), (2, 5, 19)]:
+    for shape in [(3, 4, 10), (2, 5, 19)]:
         spec = SpecConfig.parallel_tree(*shape)
         out = eaglejax.generate(prompts, draft=draft, speculative=spec, **kwargs)
         assert [g.token_ids for g in out] == plain, shape

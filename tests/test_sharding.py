@@ -85,9 +85,9 @@ def test_meshes_decode_like_one_device(tmp_path):
     proc = subprocess.run([sys.executable, str(HERE / "test_sharding.py"), str(tmp_path)],
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # 4 shapes on tp=2 x dp=2 and 2 on each other mesh, 2 sampled, the checkpoint and
-    # Target.on_mesh, 2 with replicated attention, the Pallas kernel
-    assert proc.stdout.count("identical") == 10 + 2 + 2 + 2 + 1, proc.stdout
+    # 4 shapes on tp=2 x dp=2 and 2 on each other mesh, sampled, the checkpoint and
+    # Target.on_mesh, replicated attention, the Pallas kernel
+    assert proc.stdout.count("identical") == 10 + 1 + 2 + 1 + 1, proc.stdout
 
 
 # ------------------------------------------------------------ the 8-device subprocess
@@ -132,7 +132,7 @@ def _run_meshes(directory: Path) -> None:
     model.save_pretrained(directory / "kv2")
     one = eaglejax.load_target(directory / "kv2")
     prompts = _prompts(3, 4)
-    kwargs = dict(max_new_tokens=20, ignore_eos=True)
+    kwargs = dict(max_new_tokens=12, ignore_eos=True)
     static = SpecConfig.static_tree([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
     shapes = [None, SpecConfig.chain(3), SpecConfig.tree(3, 3, 8), static]
 
@@ -158,9 +158,9 @@ def _run_meshes(directory: Path) -> None:
     mesh = eaglejax.make_mesh(tp=2, dp=2, devices=jax.devices()[:4])
     target = eaglejax.load_target(directory / "kv2", mesh=mesh)
     sampled = dict(temperature=0.8, top_k=20, seed=[1, 2, 3, 4])
-    for spec in (None, shapes[2]):
-        assert run(target, spec, **sampled) == run(one, spec, **sampled), spec
-        print("identical sampled", spec and spec.describe())
+    spec = shapes[2]  # (plain sampling over processes: tests/test_multihost.py)
+    assert run(target, spec, **sampled) == run(one, spec, **sampled)
+    print("identical sampled", spec.describe())
 
     # an eaglejax checkpoint is read straight into its shardings (orbax), a head replicated
     one.save(str(directory / "checkpoint"))
@@ -189,9 +189,8 @@ def _run_meshes(directory: Path) -> None:
                                   mesh=eaglejax.make_mesh(tp=2, devices=jax.devices()[:2]))
     assert target.params["layers"][0]["wqkv"].sharding.is_fully_replicated
     assert target.params["layers"][0]["w_down"].sharding.spec[1] == "tp"
-    for spec in (None, shapes[2]):
-        assert run(target, spec) == run(one, spec), spec
-        print("identical kv3", spec and spec.describe())
+    assert run(target, shapes[2]) == run(one, shapes[2])
+    print("identical kv3", shapes[2].describe())
     # the Pallas kernel inside shard_map (interpret mode here) on tp=4 x dp=2
     mesh = eaglejax.make_mesh(tp=4, dp=2)
     target = dataclasses.replace(eaglejax.load_target(directory / "kv2", mesh=mesh),
