@@ -269,7 +269,8 @@ def _add_train_args(commands) -> None:
                             "forward (mask slots, depths sampled as --cod-rate^d, at least "
                             "--cod-floor)")
     train.add_argument("--mask-token-id", type=int, default=None,
-                       help="peagle: the mask slots' token (default: the vocabulary's last id)")
+                       help="peagle: the mask slots' token (default: the tokenizer's highest "
+                            "special token that text and chat turns never use)")
     train.add_argument("--cod-rate", type=float, default=t.cod_rate)
     train.add_argument("--cod-floor", type=float, default=t.cod_floor)
     train.add_argument("--init-from-target", action="store_true",
@@ -424,7 +425,12 @@ def _train_draft(args: argparse.Namespace) -> None:
                         args.regen_slots, args.seed) if args.regenerate else None
     target = load_target(args.target, dtype=args.dtype, mesh=_mesh(args))
     if args.method == "peagle":
-        mask = target.config.vocab_size - 1 if args.mask_token_id is None else args.mask_token_id
+        mask = args.mask_token_id
+        if mask is None:
+            mask = target.tokenizer.spare_special_token_id()
+        if mask is None:
+            raise InputError(f"{args.target}: its tokenizer has no spare special token to "
+                             f"serve as the mask token; name one with --mask-token-id")
         validation.integer("--mask-token-id", mask, 0, target.config.vocab_size - 1)
         config = dataclasses.replace(config, mask_token_id=mask, cod_rate=args.cod_rate,
                                      cod_floor=args.cod_floor)

@@ -454,6 +454,17 @@ class Tokenizer:
     def pad_token_id(self) -> int | None:
         return self.token_to_id(self.pad_token) if self.pad_token is not None else None
 
+    def spare_special_token_id(self) -> int | None:
+        """The highest-numbered special token that text never produces and decoding never
+        needs (not bos/eos/pad/unk, not in the chat template), or None: a safe id for a
+        P-EAGLE mask token."""
+        used = {self.bos_token, self.eos_token, self.pad_token, self.unk_token}
+        used.update(self.id_to_token(i) for i in self.eos_token_ids)
+        spare = [i for i, t in self._backend.get_added_tokens_decoder().items()
+                 if t.special and t.content not in used
+                 and t.content not in (self.chat_template or "")]
+        return max(spare, default=None)
+
     def token_to_id(self, token: str) -> int | None:
         """Id of ``token`` (None when absent)."""
         return self._backend.token_to_id(token)

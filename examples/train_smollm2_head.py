@@ -1,7 +1,7 @@
 """The recipe for the shipped EAGLE-3 head of SmolLM2-135M-Instruct.
 
     python examples/train_smollm2_head.py OUT [--preset cpu|cpu-decay|full] [--steps N]
-        [--batch-size B] [--max-conversations N] [--init-head HEAD]
+        [--batch-size B] [--max-conversations N] [--init-head HEAD] [--method peagle]
 
 Data: ShareGPT (`../shared/datasets/sharegpt/sharegpt_v3.jsonl.gz`, read in place),
 rendered with SmolLM2's ChatML template, loss on assistant tokens, packed rows. Head: one
@@ -12,6 +12,11 @@ and at the end. Everything lands in OUT: checkpoints/ (every 25 steps), log.json
 (the previous head of an extended run is kept as head-stepN/). Run the same
 command again to resume an interrupted run (bit-identical result); `eaglejax train-draft`
 with the same settings is equivalent.
+
+`--method peagle` trains a P-EAGLE head with the same preset (same data, order, schedule
+and tokens seen): its TTT steps become mask-slot depths (COD-sampled, rate 0.7, floor
+0.2), its mask token is SmolLM2's spare special token `<empty_output>` (id 16) with a
+learned embedding.
 
 Presets:
   cpu   what 2-core CPU sessions afford (the shipped head): the original ShareGPT
@@ -98,6 +103,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
     parser.add_argument("--max-conversations", type=int, default=None,
                         help="use the first N ShareGPT conversations (default: all 11,144)")
+    parser.add_argument("--method", choices=("eagle3", "peagle"), default="eagle3",
+                        help="the head to train: EAGLE-3 (chain drafts) or P-EAGLE (K tokens "
+                             "per forward)")
     parser.add_argument("--init-head", default=None,
                         help="the head to continue (required by cpu-decay: the cpu run's "
                              "head; by cpu-distill: the head to fine-tune)")
@@ -113,6 +121,9 @@ def main() -> None:
           f"{out / 'log.jsonl'}, the head in {out / 'head'}")
     print(f"regenerated conversations are cached in {default_cache_dir()}")
     target = eaglejax.load_target(TARGET)
+    if args.method == "peagle":
+        mask_token_id = target.tokenizer.spare_special_token_id()
+        config = dataclasses.replace(config, mask_token_id=mask_token_id)
     rows = prepare_rows(target, data, seq_len=config.seq_len,
                         max_conversations=args.max_conversations, regen=REGEN[args.preset],
                         cut_repeats=CUT_REPEATS.get(args.preset, 0))

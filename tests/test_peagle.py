@@ -10,8 +10,10 @@ depth 0, then K-1 mask slots at depths 1..K-1 after the last one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -377,6 +379,40 @@ def test_parallel_tree_keeps_the_best_lattice_paths():
         return tuple(reversed(out))
 
     assert sorted(path_of(n) for n in range(1, 30)) == sorted(best)
+
+
+def test_learned_mask_embedding_is_the_exported_tables_row(target, tmp_path):
+    """A head trained by eaglejax learns only its mask token's embedding (`mask_embed`);
+    the PyTorch layouts get it as that row of the head's own embed_tokens (the target's
+    table elsewhere), which speculators and eaglejax read back to the same K logits."""
+    from eaglejax.draft.draft import new_eagle3_draft
+
+    used = np.sort(np.random.RandomState(1).choice(V, DRAFT_V, replace=False))
+    draft = new_eagle3_draft(target, used_tokens=used, mask_token_id=MASK, seed=3, scale=0.05)
+    table = np.asarray(target.params["embed"])
+    np.testing.assert_array_equal(draft.params["mask_embed"], table[MASK])
+    learned = np.random.RandomState(0).normal(0, 0.5, table.shape[1]).astype(np.float32)
+    draft = dataclasses.replace(draft, params={**draft.params, "mask_embed": jnp.asarray(learned)})
+    features, tokens = _inputs(4)
+    want = draft.parallel_logits(tokens, features, K)
+    untrained = new_eagle3_draft(target, used_tokens=used, mask_token_id=MASK, seed=3,
+                                 scale=0.05)
+    assert not np.allclose(want, untrained.parallel_logits(tokens, features, K), atol=1e-3)
+    export_speculators(draft, tmp_path / "speculators")
+    again = load_draft(tmp_path / "speculators", target=target)
+    assert again.config.own_embedding and "mask_embed" not in again.params
+    exported = np.asarray(again.params["embed"])
+    np.testing.assert_array_equal(exported[MASK], learned)
+    np.testing.assert_array_equal(np.delete(exported, MASK, 0), np.delete(table, MASK, 0))
+    np.testing.assert_allclose(again.parallel_logits(tokens, features, K), want, atol=ATOL,
+                               rtol=0)
+    np.testing.assert_allclose(oracle_logits(reload_speculators(tmp_path / "speculators"),
+                                             features, tokens),
+                               _draft_columns(draft, want[0]), atol=ATOL, rtol=0)
+    draft.save(str(tmp_path / "native"))
+    native = load_draft(tmp_path / "native", target=target)
+    np.testing.assert_array_equal(native.params["mask_embed"], learned)
+    np.testing.assert_array_equal(native.parallel_logits(tokens, features, K), want)
 
 
 def test_eaglejax_format_keeps_the_mask_slot(target, tmp_path):

@@ -708,6 +708,7 @@ def test_peagle_training_raises_parallel_acceptance_length(tiny_target, sampled_
     for depth in range(4):
         assert steps[-1]["step_acc"][depth] > steps[0]["step_acc"][depth] + 0.1, depth
     loaded = eaglejax.load_draft(result.out / "head", target=tiny_target)
-    assert loaded.config.mask_token_id == V - 1 and loaded.config.own_embedding
+    assert loaded.config.mask_token_id == V - 1 and not loaded.config.own_embedding
+    assert "mask_embed" in loaded.params  # the mask token's learned embedding alone
     for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(result.draft.params)):
         np.testing.assert_array_equal(a, b)

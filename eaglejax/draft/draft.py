@@ -130,8 +130,9 @@ def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
     target's output rows of the draft vocabulary, its final norm the target's, and `fc`
     passes the deepest tap through, so before any training the head already reads the
     target's late residual stream through the target's own output layer ("logit lens").
-    `mask_token_id` makes it a P-EAGLE head (K tokens per forward; `DraftConfig.parallel`).
-    `own_embedding`: the head keeps a copy of the target's embedding table (trainable).
+    `mask_token_id` makes it a P-EAGLE head (K tokens per forward; `DraftConfig.parallel`)
+    whose mask token gets its own trainable embedding `mask_embed` (starting from the
+    target's row); `own_embedding`: the head keeps a trainable copy of the whole table.
     """
     from eaglejax.draft.head import init_params
     from eaglejax.target import default_tap_layers
@@ -151,6 +152,8 @@ def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
     params = init_params(config, jax.random.PRNGKey(seed), dtype=target.dtype, scale=scale)
     if own_embedding:
         params["embed"] = jnp.array(target.params["embed"], target.dtype, copy=True)
+    elif mask_token_id is not None:
+        params["mask_embed"] = jnp.array(target.params["embed"][mask_token_id], target.dtype)
     if from_target:
         h, deepest = c.hidden_size, int(np.argmax(config.tap_layers))
         output_rows = target.params.get("lm_head", target.params["embed"])

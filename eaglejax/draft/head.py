@@ -56,6 +56,8 @@ def param_shapes(config: DraftConfig) -> Params:
             shapes["input_norm"] = (config.feature_size,)
         if config.parallel:
             shapes["mask_hidden"] = (config.feature_size,)
+            if not config.own_embedding:
+                shapes["mask_embed"] = (h,)
     else:
         shapes = {"fc": (h, 2 * h), "layers": [first, *layers[1:]]}
         if config.fc_bias:
@@ -80,6 +82,8 @@ def logical_axes(config: DraftConfig) -> Params:
             axes["input_norm"] = ("features",)
         if config.parallel:
             axes["mask_hidden"] = ("features",)
+            if not config.own_embedding:
+                axes["mask_embed"] = ("embed",)
     else:
         axes = {"fc": ("embed", "embed2"), "layers": [first, *layers[1:]]}
         if config.fc_bias:
@@ -93,6 +97,18 @@ def init_params(config: DraftConfig, key: jax.Array, dtype: jnp.dtype = jnp.floa
                 scale: float = 0.02) -> Params:
     """Random head parameters (normal * scale; norms at 1)."""
     return random_params(param_shapes(config), key, dtype, scale)
+
+
+def embed_tokens(params: Params, config: DraftConfig, target_params: Params,
+                 tokens: jax.Array) -> jax.Array:
+    """The head's token embeddings [..., H]: its own table or the target's; a P-EAGLE head
+    trained by eaglejax embeds its mask token with the learned `mask_embed` (layouts that
+    store tables carry it as that token's row of the head's own `embed_tokens`)."""
+    embeds = params.get("embed", target_params["embed"])[tokens]
+    if "mask_embed" in params:
+        is_mask = (tokens == config.mask_token_id)[..., None]
+        embeds = jnp.where(is_mask, params["mask_embed"].astype(embeds.dtype), embeds)
+    return embeds
 
 
 def mask_slots(params: Params, config: DraftConfig, batch: int, count: int
@@ -131,11 +147,10 @@ def draft_forward(params: Params, config: DraftConfig, target_params: Params, to
     batch, t_new = tokens.shape
     mask = causal_mask(batch, t_new) if mask is None else mask
     given = cache
-    embed_table = params.get("embed", target_params["embed"])
     dtype = params["fc"].dtype  # the head computes in its own dtype; the table may be 16-bit
     cache = empty_cache(d, batch, dtype) if cache is None else cache
     rope = rope_for(d, positions)
-    embeds = embed_table[tokens].astype(dtype)
+    embeds = embed_tokens(params, config, target_params, tokens).astype(dtype)
     first = params["layers"][0]
     if config.kind == "eagle3":
         x = fc_input(params, config, inputs) if from_features else inputs

@@ -64,8 +64,8 @@ class TrainConfig:
     `init_from_target`: warm-start the head's output side from the target (see
     `new_eagle3_draft(from_target=True)`).
     `mask_token_id` trains a P-EAGLE head instead (`ttt.peagle_loss`): `ttt_length` mask
-    depths, a share max(cod_rate^d, cod_floor) of roots at depth d, its own embedding
-    table (the mask token's row learned) copied from the target's."""
+    depths, a share max(cod_rate^d, cod_floor) of roots at depth d, the mask token's own
+    embedding learned (`mask_embed`, starting from the target's row)."""
 
     seq_len: int = 1024
     batch_size: int = 4
@@ -394,8 +394,7 @@ def train(target: Target, rows: PackedRows, out: str | Path,
     if init_head is None:
         draft = new_eagle3_draft(target, used_tokens=vocab.used, num_layers=config.num_layers,
                                  from_target=config.init_from_target, seed=config.seed,
-                                 mask_token_id=config.mask_token_id,
-                                 own_embedding=config.mask_token_id is not None)
+                                 mask_token_id=config.mask_token_id)
     else:
         params = jax.tree.map(lambda p: jnp.array(p, target.dtype, copy=True), init_head.params)
         draft = dataclasses.replace(init_head, params=params, target=target)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.head import draft_forward, fc_input, head_logits
-from eaglejax.draft.head import mask_slots as mask_slots_of
+from eaglejax.draft.head import embed_tokens, mask_slots as mask_slots_of
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import (
     Params,
@@ -131,17 +131,18 @@ def ttt_unroll(params: Params, config: DraftConfig, target_params: Params, token
     hiddens = [out.hidden]
     keys = [[k] for k in out.k_new]
     values = [[v] for v in out.v_new]
-    embed_table = params.get("embed", target_params["embed"])
     first = params["layers"][0]
     if mask_slots:
         slot_tokens, slot_features = mask_slots_of(params, config, *tokens.shape)
-        slot_embeds = embed_table[slot_tokens].astype(out.hidden.dtype)
+        slot_embeds = embed_tokens(params, config, target_params, slot_tokens)
+        slot_embeds = slot_embeds.astype(out.hidden.dtype)
         slot_hidden = fc_input(params, config, slot_features.astype(out.hidden.dtype))
     for step in range(1, ttt_length):
         if mask_slots:
             embeds, hidden = slot_embeds, slot_hidden
         else:
-            embeds, hidden = embed_table[shift_left(tokens, step)], hiddens[-1]
+            embeds = embed_tokens(params, config, target_params, shift_left(tokens, step))
+            hidden = hiddens[-1]
         attn_input = jnp.concatenate([rms_norm(embeds, first["embed_norm"], eps),
                                       rms_norm(hidden, first["hidden_norm"], eps)], axis=-1)
         x = rms_norm(hidden, first["hidden_norm"], eps) if config.norm_before_residual else hidden

@@ -77,8 +77,12 @@ def params_from_tensors(config: DraftConfig, get: Callable[[str], np.ndarray],
     return params
 
 
-def tensors_from_params(config: DraftConfig, params: Params, first: str) -> dict[str, np.ndarray]:
-    """Inverse of `params_from_tensors`, in the params' own dtype (d2t/t2d excluded)."""
+def tensors_from_params(config: DraftConfig, params: Params, first: str,
+                        target_embed: np.ndarray) -> dict[str, np.ndarray]:
+    """Inverse of `params_from_tensors`, in the params' own dtype (d2t/t2d excluded).
+
+    A learned `mask_embed` is written as the layouts hold it: the head's own
+    `embed_tokens`, the target's table (`target_embed`) with the mask token's row replaced."""
     arr = np.asarray
     out: dict[str, np.ndarray] = {"fc.weight": arr(params["fc"])}
     for i, layer in enumerate(params["layers"]):
@@ -96,6 +100,11 @@ def tensors_from_params(config: DraftConfig, params: Params, first: str) -> dict
         out["input_norm.weight"] = arr(params["input_norm"])
     if config.own_embedding:
         out["embed_tokens.weight"] = arr(params["embed"])
+    if "mask_embed" in params:
+        mask_embed = arr(params["mask_embed"])
+        table = np.array(target_embed, dtype=mask_embed.dtype)
+        table[config.mask_token_id] = mask_embed
+        out["embed_tokens.weight"] = table
     if config.parallel:
         out[MASK_HIDDEN] = arr(params["mask_hidden"]).reshape(1, 1, config.feature_size)
     return out

@@ -111,7 +111,8 @@ def export_reference(draft: "Draft", path: str | Path) -> Path:
                           f"use export_speculators (or the eaglejax format)")
     out = prepare_output_dir(path)
     params = to_numpy(draft.params)
-    tensors = tensors_from_params(c, params, REFERENCE_FIRST)
+    tensors = tensors_from_params(c, params, REFERENCE_FIRST,
+                                  np.asarray(draft.target.params["embed"]))
     d2t = np.asarray(draft.d2t).astype(np.int64)
     tensors["d2t"], tensors["t2d"] = d2t, t2d_for(d2t, c.decoder.vocab_size)
     save_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})

@@ -94,7 +94,8 @@ def export_speculators(draft: "Draft", path: str | Path, speculative_tokens: int
         raise ConfigError(f"cannot export {draft.source} in the speculators layout: {why}")
     out = prepare_output_dir(path)
     params = to_numpy(draft.params)
-    tensors = tensors_from_params(c, params, SPECULATORS_FIRST)
+    tensors = tensors_from_params(c, params, SPECULATORS_FIRST,
+                                  np.asarray(draft.target.params["embed"]))
     d2t = np.asarray(draft.d2t).astype(np.int64)
     tensors["d2t"], tensors["t2d"] = d2t, t2d_for(d2t, c.decoder.vocab_size)
     save_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
