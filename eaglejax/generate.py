@@ -243,10 +243,7 @@ def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "
     """The speculation shape to run (None: plain decoding, which `auto` found faster) and
     how to name it in the metrics."""
     if speculative is None:
-        if draft.config.parallel:  # P-EAGLE's own shape (K of its paper on accelerators)
-            spec = SpecConfig.parallel(5 if jax.default_backend() == "cpu" else 7)
-        else:
-            spec = SpecConfig.preset(jax.default_backend(), len(encoded))
+        spec = SpecConfig.default_for(draft.config.parallel, jax.default_backend(), len(encoded))
         return spec, spec.describe()
     if isinstance(speculative, SpecConfig):
         return speculative, speculative.describe()

@@ -606,7 +606,7 @@ def test_regeneration_is_cached_and_resumes(chatml, tmp_path, monkeypatch):
 
     def no_generation(*args, **kwargs):
         raise AssertionError("the cache should have been used")
-    monkeypatch.setattr("eaglejax.training.regenerate.SlotEngine", no_generation)
+    monkeypatch.setattr("eaglejax.training.regenerate.Engine", no_generation)
     assert [c.messages for c in regenerate(conversations, target, "data-digest", regen,
                                            tmp_path, progress=False)] == [
         c.messages for c in fresh]

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from eaglejax.decoding.stopping import FINISH_NONE, StopCriteria, update_finish
+from eaglejax.decoding.stopping import FINISH_NONE, StopCriteria, StopTable, update_finish
 
 
 class Output(NamedTuple):
@@ -28,8 +28,8 @@ def empty_output(batch: int, max_tokens: int) -> Output:
                   jnp.full((batch,), FINISH_NONE, jnp.int32))
 
 
-def record(out: Output, new_token: jax.Array, active: jax.Array, stop: StopCriteria,
-           max_new_tokens: jax.Array) -> Output:
+def record(out: Output, new_token: jax.Array, active: jax.Array,
+           stop: StopCriteria | StopTable, max_new_tokens: jax.Array) -> Output:
     """Append new_token [B] to the rows that are running and `active`; update finish codes
     (EOS, stop sequences and the length limit apply token by token)."""
     take = out.running & active

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from eaglejax.config import ModelConfig
 from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
-from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.decoding.stopping import StopCriteria, StopTable
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import Params, compute_dtype, forward, forward_chunked, lm_head
@@ -69,12 +69,11 @@ def prefill_target(params: Params, config: ModelConfig, prompt: jax.Array,
     return Prefilled(cache, lm_head(params, last_hidden), hidden, taps)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "capacity", "max_tokens", "greedy",
-                                             "stop", "attn_impl", "prefill_chunk"))
-def prefill(params: Params, config: ModelConfig, prompt: jax.Array, prompt_lengths: jax.Array,
-            row_keys: jax.Array, sampling: SamplingParams, max_new_tokens: jax.Array, *,
-            capacity: int, max_tokens: int, greedy: bool, stop: StopCriteria,
-            attn_impl: AttentionImpl = "auto", prefill_chunk: int = PREFILL_CHUNK) -> DecodeState:
+def prefill_state(params: Params, config: ModelConfig, prompt: jax.Array,
+                  prompt_lengths: jax.Array, row_keys: jax.Array, sampling: SamplingParams,
+                  max_new_tokens: jax.Array, *, capacity: int, max_tokens: int, greedy: bool,
+                  stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto",
+                  prefill_chunk: int = PREFILL_CHUNK) -> DecodeState:
     """Run the right-padded prompts [B,P] (`prefill_chunk` tokens at a time), fill the cache
     and record the first new token."""
     batch = prompt.shape[0]
@@ -86,8 +85,12 @@ def prefill(params: Params, config: ModelConfig, prompt: jax.Array, prompt_lengt
     return DecodeState(cache, first, out, row_keys, jnp.int32(0))
 
 
+prefill = jax.jit(prefill_state, static_argnames=("config", "capacity", "max_tokens", "greedy",
+                                                  "stop", "attn_impl", "prefill_chunk"))
+
+
 def decode_step(params: Params, config: ModelConfig, s: DecodeState, sampling: SamplingParams,
-                max_new_tokens: jax.Array, *, greedy: bool, stop: StopCriteria,
+                max_new_tokens: jax.Array, *, greedy: bool, stop: StopCriteria | StopTable,
                 attn_impl: AttentionImpl = "auto") -> DecodeState:
     """One target forward: every running row gains a token (finished rows stay as they are)."""
     running = s.out.running

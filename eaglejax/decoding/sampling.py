@@ -11,11 +11,12 @@ from eaglejax import validation
 
 
 class SamplingParams(NamedTuple):
-    """Per-call sampling settings as arrays (so changing them never recompiles)."""
+    """Sampling settings as arrays (so changing them never recompiles): scalars for every
+    row, or one value per row [B] (a continuous batch mixes requests)."""
 
-    temperature: jax.Array  # float32 scalar; 0 means greedy
-    top_k: jax.Array  # int32 scalar; 0 means off
-    top_p: jax.Array  # float32 scalar in (0, 1]
+    temperature: jax.Array  # float32; 0 means greedy (the argmax, with probability 1)
+    top_k: jax.Array  # int32; 0 means off
+    top_p: jax.Array  # float32 in (0, 1]
 
     @staticmethod
     def make(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingParams":
@@ -24,25 +25,38 @@ class SamplingParams(NamedTuple):
         return SamplingParams(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
 
 
+def _per_row(value: jax.Array, like: jax.Array) -> jax.Array:
+    """A setting (scalar, or [B] per row) shaped to broadcast over `like` [B, ..., V]."""
+    value = jnp.asarray(value)
+    return value if value.ndim == 0 else value.reshape(value.shape + (1,) * (like.ndim - 1))
+
+
 def target_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Log-probabilities [..., V] after temperature, top-k and top-p (removed tokens: -inf).
+    """Log-probabilities [B, ..., V] after temperature, top-k and top-p (removed tokens:
+    -inf); a row at temperature 0 gets the one-hot distribution of its argmax, so the
+    lossless rules reduce to greedy decoding there.
 
     Ties at the top-k / top-p boundary are all kept, so the result does not depend on any
-    tie order. Assumes temperature > 0. With top-k and top-p off this is one log-softmax;
-    otherwise the two thresholds are found by bisection over the float order (64 passes
-    over the vocabulary instead of a full sort, which costs ~10 ms a row on a CPU).
+    tie order. With top-k and top-p off this is one log-softmax; otherwise the two
+    thresholds are found by bisection over the float order (64 passes over the vocabulary
+    instead of a full sort, which costs ~10 ms a row on a CPU).
     """
-    scaled = logits.astype(jnp.float32) / params.temperature
-    truncating = (params.top_k > 0) | (params.top_p < 1)
+    temperature = _per_row(params.temperature, logits)
+    greedy = temperature == 0
+    scaled = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)
+    truncating = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1)
     kept = jax.lax.cond(truncating, lambda s: _truncate(s, params), lambda s: s, scaled)
-    return jax.nn.log_softmax(kept, axis=-1)
+    log_probs = jax.nn.log_softmax(kept, axis=-1)
+    argmax = jnp.argmax(logits, axis=-1)[..., None] == jnp.arange(logits.shape[-1])
+    return jnp.where(greedy, jnp.where(argmax, 0.0, -jnp.inf), log_probs)
 
 
 def _truncate(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     """`scaled` with tokens outside top-k, then outside top-p of the rest, set to -inf."""
     keys = _order_keys(scaled)
     vocab = scaled.shape[-1]
-    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
+    top_k, top_p = _per_row(params.top_k, scaled), _per_row(params.top_p, scaled)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     # The k-th largest value: the largest key with at least k keys at or above it.
     kth = _largest_key_where(lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True) >= k, keys)
     in_top_k = keys >= kth
@@ -52,7 +66,7 @@ def _truncate(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     probs = jax.nn.softmax(jnp.where(in_top_k, scaled, -jnp.inf), axis=-1)
 
     def mass_above_reaches_p(t: jax.Array) -> jax.Array:
-        return jnp.sum(jnp.where(keys > t, probs, 0.0), axis=-1, keepdims=True) >= params.top_p
+        return jnp.sum(jnp.where(keys > t, probs, 0.0), axis=-1, keepdims=True) >= top_p
 
     last_dropped = _largest_key_where(mass_above_reaches_p, keys)
     all_kept = ~mass_above_reaches_p(jnp.zeros_like(last_dropped))

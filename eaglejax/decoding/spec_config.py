@@ -142,6 +142,14 @@ class SpecConfig:
             return cls.tree(top_k=4, depth=4, total_tokens=12)
         return cls.chain(3)
 
+    @classmethod
+    def default_for(cls, parallel_head: bool, platform: str, batch_size: int = 1) -> "SpecConfig":
+        """The shape a head runs when none is asked for: a P-EAGLE head's parallel chain (K
+        of its paper on accelerators, 5 on a CPU), else `preset`."""
+        if parallel_head:
+            return cls.parallel(5 if platform == "cpu" else 7)
+        return cls.preset(platform, batch_size)
+
     def with_lookup(self, lookup: int, ngram: int = 3, replaces: bool = False) -> "SpecConfig":
         """This shape plus a context-lookup branch of `lookup` tokens (0: none); `replaces`:
         in place of the head's lowest-ranked nodes where the whole n-gram matched."""

@@ -38,7 +38,7 @@ from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
 from eaglejax.decoding.plain import PREFILL_CHUNK, Prefilled, prefill_target
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
 from eaglejax.decoding.spec_config import SpecConfig
-from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.decoding.stopping import StopCriteria, StopTable
 from eaglejax.decoding.tree import chain_tree, static_shape
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.head import (
@@ -139,16 +139,13 @@ def _draft_prefill(draft_params: Params, draft_config: DraftConfig, target_param
     return cache, head_logits(draft_params, draft_config, target_params, hidden), hidden
 
 
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "capacity", "max_tokens",
-                                             "spec", "greedy", "stop", "attn_impl",
-                                             "calibration_sizes", "prefill_chunk"))
-def spec_prefill(params: Params, config: ModelConfig, draft_params: Params,
-                 draft_config: DraftConfig, prompt: jax.Array, prompt_lengths: jax.Array,
-                 row_keys: jax.Array, sampling: SamplingParams, max_new_tokens: jax.Array, *,
-                 capacity: int, max_tokens: int, spec: SpecConfig, greedy: bool,
-                 stop: StopCriteria, attn_impl: AttentionImpl = "auto",
-                 calibration_sizes: tuple[int, ...] = (),
-                 prefill_chunk: int = PREFILL_CHUNK) -> SpecState:
+def prefill_state(params: Params, config: ModelConfig, draft_params: Params,
+                  draft_config: DraftConfig, prompt: jax.Array, prompt_lengths: jax.Array,
+                  row_keys: jax.Array, sampling: SamplingParams, max_new_tokens: jax.Array, *,
+                  capacity: int, max_tokens: int, spec: SpecConfig, greedy: bool,
+                  stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto",
+                  calibration_sizes: tuple[int, ...] = (),
+                  prefill_chunk: int = PREFILL_CHUNK) -> SpecState:
     """Prefill the target and the head on right-padded prompts (`prefill_chunk` positions at
     a time); record the first token."""
     batch = prompt.shape[0]
@@ -182,6 +179,11 @@ def spec_prefill(params: Params, config: ModelConfig, draft_params: Params,
                      jnp.zeros((batch, spec.max_depth + 1), jnp.int32), jnp.int32(0),
                      jnp.zeros((batch, _calibration_width(spec, calibration_sizes)), jnp.int32),
                      context)
+
+
+spec_prefill = jax.jit(prefill_state, static_argnames=(
+    "config", "draft_config", "capacity", "max_tokens", "spec", "greedy", "stop", "attn_impl",
+    "calibration_sizes", "prefill_chunk"))
 
 
 
@@ -241,7 +243,20 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
               sampling: SamplingParams, max_new_tokens: jax.Array, *, spec: SpecConfig,
               greedy: bool, stop: StopCriteria, attn_impl: AttentionImpl = "auto",
               calibration_sizes: tuple[int, ...] = ()) -> SpecState:
-    """Speculate (chain, dynamic tree or static tree, per `spec`) until every row finishes:
+    """Speculate (chain, dynamic tree or static tree, per `spec`) until every row finishes
+    (`round_step` is one round)."""
+    step = round_step(params, config, draft_params, draft_config, d2t, sampling, max_new_tokens,
+                      spec=spec, greedy=greedy, stop=stop, attn_impl=attn_impl,
+                      calibration_sizes=calibration_sizes)
+    return jax.lax.while_loop(lambda s: jnp.any(s.out.running), step, state)
+
+
+def round_step(params: Params, config: ModelConfig, draft_params: Params,
+               draft_config: DraftConfig, d2t: jax.Array, sampling: SamplingParams,
+               max_new_tokens: jax.Array, *, spec: SpecConfig, greedy: bool,
+               stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto",
+               calibration_sizes: tuple[int, ...] = ()):
+    """One speculative round as a function SpecState -> SpecState (traced inside a loop):
     greedy matching, or lossless speculative sampling when not `greedy`.
 
     `calibration_sizes` (greedy dynamic trees only) also counts in `size_accepted` [B,S],
@@ -325,4 +340,4 @@ def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
                          draft_logits, draft_hidden, out, s.row_keys, hist, s.forwards + 1,
                          size_accepted, context)
 
-    return jax.lax.while_loop(lambda s: jnp.any(s.out.running), step, state)
+    return step

@@ -4,7 +4,7 @@ so the head learns the target's own distribution. Cached on disk: done once, res
 The cache is a JSONL file named by a key over the target, the source data and the
 settings: a header line, then one ShareGPT-shaped record per conversation in source
 order (each written as soon as it and all before it are done, so a killed run resumes
-after the last record). Conversations run with continuous batching (`decoding.slots`).
+after the last record). Conversations run with continuous batching (`serving.engine`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eaglejax.compilation_cache import cache_root
-from eaglejax.decoding.sampling import SamplingParams
-from eaglejax.decoding.slots import Request, SlotEngine
-from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.serving.engine import Engine, Request, SamplingOptions
 from eaglejax.errors import InputError
 from eaglejax.fingerprints import target_fingerprint
 from eaglejax.target import Target
@@ -97,7 +95,10 @@ class _Replay:
             return None
         self.messages = candidate
         seed = (config.seed * 1_000_003 + self.index * 131 + self.turn) % 2**31
-        return Request(self, ids, seed, config.max_new_tokens)
+        # The context cuts a reply: the cache holds the prompt and every new token but the
+        # last (the engine's slots hold one row more than max_context).
+        max_new = min(config.max_new_tokens, config.max_context + 1 - len(ids))
+        return Request(self, ids, max_new, SamplingOptions(config.temperature, seed=seed))
 
     def result(self) -> Conversation:
         c = self.conversation
@@ -111,9 +112,7 @@ def _replay_all(conversations: Sequence[Conversation], first_index: int, target:
     conversation. Calls on_done(index, conversation) as each ends (in any order); returns
     the number of tokens generated."""
     tokenizer = target.tokenizer
-    engine = SlotEngine(target, num_slots=config.num_slots, capacity=config.max_context,
-                        sampling=SamplingParams.make(config.temperature),
-                        stop=StopCriteria(tuple(sorted(set(target.eos_token_ids)))))
+    engine = Engine(target, num_slots=config.num_slots, capacity=config.max_context + 1)
     waiting = iter(enumerate(conversations, first_index))
     generated = 0
 
@@ -128,14 +127,20 @@ def _replay_all(conversations: Sequence[Conversation], first_index: int, target:
 
     for _ in range(config.num_slots):
         start_next()
+    replies: dict[_Replay, list[int]] = {}
     while not engine.idle:
-        for completion in engine.step():
-            replay = completion.key
-            generated += len(completion.token_ids)
-            replay.messages.append(("assistant", tokenizer.decode(completion.token_ids)))
+        for update in engine.step():
+            replay = update.key
+            reply = replies.setdefault(replay, [])
+            reply.extend(update.token_ids)
+            if update.finish_reason is None:
+                continue
+            del replies[replay]
+            generated += len(reply)
+            replay.messages.append(("assistant", tokenizer.decode(reply)))
             replay.turn += 1
             request = None
-            if completion.finish_reason != "length":
+            if update.finish_reason != "length":
                 request = replay.next_request(tokenizer, config)
             if request is not None:
                 engine.submit(request)

@@ -1,0 +1,1 @@
+"""Serving: the continuous-batching engine (`engine`) and the OpenAI-compatible HTTP server."""

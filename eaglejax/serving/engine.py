@@ -1,0 +1,364 @@
+"""Continuous batching, the host half: a queue of requests decoded over a fixed set of slots.
+
+The engine owns one running batch (`decoding.slots`): each `step()` prefills queued
+requests into free slots, runs the compiled loop for at most `rounds_per_call` rounds
+(it comes back early when a row finishes) and reports every request's new tokens, so
+callers can stream them. Plain or speculative decoding (any `SpecConfig`); sampling
+settings, seeds, token limits and stop rules are per request and never recompile. A
+request's tokens are the ones `eaglejax.generate()` gives it alone (greedy: exactly; sampled:
+the same seed draws the same tokens up to float rounding between batch shapes).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from eaglejax import validation
+from eaglejax.decoding import plain, slots, speculative
+from eaglejax.decoding.buckets import bucket
+from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.decoding.stopping import (
+    FINISH_LENGTH, FINISH_NONE, FINISH_REASONS, StopCriteria, StopTable)
+from eaglejax.errors import ConfigError, InputError
+from eaglejax.target import Target
+
+if TYPE_CHECKING:
+    from eaglejax.draft.draft import Draft
+
+MIN_PROMPT_BUCKET = 16
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit on stop strings
+MAX_STOP_TOKENS = 16  # longer stop sequences end replies on the host side only
+MAX_EOS_IDS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """temperature 0 is greedy; top_k 0 and top_p 1 are off; seed in [0, 2**32)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A prompt (token ids) to continue for at most `max_new_tokens`. `key` is the caller's
+    handle, unique among live requests. `stop_sequences` (token ids, at most 4) end the
+    reply inside the loop; EOS ends it unless `ignore_eos`."""
+
+    key: Hashable
+    prompt: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingOptions = SamplingOptions()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """A request's tokens new since its previous update; `finish_reason` ("eos", "stop",
+    "length") once it ended, else None. `rounds`: target forwards spent on it after the
+    prefill (verification rounds; plain decoding: one per token)."""
+
+    key: Hashable
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    generated: int
+    rounds: int
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens per target forward after the first token (plain decoding: 1.0)."""
+        return (self.generated - 1) / self.rounds if self.rounds else None
+
+
+@dataclasses.dataclass
+class _Live:
+    """A request in a slot and how many of its tokens were reported."""
+
+    request: Request
+    reported: int = 0
+
+
+class Engine:
+    """Decode queued requests over `num_slots` rows of `capacity` tokens each (prompt plus
+    reply). Not thread-safe: one thread submits, cancels and steps."""
+
+    def __init__(self, target: Target, draft: "Draft | None" = None, *,
+                 speculative: SpecConfig | None = None, num_slots: int = 8,
+                 capacity: int = 1024, rounds_per_call: int = 16):
+        validation.integer("num_slots", num_slots, 1)
+        validation.integer("capacity", capacity, 2)
+        validation.integer("rounds_per_call", rounds_per_call, 1)
+        limit = target.config.max_position_embeddings
+        if capacity > limit:
+            raise InputError(f"capacity {capacity} exceeds the model's context of {limit} tokens")
+        if target.mesh is not None:
+            raise ConfigError("the engine runs on one device; load the target without a mesh")
+        if draft is not None and draft.target is not target:
+            raise ConfigError(f"the draft head {draft.source} was loaded for target "
+                              f"{draft.target.source}, not {target.source}")
+        if speculative is not None and draft is None:
+            raise InputError(f"speculative ({speculative.describe()}) needs a draft head")
+        if draft is not None and speculative is None:
+            speculative = SpecConfig.default_for(draft.config.parallel, jax.default_backend(),
+                                                 num_slots)
+        if speculative is not None and speculative.is_parallel and not draft.config.parallel:
+            raise ConfigError(f"{speculative.describe()} needs a P-EAGLE head; {draft.source} "
+                              f"drafts one token per forward")
+        self.target, self.draft, self.spec = target, draft, speculative
+        self.num_slots, self.capacity = num_slots, capacity
+        self.rounds_per_call = jnp.int32(rounds_per_call)
+        self.eos_ids = tuple(sorted(set(target.eos_token_ids)))[:MAX_EOS_IDS]
+        self.state = self._empty_state()
+        self.queue: collections.deque[Request] = collections.deque()
+        self.slots: list[_Live | None] = [None] * num_slots
+        self._temperature = np.zeros(num_slots, np.float32)
+        self._top_k = np.zeros(num_slots, np.int32)
+        self._top_p = np.ones(num_slots, np.float32)
+        self._max_new = np.zeros(num_slots, np.int32)
+        self._stops = [StopCriteria()] * num_slots
+        self._stop_table = self._table(self._stops)
+
+    # ------------------------------------------------------------------ public interface
+
+    @property
+    def idle(self) -> bool:
+        """No request is queued or running."""
+        return not self.queue and all(s is None for s in self.slots)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self.queue)
+
+    def submit(self, request: Request) -> None:
+        """Queue a request, checked here (InputError naming the request and the value)."""
+        name = f"request {request.key!r}"
+        n = len(request.prompt)
+        if n == 0 or n >= self.capacity:
+            raise InputError(f"{name}: prompt of {n} tokens; a slot holds prompts of 1 to "
+                             f"{self.capacity - 1} tokens")
+        validation.in_vocabulary(name, list(request.prompt), self.target.config.vocab_size)
+        validation.integer(f"{name}: max_new_tokens", request.max_new_tokens, 1)
+        if n + request.max_new_tokens > self.capacity:
+            raise InputError(f"{name}: {n} prompt tokens + max_new_tokens "
+                             f"{request.max_new_tokens} exceed the slot capacity of "
+                             f"{self.capacity} tokens")
+        s = request.sampling
+        validation.sampling(s.temperature, s.top_k, s.top_p, name=lambda arg: f"{name}: {arg}")
+        validation.seed(f"{name}: seed", s.seed)
+        if self.spec is not None and s.temperature > 0:
+            try:
+                self.spec.check_sampling(greedy=False)
+            except InputError as err:
+                raise InputError(f"{name}: {err}") from None
+        if len(request.stop_sequences) > MAX_STOP_SEQUENCES:
+            raise InputError(f"{name}: at most {MAX_STOP_SEQUENCES} stop sequences, got "
+                             f"{len(request.stop_sequences)}")
+        for seq in request.stop_sequences:
+            if not seq:
+                raise InputError(f"{name}: an empty stop sequence")
+            validation.in_vocabulary(f"{name}: stop sequence", list(seq),
+                                     self.target.config.vocab_size)
+        if any(self._key_of(i) == request.key for i in range(self.num_slots)) or any(
+                q.key == request.key for q in self.queue):
+            raise InputError(f"{name}: a live request already has this key")
+        self.queue.append(request)
+
+    def cancel(self, key: Hashable) -> None:
+        """Drop a queued request or free its slot (no further update for it)."""
+        for queued in self.queue:
+            if queued.key == key:
+                self.queue.remove(queued)
+                return
+        for i in range(self.num_slots):
+            if self._key_of(i) == key:
+                self.state = slots.release(self.state, jnp.int32(i))
+                self.slots[i] = None
+                return
+
+    def step(self) -> list[Update]:
+        """Fill free slots from the queue, run at most `rounds_per_call` rounds (fewer when a
+        row finishes) and report every request that gained tokens or finished."""
+        for i in range(self.num_slots):
+            if self.slots[i] is None and self.queue:
+                self._fill(i, self.queue.popleft())
+        if self.idle:
+            return []
+        if np.any(self._filled() & (self._finish() == FINISH_NONE)):
+            self._advance(self.rounds_per_call)
+        return self._collect()
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile the prefill of every prompt bucket and the loop (greedy and sampled) now,
+        so that no request waits for a compilation."""
+        if not self.idle:
+            raise InputError("warm up an idle engine (requests are queued or running)")
+        lengths, n = [], MIN_PROMPT_BUCKET
+        while n < self.capacity:
+            lengths.append(n)
+            n *= 2
+        lengths.append(self.capacity - 1)
+        work = [(n, t) for n in lengths for t in (0.0, 1.0)]
+        for n, temperature in tqdm(work, desc="compiling", disable=not progress):
+            if temperature > 0 and self.spec is not None:
+                try:
+                    self.spec.check_sampling(greedy=False)
+                except InputError:
+                    continue
+            key = ("warm-up", n, temperature)
+            self.submit(Request(key, [0] * n, 1, SamplingOptions(temperature), ignore_eos=True))
+            self._fill(0, self.queue.popleft())
+            self._advance(jnp.int32(0))
+            self.cancel(key)
+
+    # ------------------------------------------------------------------------ internals
+
+    def _empty_state(self) -> plain.DecodeState | speculative.SpecState:
+        """A batch of free slots (all finished), shaped as a prefill of `num_slots` rows."""
+        prompt = jnp.zeros((self.num_slots, MIN_PROMPT_BUCKET), jnp.int32)
+        lengths = jnp.ones((self.num_slots,), jnp.int32)
+        keys = jax.vmap(jax.random.PRNGKey)(jnp.zeros((self.num_slots,), jnp.uint32))
+        sampling = self._sampling_rows(np.zeros(self.num_slots, np.float32),
+                                       np.zeros(self.num_slots, np.int32),
+                                       np.ones(self.num_slots, np.float32))
+        max_new = jnp.ones((self.num_slots,), jnp.int32)
+        stop = self._table([StopCriteria()] * self.num_slots)
+        t = self.target
+        common = dict(capacity=self._cache_capacity, max_tokens=self.capacity, greedy=True,
+                      stop=stop, attn_impl=t.attn_impl)
+        if self.spec is None:
+            shapes = jax.eval_shape(lambda: plain.prefill_state(
+                t.params, t.config, prompt, lengths, keys, sampling, max_new, **common))
+        else:
+            d = self.draft
+            shapes = jax.eval_shape(lambda: speculative.prefill_state(
+                t.params, t.config, d.params, d.config, prompt, lengths, keys, sampling,
+                max_new, spec=self.spec, **common))
+        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        out = state.out._replace(finish=jnp.full((self.num_slots,), FINISH_LENGTH, jnp.int32))
+        return state._replace(out=out)
+
+    @property
+    def _cache_capacity(self) -> int:
+        """Cache rows per slot: the tokens plus a speculative round's scratch rows."""
+        extra = self.spec.num_nodes if self.spec is not None else 0
+        return -(-(self.capacity + extra) // 128) * 128
+
+    def _key_of(self, slot: int) -> Hashable | None:
+        live = self.slots[slot]
+        return None if live is None else live.request.key
+
+    def _table(self, rules: list[StopCriteria]) -> StopTable:
+        return StopTable.rows(rules, MAX_EOS_IDS, MAX_STOP_SEQUENCES, MAX_STOP_TOKENS)
+
+    @staticmethod
+    def _sampling_rows(temperature: np.ndarray, top_k: np.ndarray,
+                       top_p: np.ndarray) -> SamplingParams:
+        return SamplingParams(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p))
+
+    def _fill(self, slot: int, request: Request) -> None:
+        """Prefill `request` into `slot` and record its settings there."""
+        n = len(request.prompt)
+        prompt = np.zeros((1, min(bucket(n, MIN_PROMPT_BUCKET), self.capacity)), np.int32)
+        prompt[0, :n] = request.prompt
+        s = request.sampling
+        self._temperature[slot], self._top_k[slot], self._top_p[slot] = (
+            s.temperature, s.top_k, s.top_p)
+        self._max_new[slot] = request.max_new_tokens
+        eos = () if request.ignore_eos else self.eos_ids
+        self._stops[slot] = StopCriteria(eos, tuple(
+            seq for seq in request.stop_sequences if len(seq) <= MAX_STOP_TOKENS))
+        self._stop_table = self._table(self._stops)
+        row = slice(slot, slot + 1)
+        sampling = self._sampling_rows(self._temperature[row], self._top_k[row],
+                                       self._top_p[row])
+        stop = StopTable(*(x[row] for x in self._stop_table))
+        args = (jnp.int32(slot), jnp.asarray(prompt), jnp.asarray([n], jnp.int32),
+                jax.random.PRNGKey(jnp.uint32(s.seed))[None], sampling,
+                jnp.asarray(self._max_new[row]), stop)
+        t, greedy = self.target, s.temperature == 0
+        if self.spec is None:
+            self.state = slots.fill_plain(t.params, t.config, self.state, *args, greedy=greedy,
+                                          attn_impl=t.attn_impl)
+        else:
+            d = self.draft
+            self.state = slots.fill_spec(t.params, t.config, d.params, d.config, self.state,
+                                         *args, spec=self.spec, greedy=greedy,
+                                         attn_impl=t.attn_impl)
+        self.slots[slot] = _Live(request)
+
+    def _advance(self, max_rounds: jax.Array) -> None:
+        """Run the loop; greedy when every live request is (the cheaper program)."""
+        live = self._filled()
+        greedy = bool(np.all(self._temperature[live] == 0))
+        sampling = self._sampling_rows(self._temperature, self._top_k, self._top_p)
+        t = self.target
+        args = (sampling, jnp.asarray(self._max_new), self._stop_table, max_rounds)
+        if self.spec is None:
+            self.state = slots.advance_plain(t.params, t.config, self.state, *args,
+                                             greedy=greedy, attn_impl=t.attn_impl)
+        else:
+            d = self.draft
+            self.state = slots.advance_spec(t.params, t.config, d.params, d.config, d.d2t,
+                                            self.state, *args, spec=self.spec, greedy=greedy,
+                                            attn_impl=t.attn_impl)
+
+    def _filled(self) -> np.ndarray:
+        return np.array([s is not None for s in self.slots])
+
+    def _finish(self) -> np.ndarray:
+        return np.asarray(jax.device_get(self.state.out.finish))
+
+    def _collect(self) -> list[Update]:
+        """Updates for the slots with unreported tokens or a new finish; frees finished slots."""
+        out = self.state.out
+        hist = getattr(self.state, "accept_hist", None)
+        fetched = jax.device_get((out.tokens, out.counts, out.finish,
+                                  hist.sum(axis=1) if hist is not None else out.counts - 1))
+        tokens, counts, finish, rounds = fetched
+        updates = []
+        for i, live in enumerate(self.slots):
+            if live is None:
+                continue
+            ended = finish[i] != FINISH_NONE
+            if counts[i] == live.reported and not ended:
+                continue
+            request = live.request
+            updates.append(Update(request.key, tokens[i, live.reported:counts[i]].tolist(),
+                                  FINISH_REASONS[int(finish[i])] if ended else None,
+                                  len(request.prompt), int(counts[i]), int(max(rounds[i], 0))))
+            live.reported = int(counts[i])
+            if ended:
+                self.slots[i] = None
+        return updates
+
+    def run(self, requests: Sequence[Request] = ()) -> dict[Hashable, Update]:
+        """Submit `requests`, decode until idle, and return each request's final update
+        with all its tokens."""
+        for request in requests:
+            self.submit(request)
+        tokens: dict[Hashable, list[int]] = collections.defaultdict(list)
+        finished = {}
+        while not self.idle:
+            for update in self.step():
+                tokens[update.key].extend(update.token_ids)
+                if update.finish_reason is not None:
+                    finished[update.key] = dataclasses.replace(update,
+                                                               token_ids=tokens[update.key])
+        return finished

@@ -1,0 +1,78 @@
+"""The server's Prometheus metrics (`/metrics`), in a registry of its own."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from eaglejax.serving.engine import Update
+
+RATE_WINDOW_S = 10.0
+
+
+class ServingMetrics:
+    """Queue depth, running rows, generated tokens (and tokens/s over the last
+    RATE_WINDOW_S seconds), acceptance length and time to first token per request, and
+    requests by outcome."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._queued = Gauge("eaglejax_queue_depth", "requests waiting for a slot",
+                             registry=r)
+        self._running = Gauge("eaglejax_running_rows", "requests decoding in a slot",
+                              registry=r)
+        self._tokens = Counter("eaglejax_generated_tokens", "tokens generated", registry=r)
+        Gauge("eaglejax_tokens_per_second",
+              f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
+              registry=r).set_function(self._rate)
+        self._acceptance = Histogram(
+            "eaglejax_acceptance_length", "a request's tokens per target forward "
+            "(verification round; 1 without speculation)",
+            buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0), registry=r)
+        self._ttft = Histogram(
+            "eaglejax_time_to_first_token_seconds", "from a request's arrival to its first "
+            "token", buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self._requests = Counter("eaglejax_requests", "requests by outcome: stop, length, "
+                                 "cancelled (the client left), rejected (4xx), error (5xx)",
+                                 ["outcome"], registry=r)
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()  # the engine thread appends, scrapes read
+
+    def observe_step(self, updates: list[Update], queued: int, running: int) -> None:
+        """After each round of the engine thread's loop."""
+        self._queued.set(queued)
+        self._running.set(running)
+        tokens = sum(len(u.token_ids) for u in updates)
+        if tokens:
+            self._tokens.inc(tokens)
+            with self._lock:
+                self._recent.append((time.monotonic(), tokens))
+
+    def _rate(self) -> float:
+        start = time.monotonic() - RATE_WINDOW_S
+        with self._lock:
+            while self._recent and self._recent[0][0] < start:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / RATE_WINDOW_S
+
+    def observe_first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_finished(self, outcome: str, acceptance_length: float | None) -> None:
+        """A request that ran: its outcome ("stop", "length", "cancelled", "error") and,
+        when it took a verification round, its acceptance length."""
+        self._requests.labels(outcome).inc()
+        if acceptance_length is not None:
+            self._acceptance.observe(acceptance_length)
+
+    def observe_rejected(self, status: int) -> None:
+        self._requests.labels("rejected" if status < 500 else "error").inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,289 @@
+"""The OpenAI API surface: request schemas, their checks against the served model, error
+objects, and the response and stream-chunk bodies."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import time
+import uuid
+from typing import Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from eaglejax import validation
+from eaglejax.errors import InputError
+from eaglejax.generate import _encode_prompts, _stop_criteria
+from eaglejax.serving.engine import SamplingOptions
+from eaglejax.target import Target
+
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style JSON error object and an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = \
+            status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+def server_error(err: BaseException) -> APIError:
+    """The 500 error object for a failure of the server itself (not of the request)."""
+    return APIError(500, f"the server failed: {type(err).__name__}: {err}",
+                    kind="server_error")
+
+
+class _Strict(BaseModel):
+    """JSON types as written (no "1" for 1, no true for 1); unknown fields are refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Generation(_Strict):
+    """The fields both endpoints take. `top_k` and `ignore_eos` extend OpenAI's API (as
+    vLLM's does); temperature 0 is greedy."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1, le=validation.INT32_MAX)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=validation.INT32_MAX)
+    seed: int | None = Field(None, ge=0, lt=validation.SEED_LIMIT)
+    stop: Any = None  # a string or a list of strings, checked by `_stop_strings`
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_Generation):
+    prompt: Any  # a string or a list of token ids, checked by `_completion_prompt`
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any  # a string or a list of text parts, checked by `_message_text`
+
+
+class ChatRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=validation.INT32_MAX)
+
+
+def _param(loc: tuple[str | int, ...]) -> str | None:
+    """A pydantic error location as the parameter path OpenAI writes: messages[0].role."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else part
+    return path or None
+
+
+def parse_body(schema: type[_Generation], raw: bytes) -> _Generation:
+    """The request `raw` JSON as `schema`; APIError 400 naming the first bad field."""
+    try:
+        return schema.model_validate_json(raw)
+    except pydantic.ValidationError as err:
+        first = err.errors(include_url=False)[0]
+    param, kind = _param(first["loc"]), first["type"]
+    if kind == "json_invalid":
+        raise APIError(400, f"could not parse the JSON body of your request: {first['msg']}",
+                       code="invalid_json") from None
+    if param is None:
+        raise APIError(400, "the request body must be a JSON object", code="invalid_type")
+    if kind == "extra_forbidden":
+        raise APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
+                       code="unknown_parameter")
+    if kind == "missing":
+        raise APIError(400, f"Missing required parameter: {param}", param=param,
+                       code="missing_required_parameter")
+    got = json.dumps(first.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    code = "invalid_type" if kind.endswith("_type") else "invalid_value"
+    raise APIError(400, f"{param}: {first['msg']}, got {got}", param=param, code=code)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A checked request, ready for the engine: prompt ids and how to continue them."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingOptions
+    stop: list[str]
+    stop_sequences: tuple[tuple[int, ...], ...]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+
+
+def prepare(body: _Generation, target: Target, *, capacity: int,
+            default_max_tokens: int) -> Job:
+    """Check `body` against the served model (the caller checked its name); prompt tokens
+    plus max_tokens must fit `capacity`. APIError 400 naming the field at fault."""
+    if body.n != 1:
+        raise APIError(400, f"n: only n=1 is supported, got {body.n}", param="n",
+                       code="invalid_value")
+    stop = _stop_strings(body.stop)
+    try:
+        sequences = _stop_criteria(target, stop, ignore_eos=True).stop_sequences
+    except InputError as err:
+        raise APIError(400, f"stop: {err}", param="stop", code="invalid_value") from None
+    if isinstance(body, ChatRequest):
+        prompt, where = _chat_prompt(body.messages, target), "messages"
+        max_tokens = body.max_completion_tokens or body.max_tokens
+    else:
+        prompt, where = _completion_prompt(body.prompt, target), "prompt"
+        max_tokens = body.max_tokens
+    room = capacity - len(prompt)
+    if max_tokens is None and room >= 1:
+        max_tokens = min(default_max_tokens, room)
+    if max_tokens is None or max_tokens > room:
+        asked = len(prompt) + (max_tokens or 1)
+        raise APIError(400, f"This model's maximum context length is {capacity} tokens. "
+                            f"However, you requested {asked} tokens ({len(prompt)} in the "
+                            f"{where}, {asked - len(prompt)} in the completion). Please reduce "
+                            f"the length of the {where} or completion.",
+                       param=where if max_tokens is None else "max_tokens",
+                       code="context_length_exceeded")
+    seed = secrets.randbelow(validation.SEED_LIMIT) if body.seed is None else body.seed
+    options = body.stream_options
+    return Job(prompt, max_tokens, SamplingOptions(body.temperature, body.top_k, body.top_p, seed),
+               stop, sequences, body.ignore_eos, body.stream,
+               options is not None and options.include_usage)
+
+
+def _stop_strings(value: Any) -> list[str]:
+    try:
+        stop = validation.stop_strings(value, name="stop")
+    except InputError as err:
+        raise APIError(400, str(err), param="stop", code="invalid_value") from None
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}",
+                       param="stop", code="invalid_value")
+    return stop
+
+
+def _completion_prompt(value: Any, target: Target) -> list[int]:
+    """Token ids of one prompt: text (encoded as it is, BOS added as the model does) or
+    token ids; a list of several prompts is refused (one reply per request)."""
+    one_token_list = isinstance(value, list) and value and all(
+        validation.is_int(t) for t in value)
+    try:
+        prompts = validation.prompt_list([value] if one_token_list else value)
+        if len(prompts) != 1:
+            raise InputError(f"prompt: send one prompt per request, got {len(prompts)}")
+        return _encode_prompts(prompts, target, chat=False)[0]
+    except InputError as err:
+        raise APIError(400, str(err), param="prompt", code="invalid_value") from None
+
+
+def _chat_prompt(messages: list[ChatMessage], target: Target) -> list[int]:
+    """Token ids of `messages` rendered with the chat template and the assistant's
+    generation prompt (as `generate(..., chat=True)` renders one user turn)."""
+    turns = [{"role": m.role, "content": _message_text(i, m.content)}
+             for i, m in enumerate(messages)]
+    try:
+        ids = target.tokenizer.encode(target.tokenizer.apply_chat_template(turns),
+                                      add_special_tokens=False)
+    except InputError as err:
+        raise APIError(400, str(err), param="messages", code="invalid_value") from None
+    if not ids:
+        raise APIError(400, "messages: the chat template renders them to no tokens",
+                       param="messages", code="invalid_value")
+    return ids
+
+
+def _message_text(index: int, content: Any) -> str:
+    """A message's text: a string, or a list of {"type": "text", "text": ...} parts."""
+    param = f"messages[{index}].content"
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise APIError(400, f"{param} must be a string or a list of text parts "
+                            f'({{"type": "text", "text": "..."}})', param=param,
+                       code="invalid_type")
+    try:
+        return validation.text(param, content)
+    except InputError as err:
+        raise APIError(400, str(err), param=param, code="invalid_value") from None
+
+
+def finish_reason(engine_reason: str) -> str:
+    """OpenAI's finish reason for the engine's ("eos" and a stop string both are "stop")."""
+    return "length" if engine_reason == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """Names one reply (id, creation time, model) and builds its bodies: a chat completion
+    or a text completion, whole or as stream chunks."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = 0
+
+    @staticmethod
+    def new(chat: bool, model: str) -> "Reply":
+        prefix = "chatcmpl" if chat else "cmpl"
+        return Reply(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
+            else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def response(self, text: str, finish: str, usage_: dict[str, int],
+                 extension: dict[str, Any]) -> dict[str, Any]:
+        """The whole reply (`stream: false`)."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=finish)
+        return {**self._head(False), "choices": [choice], "usage": usage_,
+                "eaglejax": extension}
+
+    def chunk(self, text: str | None, finish: str | None = None,
+              extension: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A stream chunk: new text, or (chat) None for the opening chunk that carries the
+        role; the last chunk has the finish reason and the extension."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": ""} if text is None else \
+                {"content": text} if text else {}
+        else:
+            choice["text"] = text or ""
+        choice.update(logprobs=None, finish_reason=finish)
+        body = {**self._head(True), "choices": [choice]}
+        return body if extension is None else {**body, "eaglejax": extension}
+
+    def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
+        """The chunk `stream_options.include_usage` adds before the end: no choices."""
+        return {**self._head(True), "choices": [], "usage": usage_}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event (a JSON body, or the final "[DONE]")."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"

@@ -1,0 +1,270 @@
+"""`eaglejax serve`: an OpenAI-compatible HTTP API (FastAPI on uvicorn) over the
+continuous-batching engine.
+
+Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (whole replies, or
+server-sent events with `stream: true`), `/health` and `/metrics` (Prometheus). Replies
+carry the speculative statistics in an `eaglejax` field. Every error is an OpenAI error
+object with a 4xx status (5xx: the server's own failure); a client that disconnects frees
+its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from eaglejax.errors import ConfigError, InputError
+from eaglejax.serving import engine as engine_api
+from eaglejax.serving.metrics import ServingMetrics
+from eaglejax.serving.openai_api import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Job,
+    Reply,
+    finish_reason,
+    parse_body,
+    prepare,
+    server_error,
+    sse,
+    usage,
+)
+from eaglejax.serving.textstream import FinalText, TextStream
+from eaglejax.serving.worker import EngineWorker, RequestHandle, WorkerClosed
+
+log = logging.getLogger("eaglejax.serving")
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """A finished reply: its final text and the engine's counts (last update)."""
+
+    final: FinalText
+    finish: str  # OpenAI's finish reason
+    prompt_tokens: int
+    generated: int
+    rounds: int
+
+    @property
+    def acceptance_length(self) -> float | None:
+        return self.generated / self.rounds if self.rounds else None
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, len(self.final.token_ids))
+
+
+class _Service:
+    """The routes' state: the engine's thread, the served model's name and the metrics."""
+
+    def __init__(self, engine: engine_api.Engine, model_name: str, default_max_tokens: int):
+        if engine.target.tokenizer is None:
+            raise ConfigError(f"{engine.target.source}: serving text needs a tokenizer")
+        self.target = engine.target
+        self.capacity = engine.capacity
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.speculative = engine.spec.describe() \
+            if engine.draft is not None and engine.spec is not None else None
+        self.metrics = ServingMetrics()
+        self.worker = EngineWorker(engine, on_step=self.metrics.observe_step)
+        self.created = int(time.time())
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "eaglejax"}
+
+    async def list_models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def get_model(self, request: Request) -> JSONResponse:
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self.model_card())
+
+    async def health(self, request: Request) -> JSONResponse:
+        if self.worker.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "the engine is not running"}, status_code=503)
+
+    async def metrics_page(self, request: Request) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_body(CompletionRequest, await request.body()))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_body(ChatRequest, await request.body()))
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                                f"`{self.model_name}`", param="model", code="model_not_found")
+
+    async def _generate(self, request: Request, body: CompletionRequest | ChatRequest
+                        ) -> Response:
+        started = time.perf_counter()
+        self._check_model(body.model)
+        job = prepare(body, self.target, capacity=self.capacity,
+                      default_max_tokens=self.default_max_tokens)
+        reply = Reply.new(chat=isinstance(body, ChatRequest), model=self.model_name)
+        try:
+            handle = self.worker.open(engine_api.Request(
+                reply.id, job.prompt, job.max_tokens, job.sampling, job.stop_sequences,
+                job.ignore_eos))
+            await handle.accepted()
+        except InputError as err:
+            raise APIError(400, str(err), code="invalid_value") from None
+        except WorkerClosed as err:
+            raise APIError(503, str(err), kind="server_error") from None
+        events = self._events(handle, job, started)
+        if job.stream:
+            return StreamingResponse(self._stream(reply, job, events),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        outcome = await _unless_disconnected(request, _last(events))
+        if outcome is None:
+            return Response(status_code=499)  # the client has gone: nobody reads this
+        return JSONResponse(reply.response(outcome.final.text, outcome.finish,
+                                           outcome.usage(), self._extension(outcome)))
+
+    async def _events(self, handle: RequestHandle, job: Job,
+                      started: float) -> AsyncIterator[str | _Outcome]:
+        """The reply's new text as it comes, then its `_Outcome`. Leaving early (the
+        client disconnected) frees the request's slot."""
+        text = TextStream(self.target, job.stop)
+        last, outcome = None, "cancelled"
+        try:
+            async for update in handle.updates():
+                if last is None:
+                    self.metrics.observe_first_token(time.perf_counter() - started)
+                last = update
+                delta = text.push(update.token_ids)
+                if delta:
+                    yield delta
+                if text.stop_seen:  # a stop string the engine's token sequences missed
+                    handle.cancel()
+                    break
+            tail, final = text.finish()
+            if tail:
+                yield tail
+            result = _Outcome(final, "stop" if final.stopped else
+                              finish_reason(last.finish_reason), last.prompt_tokens,
+                              last.generated, last.rounds)
+            outcome = result.finish
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            handle.cancel()
+            al = last.generated / last.rounds if last is not None and last.rounds else None
+            self.metrics.observe_finished(outcome, al)
+        yield result
+
+    async def _stream(self, reply: Reply, job: Job,
+                      events: AsyncIterator[str | _Outcome]) -> AsyncIterator[str]:
+        """The reply as server-sent events in OpenAI's chunk format, ending with [DONE];
+        a failure mid-stream is sent as an error object."""
+        if reply.chat:
+            yield sse(reply.chunk(None))
+        try:
+            async for event in events:
+                if isinstance(event, str):
+                    yield sse(reply.chunk(event))
+                    continue
+                yield sse(reply.chunk("", event.finish, self._extension(event)))
+                if job.include_usage:
+                    yield sse(reply.usage_chunk(event.usage()))
+        except Exception as err:
+            log.exception("a streamed reply failed")
+            yield sse(server_error(err).body())
+        yield sse("[DONE]")
+
+    def _extension(self, outcome: _Outcome) -> dict[str, Any]:
+        """The `eaglejax` field: speculative statistics of this reply."""
+        return {"acceptance_length": outcome.acceptance_length, "rounds": outcome.rounds,
+                "speculative": self.speculative}
+
+
+async def _last(events: AsyncIterator[str | _Outcome]) -> _Outcome:
+    async for event in events:
+        if isinstance(event, _Outcome):
+            return event
+    raise RuntimeError("the reply ended without an outcome")
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the request body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None (`work` cancelled, and done) if the client disconnects
+    first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    return None if task.cancelled() else task.result()
+
+
+def create_app(engine: engine_api.Engine, *, model_name: str,
+               default_max_tokens: int = 128) -> FastAPI:
+    """The HTTP app serving `engine` as `model_name`; requests without max_tokens get
+    `default_max_tokens` (at most what the context leaves). The app's lifespan runs the
+    engine's thread: call the engine from no other thread meanwhile."""
+    service = _Service(engine, model_name, default_max_tokens)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.worker.start()
+        try:
+            yield
+        finally:
+            service.worker.stop()
+
+    app = FastAPI(title="eaglejax", lifespan=lifespan)
+    app.add_api_route("/health", service.health, methods=["GET"])
+    app.add_api_route("/metrics", service.metrics_page, methods=["GET"])
+    app.add_api_route("/v1/models", service.list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model}", service.get_model, methods=["GET"])
+    app.add_api_route("/v1/completions", service.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", service.chat_completions, methods=["POST"])
+
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        service.metrics.observe_rejected(err.status)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        return await api_error(request, APIError(err.status_code, str(err.detail)))
+
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:
+        return await api_error(request, server_error(err))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+    return app
+
+
+def run_server(engine: engine_api.Engine, *, host: str, port: int, model_name: str,
+               default_max_tokens: int = 128, log_level: str = "info") -> None:
+    """Serve `engine` on host:port until interrupted (Ctrl-C, SIGTERM)."""
+    app = create_app(engine, model_name=model_name, default_max_tokens=default_max_tokens)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

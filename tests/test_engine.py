@@ -1,0 +1,148 @@
+"""Continuous batching (`serving.engine`): refilled slots give every request the tokens
+`generate()` gives it alone, plain or speculative, whatever its neighbours' settings, the
+slot count or the rounds per call; per-request stops, cancellation and bad requests."""
+
+import numpy as np
+import pytest
+
+import eaglejax
+from eaglejax import SpecConfig
+from eaglejax.draft.draft import new_eagle3_draft
+from eaglejax.errors import InputError
+from eaglejax.serving.engine import Engine, Request, SamplingOptions
+
+CAPACITY = 96
+
+
+@pytest.fixture(scope="module")
+def target(target_of):
+    return target_of("llama")
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return new_eagle3_draft(target, seed=1, scale=0.05)
+
+
+def _requests(target, seed: int = 0, sampled: bool = True) -> list[Request]:
+    """Prompts of 3..40 tokens (three prefill buckets), different reply limits, greedy and
+    sampled rows mixed (sampled: temperature, top-k and top-p vary)."""
+    rng = np.random.default_rng(seed)
+    lengths, limits = [3, 17, 40, 9, 33, 5, 21], [20, 7, 30, 1, 12, 25, 16]
+    settings = [SamplingOptions(), SamplingOptions(1.0, seed=7), SamplingOptions(0.7, 5, 0.9, 3),
+                SamplingOptions(), SamplingOptions(1.3, 0, 0.8, 11)]
+    return [Request(i, rng.integers(0, target.config.vocab_size, n).tolist(), limit,
+                    settings[i % len(settings)] if sampled else SamplingOptions())
+            for i, (n, limit) in enumerate(zip(lengths, limits))]
+
+
+def _alone(target, request: Request, draft=None, spec=None) -> tuple[list[int], str]:
+    s = request.sampling
+    [g] = eaglejax.generate([request.prompt], target=target, draft=draft, speculative=spec,
+                            max_new_tokens=request.max_new_tokens, temperature=s.temperature,
+                            top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+    return g.token_ids, g.finish_reason
+
+
+@pytest.mark.parametrize("spec", [None, SpecConfig.chain(3), SpecConfig.tree(3, 3, 6)],
+                         ids=["plain", "chain", "tree"])
+def test_every_request_gets_the_tokens_it_gets_alone(target, draft, spec):
+    requests = _requests(target)
+    engine = Engine(target, draft if spec else None, speculative=spec, num_slots=3,
+                    capacity=CAPACITY)
+    order = []
+    streamed: dict[int, list[int]] = {}
+    while True:
+        if len(order) == 0:
+            for r in requests:
+                engine.submit(r)
+        if engine.idle:
+            break
+        for update in engine.step():
+            streamed.setdefault(update.key, []).extend(update.token_ids)
+            if update.finish_reason is not None:
+                order.append(update.key)
+                assert update.generated == len(streamed[update.key])
+                if spec is not None and update.generated > 1:
+                    assert update.rounds >= 1 and update.acceptance_length >= 1
+                got = (streamed[update.key], update.finish_reason)
+                assert got == _alone(target, requests[update.key], draft if spec else None,
+                                     spec), update.key
+    assert sorted(order) == list(range(len(requests)))
+    # Requests finish out of submission order: slots really were refilled mid-run.
+    assert order != sorted(order)
+
+
+def test_slot_count_and_call_length_change_nothing(target, draft):
+    spec = SpecConfig.chain(2)
+    requests = _requests(target, seed=1)
+    alone = Engine(target, draft, speculative=spec, num_slots=1, capacity=CAPACITY)
+    want = {k: (u.token_ids, u.finish_reason) for k, u in alone.run(requests).items()}
+    many = Engine(target, draft, speculative=spec, num_slots=5, capacity=CAPACITY,
+                  rounds_per_call=2)
+    for r in requests[:2]:
+        many.submit(r)
+    tokens: dict[int, list[int]] = {}
+    got = {}
+    while not many.idle:
+        if len(tokens) == 2:  # submitted while others run: the queue is read at every step
+            for r in requests[2:]:
+                many.submit(r)
+        for u in many.step():
+            tokens.setdefault(u.key, []).extend(u.token_ids)
+            if u.finish_reason is not None:
+                got[u.key] = (tokens[u.key], u.finish_reason)
+    assert got == want
+
+
+def test_stop_sequences_are_per_request(target):
+    engine = Engine(target, num_slots=2, capacity=CAPACITY)
+    prompt = [5, 6, 7, 8]
+    free = engine.run([Request("free", prompt, 12, ignore_eos=True)])["free"].token_ids
+    stop = tuple(free[3:5])
+    got = engine.run([Request("stopped", prompt, 12, stop_sequences=(stop,), ignore_eos=True),
+                      Request("other", prompt, 12, ignore_eos=True)])
+    assert got["stopped"].token_ids == free[:5] and got["stopped"].finish_reason == "stop"
+    assert got["other"].token_ids == free and got["other"].finish_reason == "length"
+
+
+def test_cancel_frees_the_slot(target):
+    engine = Engine(target, num_slots=1, capacity=CAPACITY, rounds_per_call=2)
+    engine.submit(Request("long", [1, 2, 3], 60, ignore_eos=True))
+    engine.submit(Request("queued", [4, 5], 3, ignore_eos=True))
+    engine.submit(Request("dropped", [4, 5], 3))
+    engine.cancel("dropped")  # while queued
+    first = engine.step()
+    assert [u.key for u in first] == ["long"] and len(first[0].token_ids) == 3
+    engine.cancel("long")  # while running: its slot goes to the queued request
+    got = engine.run()
+    assert list(got) == ["queued"] and len(got["queued"].token_ids) == 3
+    assert engine.idle
+
+
+def test_bad_requests_name_themselves(target, draft):
+    engine = Engine(target, num_slots=2, capacity=CAPACITY)
+    with pytest.raises(InputError, match=r"request 'big': prompt of 96 tokens; a slot holds "
+                                         r"prompts of 1 to 95"):
+        engine.submit(Request("big", [1] * CAPACITY, 4))
+    with pytest.raises(InputError, match="request 'empty': prompt of 0 tokens"):
+        engine.submit(Request("empty", [], 4))
+    with pytest.raises(InputError, match=r"request 'none': max_new_tokens must be an integer "
+                                         r"in \[1,"):
+        engine.submit(Request("none", [1, 2], 0))
+    with pytest.raises(InputError, match="request 'long': 90 prompt tokens \\+ max_new_tokens "
+                                         "10 exceed the slot capacity of 96"):
+        engine.submit(Request("long", [1] * 90, 10))
+    with pytest.raises(InputError, match="request 'hot': temperature"):
+        engine.submit(Request("hot", [1], 4, SamplingOptions(-1.0)))
+    with pytest.raises(InputError, match="request 'oov'"):
+        engine.submit(Request("oov", [1, target.config.vocab_size], 4))
+    engine.submit(Request("twin", [1], 4))
+    with pytest.raises(InputError, match="request 'twin': a live request already has this key"):
+        engine.submit(Request("twin", [2], 4))
+    with pytest.raises(InputError, match="capacity 100000 exceeds the model's context"):
+        Engine(target, num_slots=1, capacity=100_000)
+    lookup_chain = SpecConfig.chain(2).with_lookup(2)
+    spec_engine = Engine(target, draft, speculative=lookup_chain, num_slots=1, capacity=CAPACITY)
+    with pytest.raises(InputError, match="request 's': .*a lookup branch with sampling"):
+        spec_engine.submit(Request("s", [1], 4, SamplingOptions(1.0)))
