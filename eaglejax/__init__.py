@@ -1,5 +1,7 @@
 """eaglejax: speculative decoding (EAGLE-1/2/3, dynamic trees, parallel drafting) in JAX."""
 
+__version__ = "0.1.0"  # first: modules imported below read it
+
 from eaglejax.config import ModelConfig
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.draft import Draft, load_draft
@@ -14,4 +16,3 @@ __all__ = [
     "LoadError", "ModelConfig", "SpecConfig", "Target", "generate", "load_draft", "load_target",
     "make_mesh",
 ]
-__version__ = "0.1.0"

@@ -35,6 +35,7 @@ import numpy as np
 
 from eaglejax import __version__, hardware, native
 from eaglejax.compilation_cache import cache_root, switched_on
+from eaglejax.decoding.batch import cache_capacity, decode
 from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
@@ -44,6 +45,7 @@ from eaglejax.errors import InputError
 from eaglejax.fingerprints import draft_fingerprint, target_fingerprint
 from eaglejax.loading.files import write_atomically
 from eaglejax.target import Target
+from eaglejax.timing import single_forward_ms
 
 if TYPE_CHECKING:
     from eaglejax.draft.draft import Draft
@@ -76,9 +78,6 @@ def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_ne
     """Choose `total_tokens` and whether a lookup branch replaces the weakest nodes for
     `encoded` prompts (token ids) on this device, or None when plain decoding is expected to
     be faster; `top_k` and `depth` default to the device's batch-1 preset (its largest tree)."""
-    from eaglejax.bench import single_forward_ms
-    from eaglejax.generate import cache_capacity, decode
-
     batch = len(encoded)
     largest_preset = SpecConfig.preset(jax.default_backend(), 1)
     top_k = top_k or largest_preset.top_k

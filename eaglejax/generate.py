@@ -5,23 +5,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import time
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from eaglejax import compilation_cache, validation
-from eaglejax.decoding import plain
-from eaglejax.decoding.buckets import bucket
+from eaglejax import validation
+from eaglejax.autotune import cached_choice
+from eaglejax.decoding.batch import decode
 from eaglejax.decoding.spec_config import SpecConfig
-from eaglejax.decoding.speculative import spec_loop, spec_prefill
 from eaglejax.decoding.sampling import SamplingParams
-from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP, StopCriteria
+from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP
 from eaglejax.errors import ConfigError, InputError
+from eaglejax.prompting import cut_at_stop, encode_prompts, stop_criteria
 from eaglejax.sharding.distributed import fetch, prompts_from_first
-from eaglejax.sharding.mesh import mesh_context
 from eaglejax.target import Target
 
 if TYPE_CHECKING:
@@ -96,147 +93,6 @@ def _cached_target(name: str) -> Target:
     return load_target(name)
 
 
-def cache_capacity(prompt_tokens: int, max_new_tokens: int, extra: int = 0) -> int:
-    """Static cache size for prompts up to `prompt_tokens` long: bucketed prompt and output
-    lengths plus `extra` scratch rows, rounded up to a multiple of 128."""
-    total = bucket(prompt_tokens, 16) + bucket(max_new_tokens, 16) + extra
-    return -(-total // 128) * 128
-
-
-def _encode_prompts(prompts: list[str | list[int]], target: Target,
-                    chat: bool) -> list[list[int]]:
-    """Token ids of prompts already checked by `validation.prompt_list`."""
-    encoded = []
-    for i, prompt in enumerate(prompts):
-        name = f"prompt {i}"
-        if isinstance(prompt, str):
-            if target.tokenizer is None:
-                raise InputError(f"{target.source}: the model has no tokenizer; pass token ids")
-            try:
-                ids = target.tokenizer.render_prompt(prompt, chat=chat)
-            except InputError as err:
-                raise InputError(f"{name}: {err}") from None
-            if not ids:
-                raise InputError(f"{name} encodes to no tokens")
-        else:
-            validation.in_vocabulary(name, prompt, target.config.vocab_size)
-            ids = prompt
-        encoded.append(ids)
-    return encoded
-
-
-def _stop_criteria(target: Target, stop: list[str], ignore_eos: bool) -> StopCriteria:
-    sequences = []
-    for s in stop:
-        if target.tokenizer is None:
-            raise InputError(f"{target.source}: stop strings need a tokenizer")
-        ids = tuple(target.tokenizer.encode(s))
-        if not ids:
-            raise InputError(f"stop string {s!r} encodes to no tokens")
-        sequences.append(ids)
-    eos = () if ignore_eos else tuple(sorted(set(target.eos_token_ids)))
-    return StopCriteria(eos, tuple(sorted(set(sequences))))
-
-
-def _cut_at_stop(target: Target, ids: list[int],
-                 stop: Sequence[str]) -> tuple[list[int], str | None]:
-    """Exact host-side stop-string check: the shortest token prefix whose text holds a stop
-    string, and the text before it; (ids, None) when no stop string occurs."""
-    decode = target.tokenizer.decode
-    if not any(s in decode(ids) for s in stop):
-        return ids, None
-    lo, hi = 1, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if any(s in decode(ids[:mid]) for s in stop):
-            hi = mid
-        else:
-            lo = mid + 1
-    text = decode(ids[:lo])
-    cut = min(text.find(s) for s in stop if s in text)
-    return ids[:lo], text[:cut]
-
-
-class DecodeRun(NamedTuple):
-    """A finished decode: the loop's final state and its timings (compiling excluded from
-    prefill_s and decode_s)."""
-
-    state: object
-    compile_s: float
-    prefill_s: float
-    decode_s: float
-
-
-class _Timed(NamedTuple):
-    """A jitted call's result, the seconds spent compiling it and running it."""
-
-    result: object
-    compile_s: float
-    run_s: float
-
-
-def _compile_then_run(fn, *args, **kwargs) -> _Timed:
-    """Compile jitted `fn` for these arguments ahead of time (a lookup when this process
-    already did; maybe a persistent cache load), then run it: compiling and running are
-    timed apart. The call reuses the program `lower().compile()` built."""
-    start = time.perf_counter()
-    with compilation_cache.caching_every_program():
-        fn.lower(*args, **kwargs).compile()
-    compiled = time.perf_counter()
-    result = jax.block_until_ready(fn(*args, **kwargs))
-    return _Timed(result, compiled - start, time.perf_counter() - compiled)
-
-
-def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seeds: list[int],
-           sampling: SamplingParams, max_new_tokens: int, criteria: StopCriteria,
-           spec: SpecConfig | None, calibration_sizes: tuple[int, ...] = ()) -> DecodeRun:
-    """Prefill and decode validated token-id prompts in one compiled batch."""
-    batch = len(encoded)
-    lengths = [len(ids) for ids in encoded]
-    prompt_len = bucket(max(lengths), 16)
-    max_tokens = bucket(max_new_tokens, 16)
-    capacity = cache_capacity(max(lengths), max_new_tokens, spec.num_nodes if spec else 0)
-    prompt = np.zeros((batch, prompt_len), np.int32)
-    for i, ids in enumerate(encoded):
-        prompt[i, :len(ids)] = ids
-    row_keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.uint32))
-    greedy = bool(sampling.temperature == 0)
-    if spec is not None:
-        spec.check_sampling(greedy)
-    max_new = jnp.int32(max_new_tokens)
-    common = dict(stop=criteria, attn_impl=target.attn_impl)
-    args = (target.params, target.config)
-    prompt, prompt_lengths = jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32)
-    if target.mesh is not None:  # every process passes the same inputs, replicated
-        from eaglejax.sharding.placement import replicate
-
-        prompt, prompt_lengths, row_keys, sampling, max_new = replicate(
-            (prompt, prompt_lengths, row_keys, sampling, max_new), target.mesh)
-    with mesh_context(target.mesh):
-        return _decode_compiled(target, draft, args, prompt, prompt_lengths, row_keys, sampling,
-                                max_new, capacity, max_tokens, greedy, spec, calibration_sizes,
-                                common)
-
-
-def _decode_compiled(target, draft, args, prompt, prompt_lengths, row_keys, sampling, max_new,
-                     capacity, max_tokens, greedy, spec, calibration_sizes, common) -> DecodeRun:
-    if draft is None:
-        prefilled = _compile_then_run(
-            plain.prefill, *args, prompt, prompt_lengths, row_keys, sampling, max_new,
-            capacity=capacity, max_tokens=max_tokens, greedy=greedy, **common)
-        decoded = _compile_then_run(plain.decode_loop, *args, prefilled.result, sampling,
-                                    max_new, greedy=greedy, **common)
-    else:
-        spec_args = dict(spec=spec, greedy=greedy, calibration_sizes=calibration_sizes, **common)
-        prefilled = _compile_then_run(
-            spec_prefill, *args, draft.params, draft.config, prompt, prompt_lengths, row_keys,
-            sampling, max_new, capacity=capacity, max_tokens=max_tokens, **spec_args)
-        decoded = _compile_then_run(spec_loop, *args, draft.params, draft.config, draft.d2t,
-                                    prefilled.result, sampling, max_new, **spec_args)
-    return DecodeRun(decoded.result, prefilled.compile_s + decoded.compile_s,
-                     prefilled.run_s, decoded.run_s)
-
-
 def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "Draft",
                   encoded: list[list[int]],
                   max_new_tokens: int) -> tuple[SpecConfig | None, str]:
@@ -250,8 +106,6 @@ def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "
     if jax.process_count() > 1:
         raise InputError("speculative='auto' times this machine alone, and the processes of "
                          "a multi-process run must agree on one shape: pass a SpecConfig")
-    from eaglejax.autotune import cached_choice  # "auto", see _check_speculation
-
     auto = cached_choice(target, draft, encoded, max_new_tokens)
     if auto.choice is None:
         return None, "plain (auto: faster than speculating here)"
@@ -326,8 +180,8 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     if draft is not None and draft.target is not target:
         raise ConfigError(f"the draft head {draft.source} was loaded for target "
                           f"{draft.target.source}, not {target.source}; load it with this target")
-    criteria = _stop_criteria(target, stop, ignore_eos)
-    encoded, seeds = prompts_from_first(_encode_prompts(prompts, target, chat), seeds)
+    criteria = stop_criteria(target, stop, ignore_eos)
+    encoded, seeds = prompts_from_first(encode_prompts(prompts, target, chat), seeds)
     batch = len(encoded)
 
     lengths = [len(ids) for ids in encoded]
@@ -357,7 +211,7 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
         reason = FINISH_REASONS[int(finish[i])]
         text = None
         if target.tokenizer is not None:
-            ids, stop_text = _cut_at_stop(target, ids, stop) if stop else (ids, None)
+            ids, stop_text = cut_at_stop(target, ids, stop) if stop else (ids, None)
             if stop_text is not None:
                 reason, text = FINISH_REASONS[FINISH_STOP], stop_text
             else:

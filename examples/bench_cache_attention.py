@@ -20,7 +20,7 @@ import numpy as np
 
 import pallas_kernels
 from eaglejax import hardware
-from eaglejax.bench import median_seconds
+from eaglejax.timing import median_seconds
 from eaglejax.native import cache_attention
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64

@@ -22,7 +22,7 @@ import numpy as np
 
 import eaglejax
 from eaglejax import hardware, native
-from eaglejax.bench import median_seconds
+from eaglejax.timing import median_seconds
 from eaglejax.models import kv_cache
 from eaglejax.models.llama import forward, linear, lm_head
 from eaglejax.native import few_row_matmul

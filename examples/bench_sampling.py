@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax.bench import median_seconds
+from eaglejax.timing import median_seconds
 from eaglejax.decoding import sampling as current
 
 SETTINGS = [(0.8, 0, 1.0), (0.8, 50, 1.0), (0.8, 0, 0.9)]

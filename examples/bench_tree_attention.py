@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eaglejax.bench import median_seconds  # noqa: E402
+from eaglejax.timing import median_seconds  # noqa: E402
 from pallas_kernels import tree_attention, tree_attention_reference  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}

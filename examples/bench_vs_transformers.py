@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 import eaglejax
-from eaglejax.bench import bench_plain, decode_step_bytes, single_forward_ms
+from eaglejax.bench import bench_plain, decode_step_bytes
+from eaglejax.timing import single_forward_ms
 from eaglejax.datasets import mt_bench_questions
 from eaglejax.hardware import machine_report, memory_floor_ms
 from eaglejax.loading.builtin import resolve_builtin

@@ -19,7 +19,8 @@ import time
 import numpy as np
 
 import eaglejax
-from eaglejax.bench import decode_step_bytes, single_forward_ms
+from eaglejax.bench import decode_step_bytes
+from eaglejax.timing import single_forward_ms
 from eaglejax.datasets import interleave_categories, mt_bench_questions
 from eaglejax.hardware import machine_report, memory_floor_ms
 

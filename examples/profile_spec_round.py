@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import eaglejax
-from eaglejax.bench import median_seconds
+from eaglejax.timing import median_seconds
 from eaglejax.draft.draft import new_eagle3_draft
 from eaglejax.draft.head import draft_forward, head_logits
 from eaglejax.models import kv_cache

@@ -25,10 +25,10 @@ def draft(target):
 
 
 def _requests(target, seed: int = 0, sampled: bool = True) -> list[Request]:
-    """Prompts of 3..40 tokens (three prefill buckets), different reply limits, greedy and
+    """Prompts of 3..21 tokens (two prefill buckets), different reply limits, greedy and
     sampled rows mixed (sampled: temperature, top-k and top-p vary)."""
     rng = np.random.default_rng(seed)
-    lengths, limits = [3, 17, 40, 9, 33, 5, 21], [20, 7, 30, 1, 12, 25, 16]
+    lengths, limits = [3, 17, 12, 9, 21, 5, 14], [14, 7, 16, 1, 12, 15, 10]
     settings = [SamplingOptions(), SamplingOptions(1.0, seed=7), SamplingOptions(0.7, 5, 0.9, 3),
                 SamplingOptions(), SamplingOptions(1.3, 0, 0.8, 11)]
     return [Request(i, rng.integers(0, target.config.vocab_size, n).tolist(), limit,
@@ -75,7 +75,7 @@ def test_every_request_gets_the_tokens_it_gets_alone(target, draft, spec):
 
 def test_slot_count_and_call_length_change_nothing(target, draft):
     spec = SpecConfig.chain(2)
-    requests = _requests(target, seed=1)
+    requests = _requests(target, seed=1)[:5]
     alone = Engine(target, draft, speculative=spec, num_slots=1, capacity=CAPACITY)
     want = {k: (u.token_ids, u.finish_reason) for k, u in alone.run(requests).items()}
     many = Engine(target, draft, speculative=spec, num_slots=5, capacity=CAPACITY,

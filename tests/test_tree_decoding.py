@@ -62,7 +62,7 @@ def check_calibration_counts(target):
     would accept is non-decreasing in s and equals the real acceptance at full size."""
     from eaglejax.decoding.sampling import SamplingParams
     from eaglejax.decoding.stopping import StopCriteria
-    from eaglejax.generate import decode
+    from eaglejax.decoding.batch import decode
 
     draft = self_draft(target)
     sizes = (2, 5, 8, 14, 22)

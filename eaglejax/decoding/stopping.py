@@ -47,8 +47,8 @@ class StopTable(NamedTuple):
     @staticmethod
     def rows(rules: "Sequence[StopCriteria]", max_eos: int, max_sequences: int,
              max_length: int) -> "StopTable":
-        """Pack one StopCriteria per row into tables of the given widths (InputError when
-        a row's rules do not fit)."""
+        """Pack one StopCriteria per row into host tables of the given widths (InputError
+        when a row's rules do not fit)."""
         eos = np.full((len(rules), max_eos), -1, np.int32)
         sequences = np.full((len(rules), max_sequences, max_length), -1, np.int32)
         lengths = np.zeros((len(rules), max_sequences), np.int32)
@@ -61,7 +61,7 @@ class StopTable(NamedTuple):
             for j, seq in enumerate(rule.stop_sequences):
                 sequences[i, j, max_length - len(seq):] = seq
                 lengths[i, j] = len(seq)
-        return StopTable(jnp.asarray(eos), jnp.asarray(sequences), jnp.asarray(lengths))
+        return StopTable(eos, sequences, lengths)
 
 
 def _table_stops(tokens: jax.Array, counts: jax.Array, new_token: jax.Array,

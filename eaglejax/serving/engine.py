@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from eaglejax import validation
@@ -29,6 +30,9 @@ from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import (
     FINISH_LENGTH, FINISH_NONE, FINISH_REASONS, StopCriteria, StopTable)
 from eaglejax.errors import ConfigError, InputError
+from eaglejax.sharding.distributed import fetch
+from eaglejax.sharding.mesh import mesh_context
+from eaglejax.sharding.placement import replicate
 from eaglejax.target import Target
 
 if TYPE_CHECKING:
@@ -104,8 +108,6 @@ class Engine:
         limit = target.config.max_position_embeddings
         if capacity > limit:
             raise InputError(f"capacity {capacity} exceeds the model's context of {limit} tokens")
-        if target.mesh is not None:
-            raise ConfigError("the engine runs on one device; load the target without a mesh")
         if draft is not None and draft.target is not target:
             raise ConfigError(f"the draft head {draft.source} was loaded for target "
                               f"{draft.target.source}, not {target.source}")
@@ -118,8 +120,9 @@ class Engine:
             raise ConfigError(f"{speculative.describe()} needs a P-EAGLE head; {draft.source} "
                               f"drafts one token per forward")
         self.target, self.draft, self.spec = target, draft, speculative
+        self.mesh = target.mesh  # a target on a mesh: the batch follows its sharding rules
         self.num_slots, self.capacity = num_slots, capacity
-        self.rounds_per_call = jnp.int32(rounds_per_call)
+        self.rounds_per_call = np.int32(rounds_per_call)
         self.eos_ids = tuple(sorted(set(target.eos_token_ids)))[:MAX_EOS_IDS]
         self.state = self._empty_state()
         self.queue: collections.deque[Request] = collections.deque()
@@ -147,7 +150,12 @@ class Engine:
         return len(self.queue)
 
     def submit(self, request: Request) -> None:
-        """Queue a request, checked here (InputError naming the request and the value)."""
+        """Queue a request after `check`."""
+        self.check(request)
+        self.queue.append(request)
+
+    def check(self, request: Request) -> None:
+        """InputError (naming the request and the value) unless `request` can run here."""
         name = f"request {request.key!r}"
         n = len(request.prompt)
         if n == 0 or n >= self.capacity:
@@ -178,7 +186,6 @@ class Engine:
         if any(self._key_of(i) == request.key for i in range(self.num_slots)) or any(
                 q.key == request.key for q in self.queue):
             raise InputError(f"{name}: a live request already has this key")
-        self.queue.append(request)
 
     def cancel(self, key: Hashable) -> None:
         """Drop a queued request or free its slot (no further update for it)."""
@@ -188,7 +195,8 @@ class Engine:
                 return
         for i in range(self.num_slots):
             if self._key_of(i) == key:
-                self.state = slots.release(self.state, jnp.int32(i))
+                with mesh_context(self.mesh):
+                    self.state = slots.release(self.state, self._inputs(np.int32(i)))
                 self.slots[i] = None
                 return
 
@@ -224,7 +232,7 @@ class Engine:
             key = ("warm-up", n, temperature)
             self.submit(Request(key, [0] * n, 1, SamplingOptions(temperature), ignore_eos=True))
             self._fill(0, self.queue.popleft())
-            self._advance(jnp.int32(0))
+            self._advance(np.int32(0))
             self.cancel(key)
 
     # ------------------------------------------------------------------------ internals
@@ -234,9 +242,8 @@ class Engine:
         prompt = jnp.zeros((self.num_slots, MIN_PROMPT_BUCKET), jnp.int32)
         lengths = jnp.ones((self.num_slots,), jnp.int32)
         keys = jax.vmap(jax.random.PRNGKey)(jnp.zeros((self.num_slots,), jnp.uint32))
-        sampling = self._sampling_rows(np.zeros(self.num_slots, np.float32),
-                                       np.zeros(self.num_slots, np.int32),
-                                       np.ones(self.num_slots, np.float32))
+        sampling = SamplingParams(jnp.zeros(self.num_slots), jnp.zeros(self.num_slots, jnp.int32),
+                                  jnp.ones(self.num_slots))
         max_new = jnp.ones((self.num_slots,), jnp.int32)
         stop = self._table([StopCriteria()] * self.num_slots)
         t = self.target
@@ -250,9 +257,16 @@ class Engine:
             shapes = jax.eval_shape(lambda: speculative.prefill_state(
                 t.params, t.config, d.params, d.config, prompt, lengths, keys, sampling,
                 max_new, spec=self.spec, **common))
-        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        out = state.out._replace(finish=jnp.full((self.num_slots,), FINISH_LENGTH, jnp.int32))
-        return state._replace(out=out)
+
+        def free_slots():
+            state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            finish = jnp.full((self.num_slots,), FINISH_LENGTH, jnp.int32)
+            return state._replace(out=state.out._replace(finish=finish))
+
+        if self.mesh is None:
+            return free_slots()
+        with mesh_context(self.mesh):  # global arrays (every process), replicated at first
+            return jax.jit(free_slots, out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
 
     @property
     def _cache_capacity(self) -> int:
@@ -266,11 +280,6 @@ class Engine:
 
     def _table(self, rules: list[StopCriteria]) -> StopTable:
         return StopTable.rows(rules, MAX_EOS_IDS, MAX_STOP_SEQUENCES, MAX_STOP_TOKENS)
-
-    @staticmethod
-    def _sampling_rows(temperature: np.ndarray, top_k: np.ndarray,
-                       top_p: np.ndarray) -> SamplingParams:
-        return SamplingParams(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p))
 
     def _fill(self, slot: int, request: Request) -> None:
         """Prefill `request` into `slot` and record its settings there."""
@@ -286,52 +295,59 @@ class Engine:
             seq for seq in request.stop_sequences if len(seq) <= MAX_STOP_TOKENS))
         self._stop_table = self._table(self._stops)
         row = slice(slot, slot + 1)
-        sampling = self._sampling_rows(self._temperature[row], self._top_k[row],
-                                       self._top_p[row])
+        sampling = SamplingParams(self._temperature[row], self._top_k[row], self._top_p[row])
         stop = StopTable(*(x[row] for x in self._stop_table))
-        args = (jnp.int32(slot), jnp.asarray(prompt), jnp.asarray([n], jnp.int32),
-                jax.random.PRNGKey(jnp.uint32(s.seed))[None], sampling,
-                jnp.asarray(self._max_new[row]), stop)
+        args = self._inputs((np.int32(slot), prompt, np.array([n], np.int32),
+                             jax.random.PRNGKey(np.uint32(s.seed))[None], sampling,
+                             self._max_new[row], stop))
         t, greedy = self.target, s.temperature == 0
-        if self.spec is None:
-            self.state = slots.fill_plain(t.params, t.config, self.state, *args, greedy=greedy,
-                                          attn_impl=t.attn_impl)
-        else:
-            d = self.draft
-            self.state = slots.fill_spec(t.params, t.config, d.params, d.config, self.state,
-                                         *args, spec=self.spec, greedy=greedy,
-                                         attn_impl=t.attn_impl)
+        with mesh_context(self.mesh):
+            if self.spec is None:
+                self.state = slots.fill_plain(t.params, t.config, self.state, *args,
+                                              greedy=greedy, attn_impl=t.attn_impl)
+            else:
+                d = self.draft
+                self.state = slots.fill_spec(t.params, t.config, d.params, d.config,
+                                             self.state, *args, spec=self.spec, greedy=greedy,
+                                             attn_impl=t.attn_impl)
         self.slots[slot] = _Live(request)
 
     def _advance(self, max_rounds: jax.Array) -> None:
         """Run the loop; greedy when every live request is (the cheaper program)."""
         live = self._filled()
         greedy = bool(np.all(self._temperature[live] == 0))
-        sampling = self._sampling_rows(self._temperature, self._top_k, self._top_p)
+        sampling = SamplingParams(self._temperature, self._top_k, self._top_p)
         t = self.target
-        args = (sampling, jnp.asarray(self._max_new), self._stop_table, max_rounds)
-        if self.spec is None:
-            self.state = slots.advance_plain(t.params, t.config, self.state, *args,
-                                             greedy=greedy, attn_impl=t.attn_impl)
-        else:
-            d = self.draft
-            self.state = slots.advance_spec(t.params, t.config, d.params, d.config, d.d2t,
-                                            self.state, *args, spec=self.spec, greedy=greedy,
-                                            attn_impl=t.attn_impl)
+        args = self._inputs((sampling, self._max_new, self._stop_table, max_rounds))
+        with mesh_context(self.mesh):
+            if self.spec is None:
+                self.state = slots.advance_plain(t.params, t.config, self.state, *args,
+                                                 greedy=greedy, attn_impl=t.attn_impl)
+            else:
+                d = self.draft
+                self.state = slots.advance_spec(t.params, t.config, d.params, d.config, d.d2t,
+                                                self.state, *args, spec=self.spec,
+                                                greedy=greedy, attn_impl=t.attn_impl)
+
+    def _inputs(self, tree):
+        """Host inputs of a compiled call: device arrays, or global ones replicated on the
+        mesh (every process passes the same values)."""
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, tree)
+        return replicate(tree, self.mesh)
 
     def _filled(self) -> np.ndarray:
         return np.array([s is not None for s in self.slots])
 
     def _finish(self) -> np.ndarray:
-        return np.asarray(jax.device_get(self.state.out.finish))
+        return fetch(self.state.out.finish)
 
     def _collect(self) -> list[Update]:
         """Updates for the slots with unreported tokens or a new finish; frees finished slots."""
         out = self.state.out
         hist = getattr(self.state, "accept_hist", None)
-        fetched = jax.device_get((out.tokens, out.counts, out.finish,
-                                  hist.sum(axis=1) if hist is not None else out.counts - 1))
-        tokens, counts, finish, rounds = fetched
+        tokens, counts, finish, hist = fetch((out.tokens, out.counts, out.finish, hist))
+        rounds = hist.sum(axis=1) if hist is not None else counts - 1
         updates = []
         for i, live in enumerate(self.slots):
             if live is None:

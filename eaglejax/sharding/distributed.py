@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from eaglejax.errors import InputError
+from eaglejax.errors import ConfigError, InputError
 
 ENV = {"coordinator": "EAGLEJAX_COORDINATOR", "num_processes": "EAGLEJAX_NUM_PROCESSES",
        "process_id": "EAGLEJAX_PROCESS_ID"}
@@ -77,3 +77,35 @@ def fetch(tree: Any) -> Any:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(one, tree)
+
+
+def _store():
+    """The jax.distributed client (its key-value store), or ConfigError outside a
+    multi-process run."""
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        raise ConfigError("not a multi-process run: call eaglejax.sharding.distributed."
+                          "initialize (or pass --coordinator/--num-processes/--process-id)")
+    return client
+
+
+def publish(key: str, message: str) -> None:
+    """Store `message` under `key` in the run's key-value store (for every process)."""
+    _store().key_value_set(key, message)
+
+
+def receive(key: str, timeout_s: float) -> str | None:
+    """The message under `key`, waiting up to `timeout_s`; None if none came."""
+    try:
+        return _store().blocking_key_value_get(key, int(timeout_s * 1000))
+    except Exception as err:  # the client raises a runtime error on its deadline
+        if "DEADLINE_EXCEEDED" in str(err) or "timed out" in str(err).lower():
+            return None
+        raise
+
+
+def forget(key: str) -> None:
+    """Delete `key` from the key-value store."""
+    _store().key_value_delete(key)

@@ -119,7 +119,7 @@ class LoopShapes:
     max_new_tokens: int = 128
 
     def capacity(self, spec: SpecConfig | None) -> int:
-        from eaglejax.generate import cache_capacity
+        from eaglejax.decoding.batch import cache_capacity
 
         return cache_capacity(self.prompt_len, self.max_new_tokens,
                               spec.num_nodes if spec else 0)

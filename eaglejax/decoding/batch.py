@@ -1,0 +1,111 @@
+"""One static batch: token-id prompts prefilled and decoded by one compiled program pair
+(what `generate()` runs; autotuning and benchmarks time it)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eaglejax import compilation_cache
+from eaglejax.decoding import plain
+from eaglejax.decoding.buckets import bucket
+from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.decoding.speculative import spec_loop, spec_prefill
+from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.sharding.mesh import mesh_context
+from eaglejax.target import Target
+
+if TYPE_CHECKING:
+    from eaglejax.draft.draft import Draft
+
+
+def cache_capacity(prompt_tokens: int, max_new_tokens: int, extra: int = 0) -> int:
+    """Static cache size for prompts up to `prompt_tokens` long: bucketed prompt and output
+    lengths plus `extra` scratch rows, rounded up to a multiple of 128."""
+    total = bucket(prompt_tokens, 16) + bucket(max_new_tokens, 16) + extra
+    return -(-total // 128) * 128
+
+
+class DecodeRun(NamedTuple):
+    """A finished decode: the loop's final state and its timings (compiling excluded from
+    prefill_s and decode_s)."""
+
+    state: object
+    compile_s: float
+    prefill_s: float
+    decode_s: float
+
+
+class Timed(NamedTuple):
+    """A jitted call's result, the seconds spent compiling it and running it."""
+
+    result: object
+    compile_s: float
+    run_s: float
+
+
+def compile_then_run(fn, *args, **kwargs) -> Timed:
+    """Compile jitted `fn` for these arguments ahead of time (a lookup when this process
+    already did; maybe a persistent cache load), then run it: compiling and running are
+    timed apart. The call reuses the program `lower().compile()` built."""
+    start = time.perf_counter()
+    with compilation_cache.caching_every_program():
+        fn.lower(*args, **kwargs).compile()
+    compiled = time.perf_counter()
+    result = jax.block_until_ready(fn(*args, **kwargs))
+    return Timed(result, compiled - start, time.perf_counter() - compiled)
+
+
+def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seeds: list[int],
+           sampling: SamplingParams, max_new_tokens: int, criteria: StopCriteria,
+           spec: SpecConfig | None, calibration_sizes: tuple[int, ...] = ()) -> DecodeRun:
+    """Prefill and decode validated token-id prompts in one compiled batch."""
+    batch = len(encoded)
+    lengths = [len(ids) for ids in encoded]
+    prompt_len = bucket(max(lengths), 16)
+    max_tokens = bucket(max_new_tokens, 16)
+    capacity = cache_capacity(max(lengths), max_new_tokens, spec.num_nodes if spec else 0)
+    prompt = np.zeros((batch, prompt_len), np.int32)
+    for i, ids in enumerate(encoded):
+        prompt[i, :len(ids)] = ids
+    row_keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.uint32))
+    greedy = bool(sampling.temperature == 0)
+    if spec is not None:
+        spec.check_sampling(greedy)
+    max_new = jnp.int32(max_new_tokens)
+    common = dict(stop=criteria, attn_impl=target.attn_impl)
+    args = (target.params, target.config)
+    prompt, prompt_lengths = jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32)
+    if target.mesh is not None:  # every process passes the same inputs, replicated
+        from eaglejax.sharding.placement import replicate
+
+        prompt, prompt_lengths, row_keys, sampling, max_new = replicate(
+            (prompt, prompt_lengths, row_keys, sampling, max_new), target.mesh)
+    with mesh_context(target.mesh):
+        return _decode_compiled(target, draft, args, prompt, prompt_lengths, row_keys, sampling,
+                                max_new, capacity, max_tokens, greedy, spec, calibration_sizes,
+                                common)
+
+
+def _decode_compiled(target, draft, args, prompt, prompt_lengths, row_keys, sampling, max_new,
+                     capacity, max_tokens, greedy, spec, calibration_sizes, common) -> DecodeRun:
+    if draft is None:
+        prefilled = compile_then_run(
+            plain.prefill, *args, prompt, prompt_lengths, row_keys, sampling, max_new,
+            capacity=capacity, max_tokens=max_tokens, greedy=greedy, **common)
+        decoded = compile_then_run(plain.decode_loop, *args, prefilled.result, sampling,
+                                    max_new, greedy=greedy, **common)
+    else:
+        spec_args = dict(spec=spec, greedy=greedy, calibration_sizes=calibration_sizes, **common)
+        prefilled = compile_then_run(
+            spec_prefill, *args, draft.params, draft.config, prompt, prompt_lengths, row_keys,
+            sampling, max_new, capacity=capacity, max_tokens=max_tokens, **spec_args)
+        decoded = compile_then_run(spec_loop, *args, draft.params, draft.config, draft.d2t,
+                                    prefilled.result, sampling, max_new, **spec_args)
+    return DecodeRun(decoded.result, prefilled.compile_s + decoded.compile_s,
+                     prefilled.run_s, decoded.run_s)
