@@ -1,4 +1,4 @@
-"""The `eaglejax` command line: generate, bench, convert, train-draft."""
+"""The `eaglejax` command line: generate, bench, convert, train-draft, serve."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -223,7 +224,30 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                          help="parameter dtype (default: the target's)")
     _add_train_args(commands)
+    _add_serve_args(commands)
     return parser
+
+
+def _add_serve_args(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (continuous batching)",
+        description="Serve --model over an OpenAI-compatible HTTP API: /v1/models, "
+                    "/v1/completions, /v1/chat/completions (streaming too), /health and "
+                    "/metrics. Every prompt bucket is compiled at start-up.")
+    _add_model_args(serve)  # --max-new-tokens: max_tokens for requests that give none
+    serve.add_argument("--no-draft", action="store_true",
+                       help="decode plainly even where eaglejax ships a head for --model")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1; 0.0.0.0: every "
+                            "interface)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--num-slots", type=int, default=8,
+                       help="requests decoded at once (default 8); more wait in a queue")
+    serve.add_argument("--capacity", type=int, default=1024,
+                       help="tokens a slot holds: prompt plus reply (default 1024)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model's name in the API (default: --model's file or "
+                            "folder name)")
 
 
 def _add_train_args(commands) -> None:
@@ -479,11 +503,49 @@ def _check_train_args(args: argparse.Namespace) -> None:
         raise InputError(f"--out: {out} exists and is not a directory")
 
 
+def _serve(args: argparse.Namespace) -> None:
+    for used, flag in ((args.json, "--json"), (not args.chat, "--no-chat")):
+        if used:
+            raise InputError(f"{flag} does not apply to serve (the chat endpoint renders the "
+                             f"chat template; /v1/completions encodes prompts as they are)")
+    if args.no_draft and args.draft is not None:
+        raise InputError("--no-draft and --draft exclude each other")
+    validation.integer("--max-new-tokens", args.max_new_tokens, 1)
+    validation.integer("--port", args.port, 0, 65535)
+    validation.integer("--num-slots", args.num_slots, 1)
+    validation.integer("--capacity", args.capacity, 2)
+    if args.draft not in (None, "random"):
+        validation.existing_path("--draft", args.draft, directory=True)
+    speculative = _speculation(args)
+    if speculative == "auto":
+        raise InputError("--auto-tree does not apply to serve: name a shape (--tree, "
+                         "--num-draft-tokens, ...) or none for the device's preset")
+    _set_compilation_cache(args.no_compilation_cache)
+    from eaglejax import compilation_cache, load_target
+    from eaglejax.draft.shipped import shipped_head
+    from eaglejax.serving.engine import Engine
+    from eaglejax.serving.server import run_server
+
+    default_head = None if args.draft or args.no_draft else shipped_head(args.model)
+    if default_head is not None:
+        args.draft = str(default_head)
+    target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype)
+    engine = Engine(target, _load_draft(args, target), speculative=speculative,
+                    num_slots=args.num_slots, capacity=args.capacity)
+    start = time.perf_counter()
+    with compilation_cache.caching_every_program():  # a restart loads them from disk
+        engine.warmup(progress=True)
+    print(f"eaglejax: warmed up in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    run_server(engine, host=args.host, port=args.port,
+               model_name=args.served_model_name or Path(args.model).name,
+               default_max_tokens=args.max_new_tokens)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         {"generate": _generate, "bench": _bench, "convert": _convert,
-         "train-draft": _train_draft}[args.command](args)
+         "train-draft": _train_draft, "serve": _serve}[args.command](args)
     except EaglejaxError as err:
         print(f"eaglejax: error: {err}", file=sys.stderr)
         return 2

@@ -31,8 +31,8 @@ class ServingMetrics:
               f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
               registry=r).set_function(self._rate)
         self._acceptance = Histogram(
-            "eaglejax_acceptance_length", "a request's tokens per target forward "
-            "(verification round; 1 without speculation)",
+            "eaglejax_acceptance_length", "a request's tokens per target forward (verification "
+            "round) after its first token; 1 without speculation",
             buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0), registry=r)
         self._ttft = Histogram(
             "eaglejax_time_to_first_token_seconds", "from a request's arrival to its first "
@@ -65,7 +65,7 @@ class ServingMetrics:
 
     def observe_finished(self, outcome: str, acceptance_length: float | None) -> None:
         """A request that ran: its outcome ("stop", "length", "cancelled", "error") and,
-        when it took a verification round, its acceptance length."""
+        when it had a verification round, its acceptance length."""
         self._requests.labels(outcome).inc()
         if acceptance_length is not None:
             self._acceptance.observe(acceptance_length)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from eaglejax import validation
 from eaglejax.errors import InputError
-from eaglejax.generate import _encode_prompts, _stop_criteria
+from eaglejax.prompting import encode_prompts, stop_criteria
 from eaglejax.serving.engine import SamplingOptions
 from eaglejax.target import Target
 
@@ -138,15 +138,15 @@ def prepare(body: _Generation, target: Target, *, capacity: int,
                        code="invalid_value")
     stop = _stop_strings(body.stop)
     try:
-        sequences = _stop_criteria(target, stop, ignore_eos=True).stop_sequences
+        sequences = stop_criteria(target, stop, ignore_eos=True).stop_sequences
     except InputError as err:
         raise APIError(400, f"stop: {err}", param="stop", code="invalid_value") from None
     if isinstance(body, ChatRequest):
         prompt, where = _chat_prompt(body.messages, target), "messages"
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        limit = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     else:
-        prompt, where = _completion_prompt(body.prompt, target), "prompt"
-        max_tokens = body.max_tokens
+        prompt, where, limit = _completion_prompt(body.prompt, target), "prompt", "max_tokens"
+    max_tokens = getattr(body, limit)
     room = capacity - len(prompt)
     if max_tokens is None and room >= 1:
         max_tokens = min(default_max_tokens, room)
@@ -156,7 +156,7 @@ def prepare(body: _Generation, target: Target, *, capacity: int,
                             f"However, you requested {asked} tokens ({len(prompt)} in the "
                             f"{where}, {asked - len(prompt)} in the completion). Please reduce "
                             f"the length of the {where} or completion.",
-                       param=where if max_tokens is None else "max_tokens",
+                       param=where if max_tokens is None else limit,
                        code="context_length_exceeded")
     seed = secrets.randbelow(validation.SEED_LIMIT) if body.seed is None else body.seed
     options = body.stream_options
@@ -179,13 +179,13 @@ def _stop_strings(value: Any) -> list[str]:
 def _completion_prompt(value: Any, target: Target) -> list[int]:
     """Token ids of one prompt: text (encoded as it is, BOS added as the model does) or
     token ids; a list of several prompts is refused (one reply per request)."""
-    one_token_list = isinstance(value, list) and value and all(
+    one_token_list = isinstance(value, list) and bool(value) and all(
         validation.is_int(t) for t in value)
     try:
         prompts = validation.prompt_list([value] if one_token_list else value)
         if len(prompts) != 1:
             raise InputError(f"prompt: send one prompt per request, got {len(prompts)}")
-        return _encode_prompts(prompts, target, chat=False)[0]
+        return encode_prompts(prompts, target, chat=False)[0]
     except InputError as err:
         raise APIError(400, str(err), param="prompt", code="invalid_value") from None
 
@@ -240,11 +240,11 @@ class Reply:
 
     chat: bool
     model: str
-    id: str = ""
-    created: int = 0
+    id: str
+    created: int
 
     @staticmethod
-    def new(chat: bool, model: str) -> "Reply":
+    def new(chat: bool, model: str) -> Reply:
         prefix = "chatcmpl" if chat else "cmpl"
         return Reply(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
 

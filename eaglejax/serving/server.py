@@ -48,20 +48,15 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class _Outcome:
-    """A finished reply: its final text and the engine's counts (last update)."""
+    """A finished reply: its final text, OpenAI's finish reason and the engine's last
+    update (its counts)."""
 
     final: FinalText
-    finish: str  # OpenAI's finish reason
-    prompt_tokens: int
-    generated: int
-    rounds: int
-
-    @property
-    def acceptance_length(self) -> float | None:
-        return self.generated / self.rounds if self.rounds else None
+    finish: str
+    last: engine_api.Update
 
     def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, len(self.final.token_ids))
+        return usage(self.last.prompt_tokens, len(self.final.token_ids))
 
 
 class _Service:
@@ -159,16 +154,15 @@ class _Service:
             if tail:
                 yield tail
             result = _Outcome(final, "stop" if final.stopped else
-                              finish_reason(last.finish_reason), last.prompt_tokens,
-                              last.generated, last.rounds)
+                              finish_reason(last.finish_reason), last)
             outcome = result.finish
         except Exception:
             outcome = "error"
             raise
         finally:
             handle.cancel()
-            al = last.generated / last.rounds if last is not None and last.rounds else None
-            self.metrics.observe_finished(outcome, al)
+            self.metrics.observe_finished(
+                outcome, None if last is None else last.acceptance_length)
         yield result
 
     async def _stream(self, reply: Reply, job: Job,
@@ -191,9 +185,10 @@ class _Service:
         yield sse("[DONE]")
 
     def _extension(self, outcome: _Outcome) -> dict[str, Any]:
-        """The `eaglejax` field: speculative statistics of this reply."""
-        return {"acceptance_length": outcome.acceptance_length, "rounds": outcome.rounds,
-                "speculative": self.speculative}
+        """The `eaglejax` field: this reply's speculative statistics (acceptance length:
+        tokens per target forward after the first token; rounds: those forwards)."""
+        return {"acceptance_length": outcome.last.acceptance_length,
+                "rounds": outcome.last.rounds, "speculative": self.speculative}
 
 
 async def _last(events: AsyncIterator[str | _Outcome]) -> _Outcome:

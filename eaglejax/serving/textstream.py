@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from eaglejax.generate import _cut_at_stop
+from eaglejax.prompting import cut_at_stop
 from eaglejax.target import Target
 
 
@@ -47,7 +47,7 @@ class TextStream:
     def finish(self) -> tuple[str, FinalText]:
         """The reply is over: the text not sent yet, and the final text (cut before the
         first stop string, exactly as `generate` cuts it)."""
-        ids, cut = _cut_at_stop(self._target, self._ids, self._stop) if self._stop \
+        ids, cut = cut_at_stop(self._target, self._ids, self._stop) if self._stop \
             else (self._ids, None)
         text = self._target.tokenizer.decode(ids) if cut is None else cut
         return self._advance(text), FinalText(text, list(ids), cut is not None)

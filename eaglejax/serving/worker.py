@@ -57,7 +57,7 @@ class EngineWorker:
         self._inbox.put((_STOP,))
         self._thread.join(timeout)
 
-    def open(self, request: Request) -> "RequestHandle":
+    def open(self, request: Request) -> RequestHandle:
         """Submit `request` (call on the event loop); its updates come to the handle."""
         handle = RequestHandle(self, request.key)
         with self._lock:

@@ -1,0 +1,429 @@
+"""`eaglejax serve`: a live server on 127.0.0.1 driven by the official `openai` client.
+Replies equal offline `generate` (greedy, or the same seed), bad requests get OpenAI error
+objects with a 4xx status, and a client that leaves frees its slot."""
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import httpx
+import openai
+import pytest
+import tokenizers
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+import eaglejax
+from eaglejax.cli import main
+from eaglejax.serving.engine import Engine
+from eaglejax.serving.server import create_app
+from eaglejax.serving.textstream import TextStream
+from eaglejax.tokenizer import Tokenizer
+
+MODEL = "tiny-llama"
+CAPACITY = 128
+TEMPLATE = ("{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}"
+            "{% if add_generation_prompt %}assistant{% endif %}")
+STOP = ["w80", "w47 w47", "w29 w29", "2 w7"]  # "2 w7" is not on token boundaries
+TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def target(target_of):
+    """The tiny random Llama with a word-level tokenizer (user, assistant, system and
+    w2 .. w96; w2 is the model's EOS) and a chat template."""
+    vocab = {"<unk>": 0, "user": 1, "w2": 2, "assistant": 3, "system": 4,
+             **{f"w{i}": i for i in range(5, 97)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = Tokenizer(backend, chat_template=TEMPLATE, unk_token="<unk>")
+    return dataclasses.replace(target_of("llama"), tokenizer=tokenizer)
+
+
+class _HeldEngine:
+    """The engine, whose steps the test can hold: while held, each step waits for a
+    permit (`allow`)."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self._permits = threading.Semaphore(0)
+        self._held = False
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def hold(self) -> None:
+        self._held = True
+
+    def allow(self, steps: int = 1) -> None:
+        self._permits.release(steps)
+
+    def release(self) -> None:
+        self._held = False
+        self._permits.release()  # wakes a step waiting for a permit
+
+    def step(self):
+        if self._held and not self._permits.acquire(timeout=TIMEOUT_S):
+            raise TimeoutError("the test held the engine too long")
+        return self._engine.step()
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    """A live server (4 slots of 128 tokens) on a free port; stopped at the end."""
+    engine = _HeldEngine(Engine(target, num_slots=4, capacity=CAPACITY))
+    app = create_app(engine, model_name=MODEL, default_max_tokens=16)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        _poll(lambda: _health(url) == 200, "the server to start")
+        yield types.SimpleNamespace(url=url, engine=engine)
+    finally:
+        uv.should_exit = True
+        thread.join(TIMEOUT_S)
+        sock.close()
+    assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                         timeout=TIMEOUT_S)
+
+
+def _health(url: str) -> int | None:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
+def _poll(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _metric(server, name: str, **labels) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v
+                                           for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    prompt: str
+    chat: bool
+    stream: bool
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+
+def _ask(client: openai.OpenAI, case: Case) -> tuple[str, str, object, dict]:
+    """The server's reply to `case`: text, finish reason, usage, eaglejax extension."""
+    common = dict(model=MODEL, max_tokens=case.max_tokens, temperature=case.temperature,
+                  top_p=case.top_p, seed=case.seed, stop=list(case.stop) or None,
+                  extra_body={"top_k": case.top_k}, stream=case.stream)
+    if case.stream:
+        common["stream_options"] = {"include_usage": True}
+    if case.chat:
+        reply = client.chat.completions.create(
+            messages=[{"role": "user", "content": case.prompt}], **common)
+    else:
+        reply = client.completions.create(prompt=case.prompt, **common)
+    if not case.stream:
+        choice = reply.choices[0]
+        text = choice.message.content if case.chat else choice.text
+        return text, choice.finish_reason, reply.usage, reply.model_extra["eaglejax"]
+    chunks = list(reply)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    choices = [c.choices[0] for c in chunks[:-1]]
+    assert all(c.finish_reason is None for c in choices[:-1])
+    if case.chat:
+        assert choices[0].delta.role == "assistant"
+        text = "".join(c.delta.content or "" for c in choices)
+    else:
+        text = "".join(c.text for c in choices)
+    return text, choices[-1].finish_reason, chunks[-1].usage, \
+        chunks[-2].model_extra["eaglejax"]
+
+
+def _check_equals_offline(target, case: Case, reply) -> None:
+    text, finish, usage, extension = reply
+    expected = eaglejax.generate(
+        [case.prompt], target=target, chat=case.chat, max_new_tokens=case.max_tokens,
+        temperature=case.temperature, top_p=case.top_p, top_k=case.top_k, seed=case.seed,
+        stop=list(case.stop) or None)[0]
+    assert (text, finish) == (expected.text,
+                              "length" if expected.finish_reason == "length" else "stop"), case
+    assert usage.completion_tokens == len(expected.token_ids), case
+    assert usage.prompt_tokens == expected.metrics.prompt_tokens, case
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    # plain decoding: one target forward per token after the first
+    assert extension == {"acceptance_length": 1.0 if extension["rounds"] else None,
+                         "rounds": extension["rounds"], "speculative": None}
+    assert extension["rounds"] >= usage.completion_tokens - 1
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_reply_equals_offline_generate(target, client, chat, stream):
+    case = Case("w5 w9 w31 w60 w7", chat, stream, max_tokens=30, stop=tuple(STOP))
+    _check_equals_offline(target, case, _ask(client, case))
+
+
+def test_concurrent_requests_equal_offline_generate(target, client):
+    """32 requests at once over 4 slots: prompts and lengths differ, half greedy, half
+    sampled with their own settings and seeds; a third have stop strings."""
+    cases = []
+    for i in range(32):
+        sampled = i % 2 == 1
+        cases.append(Case(
+            " ".join(f"w{5 + (7 * i + 11 * j) % 90}" for j in range(1 + (5 * i) % 11)),
+            chat=i % 4 in (1, 2), stream=i % 8 >= 4, max_tokens=1 + (3 * i) % 16,
+            temperature=0.6 + (i % 5) / 5 if sampled else 0.0,
+            top_p=0.9 if i % 6 == 1 else 1.0, top_k=20 if i % 10 == 3 else 0,
+            seed=1000 + i, stop=tuple(STOP) if i % 3 == 0 else ()))
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        replies = list(pool.map(lambda c: _ask(client, c), cases))
+    for case, reply in zip(cases, replies, strict=True):
+        _check_equals_offline(target, case, reply)
+
+
+def test_chat_takes_text_parts_and_several_turns(target, client):
+    def ask(messages):
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                               temperature=0)
+        return reply.choices[0].message.content, reply.usage.prompt_tokens
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "w5 w9"},
+                                          {"type": "text", "text": " w31"}]}]
+    assert ask(parts) == ask([{"role": "user", "content": "w5 w9 w31"}])
+    turns = [{"role": "system", "content": "w40"}, {"role": "user", "content": "w5"},
+             {"role": "assistant", "content": "w6"}, {"role": "user", "content": "w7"}]
+    rendered = "system w40 user w5 assistant w6 user w7 assistant"
+    expected = eaglejax.generate([target.tokenizer.encode(rendered)], target=target,
+                                 max_new_tokens=6)[0]
+    assert ask(turns) == (expected.text, len(target.tokenizer.encode(rendered)))
+
+
+def test_token_id_prompts_and_default_max_tokens(target, client):
+    reply = client.completions.create(model=MODEL, prompt=[5, 9, 31], temperature=0)
+    expected = eaglejax.generate([[5, 9, 31]], target=target, max_new_tokens=16)[0]
+    assert reply.choices[0].text == expected.text
+    assert reply.usage.completion_tokens == len(expected.token_ids)  # 16: the default
+
+
+def _post(server, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.url}{path}", content=content, timeout=30,
+                      headers={"Content-Type": "application/json"})
+
+
+COMPLETION = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 4}
+LONG = " ".join(["w7"] * 130)
+
+
+@pytest.mark.parametrize("path,body,status,param,code", [
+    ("/v1/completions", b'{"model": "tiny-llama", "prompt": ', 400, None, "invalid_json"),
+    ("/v1/completions", b"[1, 2]", 400, None, "invalid_type"),
+    ("/v1/completions", {**COMPLETION, "model": "gpt-9"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {"prompt": "w5"}, 400, "model", "missing_required_parameter"),
+    ("/v1/completions", {**COMPLETION, "temperature": -0.5}, 400, "temperature",
+     "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "temperature": "hot"}, 400, "temperature",
+     "invalid_type"),
+    ("/v1/completions", {**COMPLETION, "top_p": 0}, 400, "top_p", "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "top_k": -1}, 400, "top_k", "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "seed": 2**32}, 400, "seed", "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "n": 2}, 400, "n", "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "stop": [""]}, 400, "stop", "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
+     "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {}}, 400, "logit_bias",
+     "unknown_parameter"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["w5", "w6"]}, 400, "prompt",
+     "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "prompt": [5, 97]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "prompt": "  "}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": 127}, 400, "max_tokens",
+     "context_length_exceeded"),
+    ("/v1/completions", {**COMPLETION, "prompt": LONG, "max_tokens": None}, 400, "prompt",
+     "context_length_exceeded"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "w5"}]}, 400,
+     "messages[0].role", "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, 400,
+     "messages[0].content", "invalid_type"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONG}]}, 400,
+     "max_tokens", "context_length_exceeded"),
+    ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": 1}}, 400,
+     "stream_options.include_usage", "invalid_type"),
+    ("/v1/embeddings", COMPLETION, 404, None, None),
+])
+def test_bad_request_gets_an_error_object(server, path, body, status, param, code):
+    response = _post(server, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == \
+        ("invalid_request_error", param, code), error
+    assert error["message"]
+    assert _health(server.url) == 200  # and the server keeps serving
+
+
+def test_the_openai_client_raises_on_error_objects(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-9", prompt="w5")
+    assert err.value.code == "model_not_found" and err.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}],
+                                       temperature=2.5, stream=True)
+    assert err.value.param == "temperature"
+    reply = client.completions.create(model=MODEL, prompt="w5", max_tokens=2)
+    assert reply.usage.completion_tokens >= 1
+
+
+def _check_dropped_request_frees_its_slot(server, send, drop) -> None:
+    """Hold the engine to one step, `send` a 100-token request, wait for its slot, `drop`
+    the connection: the server must cancel it, and the engine free its slot long before
+    the request's 100 tokens."""
+    tokens_before = _metric(server, "eaglejax_generated_tokens_total")
+    cancelled_before = _metric(server, "eaglejax_requests_total", outcome="cancelled")
+    server.engine.hold()
+    try:
+        server.engine.allow(1)
+        sent = send({"model": MODEL, "prompt": "w5 w6 w7", "max_tokens": 100,
+                     "temperature": 0, "ignore_eos": True})
+        _poll(lambda: _metric(server, "eaglejax_running_rows") == 1, "the request's slot")
+        drop(sent)
+        _poll(lambda: _metric(server, "eaglejax_requests_total", outcome="cancelled")
+              == cancelled_before + 1, "the server to cancel the request")
+    finally:
+        server.engine.release()
+    _poll(lambda: _metric(server, "eaglejax_running_rows") == 0, "the slot to be freed")
+    assert _metric(server, "eaglejax_generated_tokens_total") - tokens_before < 100
+    assert _metric(server, "eaglejax_queue_depth") == 0
+
+
+def test_dropped_stream_frees_its_slot(server, client):
+    def send(body):
+        stream = client.completions.create(stream=True, extra_body={"ignore_eos": True},
+                                           **{k: v for k, v in body.items()
+                                              if k != "ignore_eos"})
+        assert next(iter(stream)).choices[0].finish_reason is None
+        return stream
+
+    _check_dropped_request_frees_its_slot(server, send, lambda stream: stream.close())
+
+
+def test_client_leaving_a_whole_reply_frees_its_slot(server):
+    host, port = server.url.removeprefix("http://").split(":")
+
+    def send(body):
+        data = json.dumps(body).encode()
+        conn = socket.create_connection((host, int(port)))
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+        return conn
+
+    _check_dropped_request_frees_its_slot(server, send, lambda conn: conn.close())
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert _health(server.url) == 200
+    assert _metric(server, "eaglejax_generated_tokens_total") > 0
+    assert _metric(server, "eaglejax_requests_total", outcome="rejected") > 0
+    assert _metric(server, "eaglejax_time_to_first_token_seconds_count") > 0
+    assert _metric(server, "eaglejax_acceptance_length_count") > 0
+    assert _metric(server, "eaglejax_tokens_per_second") >= 0
+
+
+class _ByteTokenizer:
+    """Token i decodes to PIECES[i] (bytes; a split UTF-8 character decodes to U+FFFD)."""
+
+    PIECES = [b"a", b"\xc3", b"\xa9", b"S", b"T", b"O", b"P", b" "]
+
+    def decode(self, ids):
+        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def _stream_text(stop, ids):
+    stream = TextStream(types.SimpleNamespace(tokenizer=_ByteTokenizer()), stop)
+    sent = [stream.push([i]) for i in ids]
+    tail, final = stream.finish()
+    return sent, tail, final
+
+
+def test_text_stream_holds_back_split_characters_and_stop_prefixes():
+    sent, tail, final = _stream_text(["STOP"], [0, 1, 2, 3, 4, 7, 3, 4, 5, 6, 0])
+    assert sent == ["a", "", "é", "", "", "ST ", "", "", "", "", ""]
+    assert (tail, final.text, final.token_ids, final.stopped) == \
+        ("", "aéST ", [0, 1, 2, 3, 4, 7, 3, 4, 5, 6], True)
+    sent, tail, final = _stream_text(["STOP"], [0, 3, 4, 1])
+    assert "".join(sent) + tail == final.text == "aST\ufffd" and not final.stopped
+
+
+def test_serve_command_warms_up_serves_and_stops(hf_family, target, tmp_path):
+    """`eaglejax serve` in its own process: warm-up, a chat reply equal to `generate`,
+    exit status 0 on Ctrl-C."""
+    model = tmp_path / "tiny"
+    shutil.copytree(hf_family("llama")[0], model)
+    target.tokenizer.save(model)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eaglejax.cli", "serve", "--model", str(model), "--capacity",
+         "32", "--num-slots", "2", "--port", str(port)], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _poll(lambda: proc.poll() is not None or _health(url) == 200, "eaglejax serve",
+              timeout_s=TIMEOUT_S)
+        assert proc.poll() is None, proc.stdout.read()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                               timeout=TIMEOUT_S)
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "w5 w9"}], max_tokens=6,
+            temperature=0)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=TIMEOUT_S)[0]
+    assert proc.returncode == 0, output
+    assert "compiling: 100%" in output and "warmed up in" in output
+    expected = eaglejax.generate(["w5 w9"], target=target, max_new_tokens=6)[0]
+    assert reply.choices[0].message.content == expected.text
+
+
+def test_serve_flags_are_checked_before_loading(capsys):
+    for flags, message in [(["--no-chat"], "--no-chat"), (["--json"], "--json"),
+                           (["--port", "70000"], "--port"), (["--num-slots", "0"], "--num-slots"),
+                           (["--auto-tree", "--draft", "random"], "--auto-tree")]:
+        assert main(["serve", "--model", "no-such-model", *flags]) == 2
+        assert message in capsys.readouterr().err
