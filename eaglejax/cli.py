@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -248,6 +249,7 @@ def _add_serve_args(commands) -> None:
     serve.add_argument("--served-model-name", default=None,
                        help="the model's name in the API (default: --model's file or "
                             "folder name)")
+    _add_mesh_args(serve)
 
 
 def _add_train_args(commands) -> None:
@@ -529,16 +531,31 @@ def _serve(args: argparse.Namespace) -> None:
     default_head = None if args.draft or args.no_draft else shipped_head(args.model)
     if default_head is not None:
         args.draft = str(default_head)
-    target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype)
+    import jax
+
+    from eaglejax.serving.lockstep import LockstepEngine, follow
+
+    target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype,
+                         mesh=_mesh(args))
     engine = Engine(target, _load_draft(args, target), speculative=speculative,
                     num_slots=args.num_slots, capacity=args.capacity)
+    if jax.process_index() > 0:  # a multi-process run: process 0 serves, this one follows
+        with compilation_cache.caching_every_program(), contextlib.suppress(KeyboardInterrupt):
+            follow(engine)  # until process 0 closes (or Ctrl-C)
+        return
+    if jax.process_count() > 1:
+        engine = LockstepEngine(engine)
     start = time.perf_counter()
     with compilation_cache.caching_every_program():  # a restart loads them from disk
         engine.warmup(progress=True)
     print(f"eaglejax: warmed up in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    run_server(engine, host=args.host, port=args.port,
-               model_name=args.served_model_name or Path(args.model).name,
-               default_max_tokens=args.max_new_tokens)
+    try:
+        run_server(engine, host=args.host, port=args.port,
+                   model_name=args.served_model_name or Path(args.model).name,
+                   default_max_tokens=args.max_new_tokens)
+    finally:
+        if isinstance(engine, LockstepEngine):
+            engine.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,227 @@
+"""Load test: `eaglejax serve` (plain and speculative, continuous batching) against static
+batches of `eaglejax.generate()` and against `transformers serve`, side by side in one run.
+
+    python examples/load_test.py [--concurrency 1 4 16 32] [--max-tokens 64]
+        [--draft checkpoints/smollm2-135m-instruct-eagle3] [--shape tree:4,4,6]
+        [--transformers] [--json OUT]
+
+MT-bench first turns (categories interleaved), chat template, greedy, `--max-tokens` new
+tokens (EOS honoured: the same for every server, since greedy replies are identical). At
+concurrency c, `max(8, 2c)` requests are sent c at a time over the OpenAI streaming API
+(the official `openai` client). Per level: output tokens/s (all completion tokens over the
+level's wall time), time to first token and inter-token latency (per request: the time
+from its first to its last token over its tokens after the first) at p50 and p99, and the
+acceptance length the server reports. Static batches: the same requests as `generate()`
+batches of c rows (a batch returns when its longest row ends; no streaming, so no TTFT).
+`--transformers`: `transformers serve --continuous-batching` on the same weights
+(transformers' own GGUF reader, saved as a Hugging Face directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+import eaglejax
+from eaglejax.datasets import interleave_categories, mt_bench_questions
+from eaglejax.hardware import machine_report
+
+MODEL = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
+    """Poll `url`/health until it answers (the server compiles its buckets first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"{url} did not come up in {timeout_s:.0f} s")
+
+
+def start(command: list[str], port: int, log: Path) -> subprocess.Popen:
+    """Start a server, wait until it is healthy."""
+    handle = log.open("w")
+    proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+    except Exception:
+        proc.kill()
+        raise RuntimeError(f"{' '.join(command)} failed; see {log}") from None
+    return proc
+
+
+async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
+    """Stream one chat completion; its timings, token count and extension statistics."""
+    start = time.perf_counter()
+    first = last = None
+    usage, extension = None, None
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+        temperature=0.0, stream=True, stream_options={"include_usage": True})
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = now if first is None else first
+            last = now
+        if chunk.usage is not None:
+            usage = chunk.usage
+        extension = getattr(chunk, "eaglejax", None) or (chunk.model_extra or {}).get(
+            "eaglejax", extension)
+    tokens = usage.completion_tokens if usage is not None else 0
+    return {"tokens": tokens, "ttft_s": (first or time.perf_counter()) - start,
+            "itl_s": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None,
+            "extension": extension}
+
+
+async def run_level(url: str, model: str, prompts: list[str], concurrency: int,
+                    max_tokens: int) -> dict:
+    """`prompts` sent `concurrency` at a time; the level's figures."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(prompt: str) -> dict:
+        async with gate:
+            return await one_request(client, model, prompt, max_tokens)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(gated(p) for p in prompts))
+    wall = time.perf_counter() - start
+    await client.close()
+    return summarize(results, wall)
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["ttft_s"] for r in results]
+    itl = [r["itl_s"] for r in results if r["itl_s"] is not None]
+    als = [r["extension"].get("acceptance_length") for r in results
+           if isinstance(r["extension"], dict) and r["extension"].get("acceptance_length")]
+    pct = lambda xs, q: float(np.percentile(xs, q) * 1e3) if xs else None  # noqa: E731
+    return {"requests": len(results), "output_tokens": tokens, "wall_s": wall,
+            "output_tokens_per_s": tokens / wall, "ttft_ms_p50": pct(ttft, 50),
+            "ttft_ms_p99": pct(ttft, 99), "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99),
+            "acceptance_length": float(np.mean(als)) if als else None}
+
+
+def static_batches(prompts: list[str], concurrency: int, max_tokens: int, draft, spec) -> dict:
+    """The same requests as `generate()` batches of `concurrency` rows."""
+    target = eaglejax.load_target(MODEL)
+    kwargs = dict(target=target, max_new_tokens=max_tokens, draft=draft, speculative=spec)
+    eaglejax.generate(prompts[:concurrency], **kwargs)  # compile outside the clock
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(prompts), concurrency):
+        tokens += sum(len(g.token_ids) for g in eaglejax.generate(prompts[i:i + concurrency],
+                                                                   **kwargs))
+    wall = time.perf_counter() - start
+    return {"requests": len(prompts), "output_tokens": tokens, "wall_s": wall,
+            "output_tokens_per_s": tokens / wall}
+
+
+def transformers_dir(out: Path) -> Path:
+    """SmolLM2 as a Hugging Face directory read by transformers from the same GGUF."""
+    from transformers import AutoTokenizer
+
+    from eaglejax.loading.builtin import resolve_builtin
+    from eaglejax.oracles import transformers_model_from_gguf
+
+    gguf = Path(resolve_builtin(MODEL))
+    transformers_model_from_gguf(gguf).save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--draft", default="checkpoints/smollm2-135m-instruct-eagle3")
+    parser.add_argument("--shape", default="tree:4,4,6",
+                        help="the speculative server's shape: tree:K,D,N or chain:K")
+    parser.add_argument("--capacity", type=int, default=1024)
+    parser.add_argument("--transformers", action="store_true")
+    parser.add_argument("--skip-static", action="store_true")
+    parser.add_argument("--json", default=None)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    most = max(args.concurrency)
+    questions = interleave_categories(mt_bench_questions())
+    count = max(8, 2 * most)
+    prompts = [questions[i % len(questions)].prompt for i in range(count)]
+    kind, _, numbers = args.shape.partition(":")
+    shape_flag = {"tree": ["--tree", numbers], "chain": ["--num-draft-tokens", numbers]}[kind]
+    serve = [sys.executable, "-m", "eaglejax.cli", "serve", "--model", MODEL,
+             "--num-slots", str(most), "--capacity", str(args.capacity)]
+    servers = {"eaglejax plain": serve + ["--no-draft"],
+               f"eaglejax {args.shape}": serve + ["--draft", args.draft, *shape_flag]}
+    logs = Path(tempfile.mkdtemp(prefix="load-test-"))
+    if args.transformers:
+        hf = transformers_dir(logs / "smollm2-hf")
+        servers["transformers serve (continuous batching)"] = [
+            "transformers", "serve", str(hf), "--continuous-batching"]
+    report = {"machine": machine_report(), "max_tokens": args.max_tokens,
+              "prompts": "MT-bench first turns, categories interleaved", "results": {}}
+    for name, command in servers.items():
+        port = free_port()
+        command = command + ["--port", str(port)]
+        print(f"starting {name}: {' '.join(command)}", flush=True)
+        proc = start(command, port, logs / f"{name.replace(' ', '_')}.log")
+        model = str(hf) if name.startswith("transformers") else MODEL
+        try:
+            for c in args.concurrency:
+                level = asyncio.run(run_level(f"http://127.0.0.1:{port}", model,
+                                              prompts[:max(8, 2 * c)], c, args.max_tokens))
+                report["results"].setdefault(name, {})[c] = level
+                print(f"{name} c={c}: {json.dumps(level)}", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    if not args.skip_static:
+        draft = eaglejax.load_draft(args.draft, target=eaglejax.load_target(MODEL))
+        k, d, n = (int(x) for x in numbers.split(",")) if kind == "tree" else (0, 0, 0)
+        spec = eaglejax.SpecConfig.tree(k, d, n) if kind == "tree" else \
+            eaglejax.SpecConfig.chain(int(numbers))
+        for name, (head, shape) in {"static plain": (None, None),
+                                    f"static {args.shape}": (draft, spec)}.items():
+            for c in args.concurrency:
+                level = static_batches(prompts[:max(8, 2 * c)], c, args.max_tokens, head, shape)
+                report["results"].setdefault(name, {})[c] = level
+                print(f"{name} c={c}: {json.dumps(level)}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report["results"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
