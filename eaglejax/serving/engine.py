@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 MIN_PROMPT_BUCKET = 16
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit on stop strings
 MAX_STOP_TOKENS = 16  # longer stop sequences end replies on the host side only
-MAX_EOS_IDS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +122,7 @@ class Engine:
         self.mesh = target.mesh  # a target on a mesh: the batch follows its sharding rules
         self.num_slots, self.capacity = num_slots, capacity
         self.rounds_per_call = np.int32(rounds_per_call)
-        self.eos_ids = tuple(sorted(set(target.eos_token_ids)))[:MAX_EOS_IDS]
+        self.eos_ids = tuple(sorted(set(target.eos_token_ids)))
         self.state = self._empty_state()
         self.queue: collections.deque[Request] = collections.deque()
         self.slots: list[_Live | None] = [None] * num_slots
@@ -279,7 +278,8 @@ class Engine:
         return None if live is None else live.request.key
 
     def _table(self, rules: list[StopCriteria]) -> StopTable:
-        return StopTable.rows(rules, MAX_EOS_IDS, MAX_STOP_SEQUENCES, MAX_STOP_TOKENS)
+        return StopTable.rows(rules, max(1, len(self.eos_ids)), MAX_STOP_SEQUENCES,
+                              MAX_STOP_TOKENS)
 
     def _fill(self, slot: int, request: Request) -> None:
         """Prefill `request` into `slot` and record its settings there."""
