@@ -52,12 +52,9 @@ def test_every_request_gets_the_tokens_it_gets_alone(target, draft, spec):
                     capacity=CAPACITY)
     order = []
     streamed: dict[int, list[int]] = {}
-    while True:
-        if len(order) == 0:
-            for r in requests:
-                engine.submit(r)
-        if engine.idle:
-            break
+    for r in requests:
+        engine.submit(r)
+    while not engine.idle:
         for update in engine.step():
             streamed.setdefault(update.key, []).extend(update.token_ids)
             if update.finish_reason is not None:
@@ -112,8 +109,10 @@ def test_cancel_frees_the_slot(target):
     engine.submit(Request("queued", [4, 5], 3, ignore_eos=True))
     engine.submit(Request("dropped", [4, 5], 3))
     engine.cancel("dropped")  # while queued
-    first = engine.step()
-    assert [u.key for u in first] == ["long"] and len(first[0].token_ids) == 3
+    first = engine.step()  # the prefill's token at once
+    assert [(u.key, len(u.token_ids)) for u in first] == [("long", 1)]
+    second = engine.step()
+    assert [(u.key, len(u.token_ids)) for u in second] == [("long", 2)]
     engine.cancel("long")  # while running: its slot goes to the queued request
     got = engine.run()
     assert list(got) == ["queued"] and len(got["queued"].token_ids) == 3

@@ -4,9 +4,11 @@ A static batch runs until its longest row ends, so rows that stop early idle. He
 loop returns to the host when a row that was running finishes, or after a bounded number
 of rounds (so the host can stream tokens); the host prefills a queued request into a free
 slot (`fill_plain` / `fill_spec`, one program per prompt-length bucket) and goes on, without
-recompiling. Plain and speculative batches alike; each row's sampling settings, seed,
-token limit and stop rules are data (`SamplingParams` of [S] arrays, `StopTable`), so a
-row's tokens depend only on its own request, never on its slot or its neighbours.
+recompiling. The loop runs only the first `rows` slots (a power of two covering the live
+ones, which the host keeps low), so a lightly loaded batch costs what a small one does.
+Plain and speculative batches alike; each row's sampling settings, seed, token limit and
+stop rules are data (`SamplingParams` of [S] arrays, `StopTable`), so a row's tokens
+depend only on its own request, never on its slot or its neighbours.
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ from eaglejax.models.llama import Params
 State = TypeVar("State", plain.DecodeState, speculative.SpecState)
 
 
-def _put_row(state: State, row: State, slot: jax.Array) -> State:
-    """`state` with batch row `slot` replaced by the one-row state `row` (every leaf but the
-    forward counter has the batch axis first)."""
-    def put(slots: jax.Array, one: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice_in_dim(slots, one.astype(slots.dtype), slot, axis=0)
+def _put_rows(state: State, rows: State, start: jax.Array | int) -> State:
+    """`state` with the batch rows from `start` replaced by those of `rows` (every leaf but
+    the forward counter has the batch axis first; the counter comes from `rows`)."""
+    def put(slots: jax.Array, part: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(slots, part.astype(slots.dtype), start, axis=0)
 
-    filled = jax.tree.map(put, state._replace(forwards=None), row._replace(forwards=None))
-    return filled._replace(forwards=state.forwards)
+    filled = jax.tree.map(put, state._replace(forwards=None), rows._replace(forwards=None))
+    return filled._replace(forwards=rows.forwards)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "greedy", "attn_impl"),
@@ -51,7 +53,7 @@ def fill_plain(params: Params, config: ModelConfig, state: plain.DecodeState, sl
                               max_new_tokens, capacity=state.cache.capacity,
                               max_tokens=state.out.tokens.shape[1], greedy=greedy, stop=stop,
                               attn_impl=attn_impl)
-    return _put_row(state, row, slot)
+    return _put_rows(state, row._replace(forwards=state.forwards), slot)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "greedy",
@@ -69,51 +71,61 @@ def fill_spec(params: Params, config: ModelConfig, draft_params: Params,
         max_new_tokens, capacity=state.target_cache.capacity,
         max_tokens=state.out.tokens.shape[1], spec=spec, greedy=greedy, stop=stop,
         attn_impl=attn_impl)
-    return _put_row(state, row, slot)
+    return _put_rows(state, row._replace(forwards=state.forwards), slot)
 
 
-def _until_a_row_ends(step: Callable[[State], State], state: State,
-                      max_rounds: jax.Array) -> State:
-    """Run `step` until a row that was running finishes, none runs, or `max_rounds` ran."""
-    started = state.out.running
+def _until_a_row_ends(step: Callable[[State], State], state: State, max_rounds: jax.Array,
+                      rows: int) -> State:
+    """Run `step` on the first `rows` slots (the rest hold no request) until a row that was
+    running finishes, none runs, or `max_rounds` ran."""
+    def first_rows(x: jax.Array) -> jax.Array:
+        return x[:rows]
+
+    part = jax.tree.map(first_rows, state._replace(forwards=None))._replace(
+        forwards=state.forwards)
+    started = part.out.running
 
     def keep_going(carry: tuple[State, jax.Array]) -> jax.Array:
         s, n = carry
         running = s.out.running
         return (n < max_rounds) & jnp.any(running) & ~jnp.any(started & ~running)
 
-    state, _ = jax.lax.while_loop(keep_going, lambda c: (step(c[0]), c[1] + 1),
-                                  (state, jnp.int32(0)))
-    return state
+    part, _ = jax.lax.while_loop(keep_going, lambda c: (step(c[0]), c[1] + 1),
+                                 (part, jnp.int32(0)))
+    return _put_rows(state, part, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "greedy", "attn_impl"),
+@functools.partial(jax.jit, static_argnames=("config", "greedy", "attn_impl", "rows"),
                    donate_argnames=("state",))
 def advance_plain(params: Params, config: ModelConfig, state: plain.DecodeState,
                   sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable,
-                  max_rounds: jax.Array, *, greedy: bool,
+                  max_rounds: jax.Array, *, greedy: bool, rows: int,
                   attn_impl: AttentionImpl = "auto") -> plain.DecodeState:
-    """Decode (one token a step) until a running row finishes or `max_rounds` steps ran;
-    sampling, max_new_tokens [S] and stop are per slot."""
+    """Decode (one token a step) the first `rows` slots until a running row finishes or
+    `max_rounds` steps ran; sampling, max_new_tokens and stop are per slot."""
+    sampling, max_new_tokens, stop = jax.tree.map(lambda x: x[:rows],
+                                                  (sampling, max_new_tokens, stop))
     step = functools.partial(plain.decode_step, params, config, sampling=sampling,
                              max_new_tokens=max_new_tokens, greedy=greedy, stop=stop,
                              attn_impl=attn_impl)
-    return _until_a_row_ends(step, state, max_rounds)
+    return _until_a_row_ends(step, state, max_rounds, rows)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "greedy",
-                                             "attn_impl"),
+                                             "attn_impl", "rows"),
                    donate_argnames=("state",))
 def advance_spec(params: Params, config: ModelConfig, draft_params: Params,
                  draft_config: DraftConfig, d2t: jax.Array, state: speculative.SpecState,
                  sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable,
-                 max_rounds: jax.Array, *, spec: SpecConfig, greedy: bool,
+                 max_rounds: jax.Array, *, spec: SpecConfig, greedy: bool, rows: int,
                  attn_impl: AttentionImpl = "auto") -> speculative.SpecState:
     """`advance_plain` for a speculative batch: rounds of draft, verify and accept."""
+    sampling, max_new_tokens, stop = jax.tree.map(lambda x: x[:rows],
+                                                  (sampling, max_new_tokens, stop))
     step = speculative.round_step(params, config, draft_params, draft_config, d2t, sampling,
                                   max_new_tokens, spec=spec, greedy=greedy, stop=stop,
                                   attn_impl=attn_impl)
-    return _until_a_row_ends(step, state, max_rounds)
+    return _until_a_row_ends(step, state, max_rounds, rows)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -156,9 +156,15 @@ class SpecConfig:
         return dataclasses.replace(self, lookup=lookup, lookup_ngram=ngram,
                                    lookup_replaces=replaces)
 
+    @property
+    def samples_losslessly(self) -> bool:
+        """Whether sampled rows can be verified losslessly with this shape (a lookup branch
+        on a chain cannot: a sampled chain verifies only its own draft)."""
+        return not (self.lookup and self.is_chain)
+
     def check_sampling(self, greedy: bool) -> None:
         """InputError when this shape cannot be verified losslessly with sampling."""
-        if self.lookup and self.is_chain and not greedy:
+        if not greedy and not self.samples_losslessly:
             raise InputError(f"{self.describe()}: a lookup branch with sampling needs a tree "
                              f"(method 'tree' or 'static'); a sampled chain verifies only its "
                              f"own draft")

@@ -200,37 +200,42 @@ class Engine:
                 return
 
     def step(self) -> list[Update]:
-        """Fill free slots from the queue, run at most `rounds_per_call` rounds (fewer when a
-        row finishes) and report every request that gained tokens or finished."""
+        """Fill free slots from the queue (then report the new requests' first tokens), or
+        else run at most `rounds_per_call` rounds (fewer when a row finishes); report every
+        request that gained tokens or finished."""
+        filled_now = False
         for i in range(self.num_slots):
             if self.slots[i] is None and self.queue:
                 self._fill(i, self.queue.popleft())
+                filled_now = True
         if self.idle:
             return []
-        if np.any(self._filled() & (self._finish() == FINISH_NONE)):
+        if not filled_now and np.any(self._filled() & (self._finish() == FINISH_NONE)):
             self._advance(self.rounds_per_call)
-        return self._collect()
+        return self._collect()  # after a fill: the first tokens at once, before advancing
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile the prefill of every prompt bucket and the loop (greedy and sampled) now,
-        so that no request waits for a compilation."""
+        """Compile now, so that no request waits for a compilation: the prefill of every
+        prompt bucket and the loop over every count of active rows, greedy and sampled."""
         if not self.idle:
             raise InputError("warm up an idle engine (requests are queued or running)")
-        lengths, n = [], MIN_PROMPT_BUCKET
+        prompts, n = [], MIN_PROMPT_BUCKET
         while n < self.capacity:
-            lengths.append(n)
+            prompts.append(n)
             n *= 2
-        lengths.append(self.capacity - 1)
-        work = [(n, t) for n in lengths for t in (0.0, 1.0)]
-        for n, temperature in tqdm(work, desc="compiling", disable=not progress):
-            if temperature > 0 and self.spec is not None:
-                try:
-                    self.spec.check_sampling(greedy=False)
-                except InputError:
-                    continue
-            key = ("warm-up", n, temperature)
-            self.submit(Request(key, [0] * n, 1, SamplingOptions(temperature), ignore_eos=True))
-            self._fill(0, self.queue.popleft())
+        prompts.append(self.capacity - 1)
+        row_counts = sorted({self._active_rows(np.arange(self.num_slots) == i)
+                             for i in range(self.num_slots)})
+        temperatures = [0.0]
+        if self.spec is None or self.spec.samples_losslessly:
+            temperatures.append(1.0)
+        work = [(n, r, t) for t in temperatures for n in prompts for r in row_counts
+                if n == prompts[0] or r == row_counts[0]]
+        for n, rows, temperature in tqdm(work, desc="compiling", disable=not progress):
+            key = ("warm-up", n, rows, temperature)
+            self.check(Request(key, [0] * n, 1, SamplingOptions(temperature), ignore_eos=True))
+            self._fill(rows - 1, Request(key, [0] * n, 1, SamplingOptions(temperature),
+                                         ignore_eos=True))
             self._advance(np.int32(0))
             self.cancel(key)
 
@@ -312,22 +317,28 @@ class Engine:
                                              attn_impl=t.attn_impl)
         self.slots[slot] = _Live(request)
 
-    def _advance(self, max_rounds: jax.Array) -> None:
-        """Run the loop; greedy when every live request is (the cheaper program)."""
+    def _active_rows(self, live: np.ndarray) -> int:
+        """Slots the loop runs: a power of two covering every live one (at most all)."""
+        return min(self.num_slots, bucket(int(np.flatnonzero(live).max()) + 1, 1))
+
+    def _advance(self, max_rounds: np.int32) -> None:
+        """Run the loop over the active rows; greedy when every live request is (the
+        cheaper program)."""
         live = self._filled()
         greedy = bool(np.all(self._temperature[live] == 0))
+        common = dict(greedy=greedy, rows=self._active_rows(live),
+                      attn_impl=self.target.attn_impl)
         sampling = SamplingParams(self._temperature, self._top_k, self._top_p)
         t = self.target
         args = self._inputs((sampling, self._max_new, self._stop_table, max_rounds))
         with mesh_context(self.mesh):
             if self.spec is None:
                 self.state = slots.advance_plain(t.params, t.config, self.state, *args,
-                                                 greedy=greedy, attn_impl=t.attn_impl)
+                                                 **common)
             else:
                 d = self.draft
                 self.state = slots.advance_spec(t.params, t.config, d.params, d.config, d.d2t,
-                                                self.state, *args, spec=self.spec,
-                                                greedy=greedy, attn_impl=t.attn_impl)
+                                                self.state, *args, spec=self.spec, **common)
 
     def _inputs(self, tree):
         """Host inputs of a compiled call: device arrays, or global ones replicated on the
