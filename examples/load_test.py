@@ -3,7 +3,7 @@ batches of `eaglejax.generate()` and against `transformers serve`, side by side 
 
     python examples/load_test.py [--concurrency 1 4 16 32] [--max-tokens 64]
         [--draft checkpoints/smollm2-135m-instruct-eagle3] [--shape tree:4,4,6]
-        [--transformers] [--json OUT]
+        [--runs plain speculative static transformers] [--json OUT]
 
 MT-bench first turns (categories interleaved), chat template, greedy, `--max-tokens` new
 tokens (EOS honoured: the same for every server, since greedy replies are identical). At
@@ -12,9 +12,11 @@ concurrency c, `max(8, 2c)` requests are sent c at a time over the OpenAI stream
 level's wall time), time to first token and inter-token latency (per request: the time
 from its first to its last token over its tokens after the first) at p50 and p99, and the
 acceptance length the server reports. Static batches: the same requests as `generate()`
-batches of c rows (a batch returns when its longest row ends; no streaming, so no TTFT).
-`--transformers`: `transformers serve --continuous-batching` on the same weights
-(transformers' own GGUF reader, saved as a Hugging Face directory).
+batches of c rows (a batch returns when its longest row ends; no streaming, so no TTFT;
+compile time of new batch shapes excluded).
+`transformers` (not run by default; needs `accelerate`): `transformers serve
+--continuous-batching` on the same weights (transformers' own GGUF reader, saved as a
+Hugging Face directory).
 """
 
 from __future__ import annotations
@@ -130,19 +132,19 @@ def summarize(results: list[dict], wall: float) -> dict:
             "acceptance_length": float(np.mean(als)) if als else None}
 
 
-def static_batches(prompts: list[str], concurrency: int, max_tokens: int, draft, spec) -> dict:
+def static_batches(target, prompts: list[str], concurrency: int, max_tokens: int, draft,
+                   spec) -> dict:
     """The same requests as `generate()` batches of `concurrency` rows."""
-    target = eaglejax.load_target(MODEL)
     kwargs = dict(target=target, max_new_tokens=max_tokens, draft=draft, speculative=spec)
-    eaglejax.generate(prompts[:concurrency], **kwargs)  # compile outside the clock
     start = time.perf_counter()
-    tokens = 0
+    tokens, compile_s = 0, 0.0
     for i in range(0, len(prompts), concurrency):
-        tokens += sum(len(g.token_ids) for g in eaglejax.generate(prompts[i:i + concurrency],
-                                                                   **kwargs))
-    wall = time.perf_counter() - start
+        batch = eaglejax.generate(prompts[i:i + concurrency], **kwargs)
+        tokens += sum(len(g.token_ids) for g in batch)
+        compile_s += batch[0].metrics.compile_s  # a new batch shape compiles: not counted
+    wall = time.perf_counter() - start - compile_s
     return {"requests": len(prompts), "output_tokens": tokens, "wall_s": wall,
-            "output_tokens_per_s": tokens / wall}
+            "compile_s_excluded": compile_s, "output_tokens_per_s": tokens / wall}
 
 
 def transformers_dir(out: Path) -> Path:
@@ -167,8 +169,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shape", default="tree:4,4,6",
                         help="the speculative server's shape: tree:K,D,N or chain:K")
     parser.add_argument("--capacity", type=int, default=1024)
-    parser.add_argument("--transformers", action="store_true")
-    parser.add_argument("--skip-static", action="store_true")
+    parser.add_argument("--runs", nargs="+", default=["plain", "speculative", "static"],
+                        choices=["plain", "speculative", "static", "transformers"])
     parser.add_argument("--json", default=None)
     return parser.parse_args()
 
@@ -183,10 +185,13 @@ def main() -> None:
     shape_flag = {"tree": ["--tree", numbers], "chain": ["--num-draft-tokens", numbers]}[kind]
     serve = [sys.executable, "-m", "eaglejax.cli", "serve", "--model", MODEL,
              "--num-slots", str(most), "--capacity", str(args.capacity)]
-    servers = {"eaglejax plain": serve + ["--no-draft"],
-               f"eaglejax {args.shape}": serve + ["--draft", args.draft, *shape_flag]}
+    servers = {}
+    if "plain" in args.runs:
+        servers["eaglejax plain"] = serve + ["--no-draft"]
+    if "speculative" in args.runs:
+        servers[f"eaglejax {args.shape}"] = serve + ["--draft", args.draft, *shape_flag]
     logs = Path(tempfile.mkdtemp(prefix="load-test-"))
-    if args.transformers:
+    if "transformers" in args.runs:
         hf = transformers_dir(logs / "smollm2-hf")
         servers["transformers serve (continuous batching)"] = [
             "transformers", "serve", str(hf), "--continuous-batching"]
@@ -207,15 +212,17 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-    if not args.skip_static:
-        draft = eaglejax.load_draft(args.draft, target=eaglejax.load_target(MODEL))
+    if "static" in args.runs:
+        target = eaglejax.load_target(MODEL)
+        draft = eaglejax.load_draft(args.draft, target=target)
         k, d, n = (int(x) for x in numbers.split(",")) if kind == "tree" else (0, 0, 0)
         spec = eaglejax.SpecConfig.tree(k, d, n) if kind == "tree" else \
             eaglejax.SpecConfig.chain(int(numbers))
         for name, (head, shape) in {"static plain": (None, None),
                                     f"static {args.shape}": (draft, spec)}.items():
             for c in args.concurrency:
-                level = static_batches(prompts[:max(8, 2 * c)], c, args.max_tokens, head, shape)
+                level = static_batches(target, prompts[:max(8, 2 * c)], c, args.max_tokens,
+                                       head, shape)
                 report["results"].setdefault(name, {})[c] = level
                 print(f"{name} c={c}: {json.dumps(level)}", flush=True)
     if args.json:

@@ -1,5 +1,7 @@
 """Multi-process decoding (`jax.distributed` on localhost, CPU collectives over gloo): two
-processes of two devices each run a tp=2 x dp=2 mesh and produce one process's tokens."""
+processes of two devices each run a tp=2 x dp=2 mesh and produce one process's tokens, with
+`generate` and with the serving engine in lockstep (`serving.lockstep`: process 0 schedules,
+submissions arriving while others run, a cancellation)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,48 @@ def _decode_all(target) -> dict[str, list[list[int]]]:
     return {name: [g.token_ids for g in out] for name, out in runs.items()}
 
 
+def _requests():
+    from eaglejax.serving.engine import Request, SamplingOptions
+
+    lengths, limits = [3, 17, 9, 12, 5], [10, 6, 12, 1, 9]
+    sampling = [SamplingOptions(), SamplingOptions(0.9, seed=4), SamplingOptions(),
+                SamplingOptions(1.2, 8, 0.9, 5), SamplingOptions()]
+    return [Request(f"r{i}", [(7 * i + 3 * j) % VOCAB for j in range(n)], limit, s)
+            for i, (n, limit, s) in enumerate(zip(lengths, limits, sampling))]
+
+
+def _serve(engine) -> dict[str, list]:
+    """Two requests first, the rest once they run; one more cancelled while queued."""
+    from eaglejax.serving.engine import Request
+
+    requests = _requests()
+    for r in requests[:2]:
+        engine.submit(r)
+    tokens: dict[str, list[int]] = {}
+    done = {}
+    while not engine.idle:
+        if len(tokens) == 2 and len(requests) > 2:
+            for r in requests[2:]:
+                engine.submit(r)
+            engine.submit(Request("cancelled", [1, 2, 3], 5))
+            engine.cancel("cancelled")
+            requests = requests[:2]
+        for u in engine.step():
+            tokens.setdefault(u.key, []).extend(u.token_ids)
+            if u.finish_reason:
+                done[u.key] = [tokens[u.key], u.finish_reason]
+    return done
+
+
+def _engine(target):
+    from eaglejax import SpecConfig
+    from eaglejax.serving.engine import Engine
+    from spec_helpers import self_draft
+
+    return Engine(target, self_draft(target), speculative=SpecConfig.tree(3, 3, 8),
+                  num_slots=2, capacity=64, rounds_per_call=2)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,7 +117,10 @@ def test_two_processes_decode_like_one(tmp_path):
                           vocab_size=VOCAB)
     make_selfdraftable(model)
     model.save_pretrained(tmp_path / "model")
-    expected = _decode_all(eaglejax.load_target(tmp_path / "model"))
+    one_device = eaglejax.load_target(tmp_path / "model")
+    expected = _decode_all(one_device)
+    served = _serve(_engine(one_device))
+    assert sorted(served) == [f"r{i}" for i in range(5)]
 
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
@@ -99,6 +146,7 @@ def test_two_processes_decode_like_one(tmp_path):
         assert proc.returncode == 0, f"process {rank}:\n{out[-3000:]}"
         got = json.loads((tmp_path / f"tokens-{rank}.json").read_text())
         assert got == expected, rank
+    assert json.loads((tmp_path / "served.json").read_text()) == served
 
 
 if __name__ == "__main__":  # one process of test_two_processes_decode_like_one
@@ -118,3 +166,12 @@ if __name__ == "__main__":  # one process of test_two_processes_decode_like_one
     wqkv = target.params["layers"][0]["wqkv"]
     assert [s.data.shape[0] for s in wqkv.addressable_shards] == [1, 1]
     (directory / f"tokens-{rank}.json").write_text(json.dumps(_decode_all(target)))
+    from eaglejax.serving.lockstep import LockstepEngine, follow
+
+    engine = _engine(target)
+    if rank == 0:
+        lockstep = LockstepEngine(engine)
+        (directory / "served.json").write_text(json.dumps(_serve(lockstep)))
+        lockstep.close()
+    else:
+        follow(engine)

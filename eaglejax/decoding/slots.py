@@ -78,11 +78,9 @@ def _until_a_row_ends(step: Callable[[State], State], state: State, max_rounds: 
                       rows: int) -> State:
     """Run `step` on the first `rows` slots (the rest hold no request) until a row that was
     running finishes, none runs, or `max_rounds` ran."""
-    def first_rows(x: jax.Array) -> jax.Array:
-        return x[:rows]
-
-    part = jax.tree.map(first_rows, state._replace(forwards=None))._replace(
-        forwards=state.forwards)
+    whole = rows == state.out.finish.shape[0]  # no slicing (nor its copies) then
+    part = state if whole else jax.tree.map(lambda x: x[:rows], state._replace(
+        forwards=None))._replace(forwards=state.forwards)
     started = part.out.running
 
     def keep_going(carry: tuple[State, jax.Array]) -> jax.Array:
@@ -92,7 +90,7 @@ def _until_a_row_ends(step: Callable[[State], State], state: State, max_rounds: 
 
     part, _ = jax.lax.while_loop(keep_going, lambda c: (step(c[0]), c[1] + 1),
                                  (part, jnp.int32(0)))
-    return _put_rows(state, part, 0)
+    return part if whole else _put_rows(state, part, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "greedy", "attn_impl", "rows"),
