@@ -85,8 +85,14 @@ def prefill_state(params: Params, config: ModelConfig, prompt: jax.Array,
     return DecodeState(cache, first, out, row_keys, jnp.int32(0))
 
 
-prefill = jax.jit(prefill_state, static_argnames=("config", "capacity", "max_tokens", "greedy",
-                                                  "stop", "attn_impl", "prefill_chunk"))
+def prefill(*args, **kwargs) -> DecodeState:
+    """`prefill_state`, compiled (as program "jit_prefill")."""
+    return prefill_state(*args, **kwargs)
+
+
+prefill.__wrapped__ = prefill_state  # its signature: static arguments by name or position
+prefill = jax.jit(prefill, static_argnames=("config", "capacity", "max_tokens", "greedy",
+                                            "stop", "attn_impl", "prefill_chunk"))
 
 
 def decode_step(params: Params, config: ModelConfig, s: DecodeState, sampling: SamplingParams,

@@ -181,7 +181,13 @@ def prefill_state(params: Params, config: ModelConfig, draft_params: Params,
                      context)
 
 
-spec_prefill = jax.jit(prefill_state, static_argnames=(
+def spec_prefill(*args, **kwargs) -> SpecState:
+    """`prefill_state`, compiled (as program "jit_spec_prefill")."""
+    return prefill_state(*args, **kwargs)
+
+
+spec_prefill.__wrapped__ = prefill_state  # its signature: static arguments by name or position
+spec_prefill = jax.jit(spec_prefill, static_argnames=(
     "config", "draft_config", "capacity", "max_tokens", "spec", "greedy", "stop", "attn_impl",
     "calibration_sizes", "prefill_chunk"))
 
