@@ -232,12 +232,12 @@ class Engine:
         work = [(n, r, t) for t in temperatures for n in prompts for r in row_counts
                 if n == prompts[0] or r == row_counts[0]]
         for n, rows, temperature in tqdm(work, desc="compiling", disable=not progress):
-            key = ("warm-up", n, rows, temperature)
-            self.check(Request(key, [0] * n, 1, SamplingOptions(temperature), ignore_eos=True))
-            self._fill(rows - 1, Request(key, [0] * n, 1, SamplingOptions(temperature),
-                                         ignore_eos=True))
+            request = Request(("warm-up", n, rows, temperature), [0] * n, 1,
+                              SamplingOptions(temperature), ignore_eos=True)
+            self.check(request)
+            self._fill(rows - 1, request)
             self._advance(np.int32(0))
-            self.cancel(key)
+            self.cancel(request.key)
 
     # ------------------------------------------------------------------------ internals
 
