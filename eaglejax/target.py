@@ -15,13 +15,12 @@ from eaglejax import validation
 from eaglejax.config import ModelConfig
 from eaglejax.errors import InputError
 from eaglejax.models.attention import AttentionImpl
-from eaglejax.models.llama import Params, compute_dtype, forward, lm_head
+from eaglejax.models.llama import Params, compute_dtype, forward, is_param_info, lm_head, param_info
 
 if TYPE_CHECKING:
     from eaglejax.tokenizer import Tokenizer
 
 
-MATRICES = frozenset({"embed", "lm_head", "wqkv", "wo", "w_gate_up", "w_down"})
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -81,10 +80,11 @@ class Target:
         compute dtype. bfloat16 halves the bytes a decode step reads."""
         dtype = validation.dtype("weight_dtype", dtype, FLOAT_DTYPES)
 
-        def store(path, leaf):
-            return leaf.astype(dtype) if path[-1].key in MATRICES else leaf
+        def store(info, leaf):
+            return leaf.astype(dtype) if info.matrix else leaf
 
-        params = jax.tree_util.tree_map_with_path(store, self.params)
+        params = jax.tree.map(store, param_info(self.config), self.params,
+                              is_leaf=is_param_info)
         return dataclasses.replace(self, params=params)
 
     def save(self, path: str) -> None:

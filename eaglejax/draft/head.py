@@ -22,8 +22,8 @@ from eaglejax.draft.config import DraftConfig
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.kv_cache import KVCache
 from eaglejax.models.llama import (
-    Params, causal_mask, decoder_layer, empty_cache, linear, logical_axes as decoder_axes,
-    param_shapes as decoder_shapes, random_params, rms_norm, rope_for, scan_chunks)
+    ParamInfo, Params, causal_mask, decoder_layer, empty_cache, is_param_info, linear,
+    param_info as decoder_info, random_params, rms_norm, rope_for, scan_chunks)
 
 
 class DraftOutput(NamedTuple):
@@ -37,66 +37,58 @@ class DraftOutput(NamedTuple):
     cache: KVCache | None
 
 
-def param_shapes(config: DraftConfig) -> Params:
-    """Shapes of every head parameter (PyTorch [out, in] layout, like the target's)."""
+def param_info(config: DraftConfig) -> Params:
+    """Every head parameter's `ParamInfo` (PyTorch [out, in] layout, like the target's), in
+    the same tree structure as the params: the decoder's layers (the first without its
+    input norm) and the head's own parameters."""
     d = config.decoder
     h = d.hidden_size
-    layers = decoder_shapes(d)["layers"]
-    first = dict(layers[0])
-    del first["attn_norm"]
-    q_width = d.kv_group + 2
+    decoder = decoder_info(d)
+    norm, layers = decoder["final_norm"], decoder["layers"]
+    first = {k: v for k, v in layers[0].items() if k != "attn_norm"}
     if config.kind == "eagle3":
-        first.update(embed_norm=(h,), hidden_norm=(h,), wqkv=(d.num_kv_heads, q_width,
-                                                                d.head_dim, 2 * h))
-        shapes: Params = {"fc": (h, config.feature_size), "layers": [first, *layers[1:]],
-                          "final_norm": (h,), "lm_head": (config.draft_vocab_size, h)}
+        wqkv = first["wqkv"]
+        first.update(embed_norm=norm, hidden_norm=norm,
+                     wqkv=wqkv._replace(shape=(*wqkv.shape[:-1], 2 * h),
+                                        axes=(*wqkv.axes[:-1], "embed2")))
+        infos: Params = {"fc": ParamInfo((h, config.feature_size), ("embed", "features")),
+                         "layers": [first, *layers[1:]], "final_norm": norm,
+                         "lm_head": ParamInfo((config.draft_vocab_size, h),
+                                              ("draft_vocab", "embed"))}
+        features = ParamInfo((config.feature_size,), ("features",), matrix=False)
         if config.fc_norm:
-            shapes["fc_norm"] = (len(config.tap_layers), config.target_hidden_size)
+            infos["fc_norm"] = ParamInfo((len(config.tap_layers), config.target_hidden_size),
+                                         ("taps", "features"), "ones", False)
         if config.input_norm:
-            shapes["input_norm"] = (config.feature_size,)
+            infos["input_norm"] = features._replace(init="ones")
         if config.parallel:
-            shapes["mask_hidden"] = (config.feature_size,)
+            infos["mask_hidden"] = features
             if not config.own_embedding:
-                shapes["mask_embed"] = (h,)
+                infos["mask_embed"] = ParamInfo((h,), ("embed",), matrix=False)
     else:
-        shapes = {"fc": (h, 2 * h), "layers": [first, *layers[1:]]}
+        infos = {"fc": ParamInfo((h, 2 * h), ("embed", "embed2")),
+                 "layers": [first, *layers[1:]]}
         if config.fc_bias:
-            shapes["fc_bias"] = (h,)
+            infos["fc_bias"] = ParamInfo((h,), ("embed",), matrix=False)
     if config.own_embedding:
-        shapes["embed"] = (d.vocab_size, h)
-    return shapes
+        infos["embed"] = decoder["embed"]
+    return infos
+
+
+def param_shapes(config: DraftConfig) -> Params:
+    """Shapes of every head parameter, in the same tree structure as the params."""
+    return jax.tree.map(lambda i: i.shape, param_info(config), is_leaf=is_param_info)
 
 
 def logical_axes(config: DraftConfig) -> Params:
-    """Logical axis names in the same tree structure as `param_shapes`."""
-    layers = decoder_axes(config.decoder)["layers"]
-    first = {k: v for k, v in layers[0].items() if k != "attn_norm"}
-    if config.kind == "eagle3":
-        first.update(embed_norm=("norm",), hidden_norm=("norm",))
-        first["wqkv"] = ("kv_heads", "qkv", "head_dim", "embed2")
-        axes: Params = {"fc": ("embed", "features"), "layers": [first, *layers[1:]],
-                        "final_norm": ("norm",), "lm_head": ("draft_vocab", "embed")}
-        if config.fc_norm:
-            axes["fc_norm"] = ("taps", "features")
-        if config.input_norm:
-            axes["input_norm"] = ("features",)
-        if config.parallel:
-            axes["mask_hidden"] = ("features",)
-            if not config.own_embedding:
-                axes["mask_embed"] = ("embed",)
-    else:
-        axes = {"fc": ("embed", "embed2"), "layers": [first, *layers[1:]]}
-        if config.fc_bias:
-            axes["fc_bias"] = ("embed",)
-    if config.own_embedding:
-        axes["embed"] = ("vocab", "embed")
-    return axes
+    """Logical axis names of every head parameter, in the same tree structure as the params."""
+    return jax.tree.map(lambda i: i.axes, param_info(config), is_leaf=is_param_info)
 
 
 def init_params(config: DraftConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32,
                 scale: float = 0.02) -> Params:
     """Random head parameters (normal * scale; norms at 1)."""
-    return random_params(param_shapes(config), key, dtype, scale)
+    return random_params(param_info(config), key, dtype, scale)
 
 
 def embed_tokens(params: Params, config: DraftConfig, target_params: Params,

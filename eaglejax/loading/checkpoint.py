@@ -24,8 +24,7 @@ from eaglejax.errors import EaglejaxError, LoadError
 from eaglejax.loading.files import file_checksums, verify_checksums, write_atomically
 from eaglejax.loading.hf_dir import read_json
 from eaglejax.loading.orbax_io import restore_tree
-from eaglejax.models.llama import Params, logical_axes, param_shapes
-from eaglejax.target import MATRICES
+from eaglejax.models.llama import Params, is_param_info, logical_axes, param_info
 
 MANIFEST = "eaglejax.json"
 FORMAT, VERSION = "eaglejax-target", 1
@@ -84,12 +83,10 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None = Non
     saved_dtype = saved_dtype_of(manifest, str(path / MANIFEST))
     weight_dtype = saved_dtype_of(manifest, str(path / MANIFEST), "weight_dtype")
 
-    def stored(key_path, shape):
-        leaf_dtype = weight_dtype if key_path[-1].key in MATRICES else saved_dtype
-        return jax.ShapeDtypeStruct(shape, leaf_dtype)
+    def stored(info):
+        return jax.ShapeDtypeStruct(info.shape, weight_dtype if info.matrix else saved_dtype)
 
-    abstract = jax.tree_util.tree_map_with_path(stored, param_shapes(config),
-                                                is_leaf=lambda x: isinstance(x, tuple))
+    abstract = jax.tree.map(stored, param_info(config), is_leaf=is_param_info)
     if mesh is not None:
         from eaglejax.sharding.placement import TargetPlacement
         from eaglejax.sharding.rules import shardings

@@ -1,7 +1,7 @@
 """The Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3) as pure functions.
 
-Parameters are a plain dict pytree with one dict per layer;
-`logical_axes(config)` gives the same tree of logical axis names for sharding.
+Parameters are a plain dict pytree with one dict per layer; `param_info(config)` gives
+the same tree of `ParamInfo` (shape, logical axes for sharding, initialiser, dtype role).
 One `forward` serves prefill, single-token decode and tree verification: it takes any
 number of new tokens per row with explicit positions and an optional mask among them,
 attends over the cache's valid prefix, and returns the new K/V rows without writing
@@ -40,30 +40,28 @@ class ForwardOutput(NamedTuple):
     cache: KVCache | None
 
 
-def logical_axes(config: ModelConfig) -> Params:
-    """Logical axis names of every parameter, in the same tree structure as the params."""
-    layer = {
-        "attn_norm": ("norm",),
-        "mlp_norm": ("norm",),
-        "wqkv": ("kv_heads", "qkv", "head_dim", "embed"),
-        "wo": ("embed", "heads"),
-        "w_gate_up": ("gate_up", "mlp", "embed"),
-        "w_down": ("embed", "mlp"),
-    }
-    if config.attention_bias:
-        layer.update(bqkv=("kv_heads", "qkv", "head_dim"))
-    if config.qk_norm:
-        layer.update(q_norm=("head_dim",), k_norm=("head_dim",))
-    axes: Params = {"embed": ("vocab", "embed"),
-                    "layers": [dict(layer) for _ in range(config.num_layers)],
-                    "final_norm": ("norm",)}
-    if not config.tie_word_embeddings:
-        axes["lm_head"] = ("vocab", "embed")
-    return axes
+class ParamInfo(NamedTuple):
+    """The abstract description of one parameter.
+
+    axes: its logical axis names (`eaglejax.sharding.rules` maps them to mesh axes);
+    init: "normal" (normal * scale) or "ones"; matrix: True for the matrices, stored in the
+    weight dtype (which may be 16-bit under float32 compute), False for the vectors (norms,
+    biases), kept in the compute dtype.
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    init: str = "normal"
+    matrix: bool = True
 
 
-def param_shapes(config: ModelConfig) -> Params:
-    """The shape of every parameter (the contract loaders and converters check against).
+def is_param_info(x: Any) -> bool:
+    """Whether x is a `ParamInfo` (the `is_leaf` of trees of them: a NamedTuple is a node)."""
+    return isinstance(x, ParamInfo)
+
+
+def param_info(config: ModelConfig) -> Params:
+    """Every parameter's `ParamInfo`, in the same tree structure as the params.
 
     Projections are `[out..., in]` like PyTorch's (contracting the last, contiguous dim is
     the fastest matrix-vector product on CPUs). Queries, keys and values share one matrix
@@ -75,19 +73,43 @@ def param_shapes(config: ModelConfig) -> Params:
     sizes = {"embed": c.hidden_size, "norm": c.hidden_size, "heads": c.num_heads * c.head_dim,
              "kv_heads": c.num_kv_heads, "qkv": c.kv_group + 2, "head_dim": c.head_dim,
              "gate_up": 2, "mlp": c.intermediate_size, "vocab": c.vocab_size}
-    return jax.tree.map(lambda axes: tuple(sizes[a] for a in axes), logical_axes(config),
-                        is_leaf=lambda x: isinstance(x, tuple))
+
+    def info(*axes: str, init: str = "normal", matrix: bool = True) -> ParamInfo:
+        return ParamInfo(tuple(sizes[a] for a in axes), axes, init, matrix)
+
+    norm = info("norm", init="ones", matrix=False)
+    layer = {"attn_norm": norm, "mlp_norm": norm,
+             "wqkv": info("kv_heads", "qkv", "head_dim", "embed"), "wo": info("embed", "heads"),
+             "w_gate_up": info("gate_up", "mlp", "embed"), "w_down": info("embed", "mlp")}
+    if c.attention_bias:
+        layer["bqkv"] = info("kv_heads", "qkv", "head_dim", matrix=False)
+    if c.qk_norm:
+        layer["q_norm"] = layer["k_norm"] = info("head_dim", init="ones", matrix=False)
+    infos: Params = {"embed": info("vocab", "embed"),
+                     "layers": [dict(layer) for _ in range(c.num_layers)], "final_norm": norm}
+    if not c.tie_word_embeddings:
+        infos["lm_head"] = info("vocab", "embed")
+    return infos
 
 
-def random_params(shapes: Params, key: jax.Array, dtype: jnp.dtype, scale: float) -> Params:
-    """Arrays for a tree of shapes: normal * scale, except norm weights at 1."""
-    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
-    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
+def logical_axes(config: ModelConfig) -> Params:
+    """Logical axis names of every parameter, in the same tree structure as the params."""
+    return jax.tree.map(lambda i: i.axes, param_info(config), is_leaf=is_param_info)
+
+
+def param_shapes(config: ModelConfig) -> Params:
+    """The shape of every parameter (the contract loaders and converters check against)."""
+    return jax.tree.map(lambda i: i.shape, param_info(config), is_leaf=is_param_info)
+
+
+def random_params(infos: Params, key: jax.Array, dtype: jnp.dtype, scale: float) -> Params:
+    """Arrays in `dtype` for a tree of `ParamInfo`, each by its `init`."""
+    flat, treedef = jax.tree.flatten(infos, is_leaf=is_param_info)
     keys = jax.random.split(key, len(flat))
     arrays = [
-        jnp.ones(shape, dtype) if "norm" in jax.tree_util.keystr(path)
-        else (scale * jax.random.normal(k, shape)).astype(dtype)
-        for k, (path, shape) in zip(keys, flat)
+        jnp.ones(i.shape, dtype) if i.init == "ones"
+        else (scale * jax.random.normal(k, i.shape)).astype(dtype)
+        for k, i in zip(keys, flat)
     ]
     return jax.tree.unflatten(treedef, arrays)
 
@@ -95,7 +117,7 @@ def random_params(shapes: Params, key: jax.Array, dtype: jnp.dtype, scale: float
 def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32,
                 scale: float = 0.02) -> Params:
     """Random parameters (normal * scale; norms at 1) for tests and experiments."""
-    return random_params(param_shapes(config), key, dtype, scale)
+    return random_params(param_info(config), key, dtype, scale)
 
 
 def compute_dtype(params: Params) -> jnp.dtype:

@@ -23,7 +23,7 @@ from eaglejax.errors import ConfigError
 from eaglejax.models.llama import logical_axes
 from eaglejax.sharding.rules import logical_spec
 
-GROUPED_BY_KV_HEAD = ("wqkv", "bqkv")  # [kv_heads, kv_group + 2, head_dim, ...]
+GROUPED_BY_KV_HEAD = ("kv_heads", "qkv")  # the leading axes of [kv_heads, kv_group + 2, ...]
 
 
 def kv_widening(config: ModelConfig, tp: int) -> int:
@@ -98,7 +98,7 @@ class TargetPlacement:
 
     def place(self, path: tuple[str | int, ...], host: np.ndarray) -> jax.Array:
         """Parameter `path` (e.g. ("layers", 3, "wqkv")) from its host array."""
-        if path[-1] in GROUPED_BY_KV_HEAD:
+        if self.axes(path)[:2] == GROUPED_BY_KV_HEAD:
             host = widen_kv_heads(np.asarray(host), self.factor)
         return on_mesh(host, self.sharding(path, np.shape(host)))
 
