@@ -1,7 +1,5 @@
 """eaglejax: speculative decoding (EAGLE-1/2/3, dynamic trees, parallel drafting) in JAX."""
 
-__version__ = "0.1.0"  # first: modules imported below read it
-
 from eaglejax.config import ModelConfig
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.draft import Draft, load_draft
@@ -10,9 +8,10 @@ from eaglejax.generate import Generation, GenerationMetrics, generate
 from eaglejax.loading import load_target
 from eaglejax.sharding import make_mesh
 from eaglejax.target import Target
+from eaglejax.version import __version__
 
 __all__ = [
     "ConfigError", "Draft", "EaglejaxError", "Generation", "GenerationMetrics", "InputError",
     "LoadError", "ModelConfig", "SpecConfig", "Target", "generate", "load_draft", "load_target",
-    "make_mesh",
+    "__version__", "make_mesh",
 ]

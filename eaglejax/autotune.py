@@ -33,19 +33,21 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from eaglejax import __version__, hardware, native
+from eaglejax import hardware, native
 from eaglejax.compilation_cache import cache_root, switched_on
 from eaglejax.decoding.batch import cache_capacity, decode
 from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopCriteria
-from eaglejax.decoding.tree import num_candidates
+from eaglejax.decoding.tree import max_nodes
 from eaglejax.errors import InputError
 from eaglejax.fingerprints import draft_fingerprint, target_fingerprint
 from eaglejax.loading.files import write_atomically
+from eaglejax.native import cache_attention, few_row_matmul
 from eaglejax.target import Target
 from eaglejax.timing import single_forward_ms
+from eaglejax.version import __version__
 
 if TYPE_CHECKING:
     from eaglejax.draft.draft import Draft
@@ -82,7 +84,7 @@ def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_ne
     largest_preset = SpecConfig.preset(jax.default_backend(), 1)
     top_k = top_k or largest_preset.top_k
     depth = depth or largest_preset.depth
-    most = num_candidates(top_k, depth) + 1
+    most = max_nodes(top_k, depth)
     if jax.default_backend() == "cpu":
         most = min(most, CPU_CALIBRATION_NODES - LOOKUP)
     sizes = tuple(s for s in SIZES if s <= most)
@@ -94,7 +96,7 @@ def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_ne
                    calibrated, calibration_sizes=sizes) for _ in range(3)]
     run = runs[0]  # greedy: every run drafts and accepts the same; the timings differ
     rounds = max(int(np.asarray(run.state.accept_hist).sum()), 1)
-    accepted = np.asarray(run.state.size_accepted).sum(axis=0)  # per size and branch length
+    accepted = np.asarray(run.calibration).sum(axis=0)  # per size and branch length
     round_ms = 1e3 * min(r.decode_s for r in runs) / max(int(run.state.forwards), 1)
 
     context = max(len(ids) for ids in encoded) + max_new_tokens // 2
@@ -141,8 +143,6 @@ def _disk_key(target: Target, draft: "Draft", batch: int, prompt_bucket: int,
               new_bucket: int) -> str:
     """What a choice depends on: the machine and software that timed it, the two models'
     contents and the request's shape."""
-    from eaglejax.native import cache_attention, few_row_matmul
-
     device = jax.devices()[0]
     kernels = native.kernels_allowed() and few_row_matmul.available() \
         and cache_attention.available()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import jax
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.datasets import Question
-from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.batch import cache_capacity
+from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.generate import generate
 from eaglejax.hardware import machine_report, memory_floor_ms
 from eaglejax.target import Target
@@ -122,24 +122,33 @@ def bench_speculative(target: Target, draft, questions: list[Question], *, batch
 
 
 def compare_speculative(target: Target, draft, questions: list[Question],
-                        configs: list[SpecConfig | str | None], *, batch_size: int = 1,
-                        max_new_tokens: int = 128, chat: bool = True, ignore_eos: bool = True,
-                        sampling: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+                        configs: list[SpecConfig | str | None], **kwargs: Any
+                        ) -> list[dict[str, Any]]:
     """`bench_speculative` for several speculation shapes at once: plain decoding and every
-    shape timed interleaved in one run; one report per shape, each against that plain run."""
+    shape timed interleaved in one run; one report per shape, each against that plain run
+    (keyword arguments as for `compare_drafts`)."""
+    return compare_drafts(target, [(draft, spec) for spec in configs], questions, **kwargs)
+
+
+def compare_drafts(target: Target, runs: Sequence[tuple[Any, SpecConfig | str | None]],
+                   questions: list[Question], *, batch_size: int = 1,
+                   max_new_tokens: int = 128, chat: bool = True, ignore_eos: bool = True,
+                   sampling: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Several (draft head, speculation shape) pairs and plain decoding, timed interleaved in
+    one run (`run_interleaved`); one report per pair, each against that plain run."""
     common = dict(target=target, max_new_tokens=max_new_tokens, chat=chat,
                   ignore_eos=ignore_eos, **(sampling or {}))
-    runs: dict[str, Callable] = {"plain": functools.partial(generate, **common)}
-    for i, spec in enumerate(configs):
-        runs[f"spec {i}"] = functools.partial(generate, draft=draft, speculative=spec, **common)
-    totals = run_interleaved(questions, batch_size, runs)
+    timed: dict[str, Callable] = {"plain": functools.partial(generate, **common)}
+    for i, (draft, spec) in enumerate(runs):
+        timed[f"spec {i}"] = functools.partial(generate, draft=draft, speculative=spec, **common)
+    totals = run_interleaved(questions, batch_size, timed)
     header = _header(target, questions, batch_size, max_new_tokens, sampling)
     mean_context = int(np.mean(totals["plain"]["prompt_tokens"])) + max_new_tokens // 2
     floor_ms = memory_floor_ms(decode_step_bytes(target, mean_context, batch_size),
                                header["machine"]["copy_bandwidth_gb_s"])
     return [_speculative_report(header, floor_ms, draft, questions, totals["plain"],
                                 totals[f"spec {i}"], sampling is None)
-            for i in range(len(configs))]
+            for i, (draft, _) in enumerate(runs)]
 
 
 def _speculative_report(header: dict[str, Any], floor_ms: float, draft,

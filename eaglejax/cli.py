@@ -11,8 +11,22 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from eaglejax import validation
+import jax
+
+from eaglejax import compilation_cache, generate, load_target, validation
+from eaglejax.bench import bench_plain, bench_speculative
+from eaglejax.datasets import interleave_categories, mt_bench_questions
+from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.draft import load_draft
+from eaglejax.draft.draft import new_eagle3_draft
+from eaglejax.draft.formats import WRITERS
+from eaglejax.draft.shipped import shipped_head
 from eaglejax.errors import EaglejaxError, InputError
+from eaglejax.sharding import make_mesh
+from eaglejax.sharding.distributed import initialize
+from eaglejax.training.pipeline import mt_bench_prompts, prepare_rows
+from eaglejax.training.regenerate import RegenConfig
+from eaglejax.training.trainer import TrainConfig, train
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SPECULATION_FLAGS = ("num_draft_tokens", "parallel", "tree", "static_tree", "auto_tree", "lookup")
@@ -89,19 +103,15 @@ def _mesh(args: argparse.Namespace):
     mesh over every process's devices (None for one device)."""
     validation.integer("--tp", args.tp, 1)
     validation.integer("--dp", args.dp, 1)
-    from eaglejax.sharding.distributed import initialize
 
     multi = initialize(args.coordinator, args.num_processes, args.process_id)
     if args.tp * args.dp == 1 and not multi:
         return None
-    from eaglejax.sharding import make_mesh
 
     return make_mesh(tp=args.tp, dp=args.dp)
 
 
 def _is_first_process() -> bool:
-    import jax
-
     return jax.process_index() == 0
 
 
@@ -115,8 +125,6 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _speculation(args: argparse.Namespace):
     """The SpecConfig (or "auto", or None for the device preset) the flags ask for;
     InputError for a malformed shape or a shape flag without --draft."""
-    from eaglejax.decoding.spec_config import SpecConfig
-
     if args.draft is None:
         used = [name for name in SPECULATION_FLAGS if getattr(args, name) not in (None, False)]
         if used:
@@ -136,8 +144,6 @@ def _speculation(args: argparse.Namespace):
 
 def _speculation_shape(args: argparse.Namespace):
     """The chain, tree, static tree or "auto" the shape flags name (None: preset)."""
-    from eaglejax.decoding.spec_config import SpecConfig
-
     if args.num_draft_tokens is not None:
         return SpecConfig.chain(args.num_draft_tokens)
     if args.parallel is not None:
@@ -175,8 +181,6 @@ def _check_decoding_args(args: argparse.Namespace):
 def _set_compilation_cache(off: bool) -> None:
     """--no-compilation-cache; otherwise a malformed $EAGLEJAX_COMPILATION_CACHE fails here,
     before any model is loaded."""
-    from eaglejax import compilation_cache
-
     if off:
         compilation_cache.disable()
     else:
@@ -253,9 +257,6 @@ def _add_serve_args(commands) -> None:
 
 
 def _add_train_args(commands) -> None:
-    from eaglejax.training.regenerate import RegenConfig
-    from eaglejax.training.trainer import TrainConfig
-
     t, r = TrainConfig(), RegenConfig()
     train = commands.add_parser(
         "train-draft", help="train an EAGLE-3 draft head for a target (resumable)",
@@ -335,10 +336,6 @@ def _generate(args: argparse.Namespace) -> None:
     speculative = _check_decoding_args(args)
     validation.prompt_list(args.prompts)
     validation.stop_strings(args.stop, name="--stop")
-    import jax
-
-    from eaglejax import generate, load_target
-    from eaglejax.draft.shipped import shipped_head
 
     mesh = _mesh(args)
     default_head = None if args.draft or args.no_draft else shipped_head(args.model)
@@ -376,19 +373,12 @@ def _load_draft(args: argparse.Namespace, target):
     acceptance is near 1: it measures the speculative loop's own overhead)."""
     if args.draft is None:
         return None
-    from eaglejax.draft import load_draft
-    from eaglejax.draft.draft import new_eagle3_draft
-
     if args.draft == "random":
         return new_eagle3_draft(target)
     return load_draft(args.draft, target=target)
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from eaglejax import load_target
-    from eaglejax.bench import bench_plain, bench_speculative
-    from eaglejax.datasets import interleave_categories, mt_bench_questions
-
     validation.integer("--batch-size", args.batch_size, 1)
     validation.integer("--num-prompts", args.num_prompts, 1)
     speculative = _check_decoding_args(args)
@@ -417,10 +407,6 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from eaglejax import load_target
-    from eaglejax.draft import load_draft
-    from eaglejax.draft.formats import WRITERS
-
     validation.existing_path("SRC", args.src, directory=True)
     validation.new_output_dir("DST", args.dst)
     target = load_target(args.target, dtype=args.dtype)
@@ -432,12 +418,6 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def _train_draft(args: argparse.Namespace) -> None:
-    from eaglejax import load_target
-    from eaglejax.draft import load_draft
-    from eaglejax.training.pipeline import mt_bench_prompts, prepare_rows
-    from eaglejax.training.regenerate import RegenConfig
-    from eaglejax.training.trainer import TrainConfig, train
-
     _check_train_args(args)
     config = TrainConfig(
         seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
@@ -523,18 +503,14 @@ def _serve(args: argparse.Namespace) -> None:
         raise InputError("--auto-tree does not apply to serve: name a shape (--tree, "
                          "--num-draft-tokens, ...) or none for the device's preset")
     _set_compilation_cache(args.no_compilation_cache)
-    from eaglejax import compilation_cache, load_target
-    from eaglejax.draft.shipped import shipped_head
+    # Imported here: the server stack (FastAPI, uvicorn) adds seconds to every other command.
     from eaglejax.serving.engine import Engine
+    from eaglejax.serving.lockstep import LockstepEngine, follow
     from eaglejax.serving.server import run_server
 
     default_head = None if args.draft or args.no_draft else shipped_head(args.model)
     if default_head is not None:
         args.draft = str(default_head)
-    import jax
-
-    from eaglejax.serving.lockstep import LockstepEngine, follow
-
     target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype,
                          mesh=_mesh(args))
     engine = Engine(target, _load_draft(args, target), speculative=speculative,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -13,16 +13,15 @@ import numpy as np
 from eaglejax import validation
 from eaglejax.autotune import cached_choice
 from eaglejax.decoding.batch import decode
-from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP
+from eaglejax.draft.draft import Draft
 from eaglejax.errors import ConfigError, InputError
+from eaglejax.loading import load_target
 from eaglejax.prompting import cut_at_stop, encode_prompts, stop_criteria
 from eaglejax.sharding.distributed import fetch, prompts_from_first
 from eaglejax.target import Target
-
-if TYPE_CHECKING:
-    from eaglejax.draft.draft import Draft
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -88,8 +87,6 @@ class Generation:
 
 @functools.lru_cache(maxsize=2)
 def _cached_target(name: str) -> Target:
-    from eaglejax.loading import load_target
-
     return load_target(name)
 
 
@@ -128,8 +125,6 @@ def _target_source(target: object, draft: object) -> Target | str:
 def _check_speculation(draft: object, speculative: object) -> None:
     """InputError unless `draft` is a Draft or None and `speculative` a SpecConfig, "auto"
     or None, given only with a draft head."""
-    from eaglejax.draft.draft import Draft
-
     if draft is not None and not isinstance(draft, Draft):
         raise InputError(f"draft must be a Draft (eaglejax.load_draft(path, target=...)) or "
                          f"None, got {type(draft).__name__}")

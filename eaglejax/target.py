@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,12 +14,11 @@ from jax.sharding import Mesh
 from eaglejax import validation
 from eaglejax.config import ModelConfig
 from eaglejax.errors import InputError
+from eaglejax.loading.checkpoint import save_target
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import Params, compute_dtype, forward, is_param_info, lm_head, param_info
-
-if TYPE_CHECKING:
-    from eaglejax.tokenizer import Tokenizer
-
+from eaglejax.sharding.placement import TargetPlacement
+from eaglejax.tokenizer import Tokenizer
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -55,8 +54,6 @@ class Target:
     def on_mesh(self, mesh: Mesh) -> "Target":
         """This target with its parameters sharded over `mesh` (`eaglejax.make_mesh`;
         rule table: `eaglejax.sharding.rules`); parameters already placed there stay."""
-        from eaglejax.sharding.placement import TargetPlacement
-
         if self.mesh is not None:
             raise InputError(f"{self.source}: this target is already on a mesh; load it "
                              f"again with load_target(..., mesh=) for another")
@@ -89,8 +86,6 @@ class Target:
 
     def save(self, path: str) -> None:
         """Write an eaglejax checkpoint (loads much faster than re-converting GGUF/HF files)."""
-        from eaglejax.loading.checkpoint import save_target
-
         save_target(self, path)
 
     def _token_array(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> jax.Array:

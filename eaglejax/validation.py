@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.errors import InputError
@@ -230,8 +231,6 @@ def sampling(temperature: Any, top_k: Any, top_p: Any,
 
 def dtype(name: str, value: Any, allowed: Sequence[str]) -> Any:
     """`value` (a name or dtype) as a JAX dtype among `allowed` names."""
-    import jax.numpy as jnp
-
     try:
         parsed = jnp.dtype(value)
     except TypeError:

@@ -84,7 +84,7 @@ def main() -> None:
     target = eaglejax.load_target("smollm2-135m-instruct")
     mats = step_matrices(target.params)
     report = {"machine": hardware.machine_report(), "products_ms": {}, "forward_ms": {}}
-    native = products_fn()
+    native_products = products_fn()
     with native.xla_only():
         xla = products_fn()
         xla_forward = forward_fn(target.config)
@@ -94,7 +94,7 @@ def main() -> None:
         x = jnp.asarray(rng.standard_normal((m, mats[0].shape[1]), dtype=np.float32))
         with native.xla_only():  # a fresh trace per shape must stay on its path
             jax.block_until_ready(xla(x, mats))
-        report["products_ms"][m] = side_by_side({"xla": xla, "native": native},
+        report["products_ms"][m] = side_by_side({"xla": xla, "native": native_products},
                                                 {"xla": (x, mats), "native": (x, mats)},
                                                 args.repeats)
     c = target.config

@@ -24,7 +24,9 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import eaglejax
 from eaglejax.datasets import mt_bench_questions
@@ -55,7 +57,8 @@ def transformers_prefill_s(model, ids: list[int]) -> float:
 
 def bench_prefill(lengths: list[int], repeats: int) -> list[dict[str, float]]:
     from eaglejax.loading.builtin import resolve_builtin
-    from eaglejax.oracles import transformers_model_from_gguf
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from hf_oracle import transformers_model_from_gguf
 
     target = eaglejax.load_target("smollm2-135m-instruct")
     hf = transformers_model_from_gguf(resolve_builtin("smollm2-135m-instruct"))

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,7 +29,9 @@ from eaglejax.timing import single_forward_ms
 from eaglejax.datasets import mt_bench_questions
 from eaglejax.hardware import machine_report, memory_floor_ms
 from eaglejax.loading.builtin import resolve_builtin
-from eaglejax.oracles import transformers_model_from_gguf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # hf_oracle
+from hf_oracle import transformers_model_from_gguf  # noqa: E402
 
 
 def main() -> None:

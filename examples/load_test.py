@@ -152,7 +152,8 @@ def transformers_dir(out: Path) -> Path:
     from transformers import AutoTokenizer
 
     from eaglejax.loading.builtin import resolve_builtin
-    from eaglejax.oracles import transformers_model_from_gguf
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from hf_oracle import transformers_model_from_gguf
 
     gguf = Path(resolve_builtin(MODEL))
     transformers_model_from_gguf(gguf).save_pretrained(out)

@@ -65,7 +65,7 @@ def smollm2_hf():
     """transformers' oracle for the same GGUF: its own dequantizer and un-permutation
     feeding its own dense float32 LlamaForCausalLM."""
     from eaglejax.loading.builtin import resolve_builtin
-    from eaglejax.oracles import transformers_model_from_gguf
+    from hf_oracle import transformers_model_from_gguf
 
     return transformers_model_from_gguf(resolve_builtin("smollm2-135m-instruct"))
 

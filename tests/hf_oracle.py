@@ -1,8 +1,11 @@
-"""Random small Hugging Face models (the PyTorch parity oracle), saved as real checkpoints."""
+"""transformers, the PyTorch parity oracle: random small Hugging Face models saved as real
+checkpoints, and the default model's GGUF as transformers itself reads it (also the
+`generate()` baseline of the benchmarks under examples/). Needs the test extra."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,3 +61,35 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
+
+
+def transformers_gguf_state(path: str | Path) -> tuple[Any, dict[str, Any]]:
+    """(transformers config, state dict of torch tensors) read by transformers' own GGUF
+    loader (its dequantizer and q/k un-permutation), without `accelerate`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True,
+                                   model_to_load=skeleton)["tensors"]
+    return config, tensors
+
+
+def transformers_model_from_gguf(path: str | Path):
+    """A dense float32 transformers causal LM holding the GGUF's weights as transformers
+    reads them: the parity oracle and the `generate()` baseline."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config, tensors = transformers_gguf_state(path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    result = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    expected_missing = ["lm_head.weight"] if config.tie_word_embeddings else []
+    if result.missing_keys != expected_missing or result.unexpected_keys:
+        raise RuntimeError(f"{path}: transformers state dict mismatch: {result}")
+    model.tie_weights()
+    return model.eval()

@@ -14,7 +14,7 @@ from eaglejax.errors import LoadError
 from eaglejax.loading import builtin
 from eaglejax.loading.builtin import resolve_builtin
 from eaglejax.loading.gguf_file import read_gguf, read_gguf_metadata
-from eaglejax.oracles import transformers_gguf_state
+from hf_oracle import transformers_gguf_state
 
 # ---------------------------------------------------------------------------- fixtures
 

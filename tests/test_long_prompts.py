@@ -10,7 +10,7 @@ import pytest
 
 import eaglejax
 from eaglejax.decoding import plain
-from eaglejax.decoding.plain import prefill_target
+from eaglejax.decoding.prefill import PREFILL_CHUNK, prefill_target
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.speculative import spec_loop, spec_prefill
@@ -181,7 +181,7 @@ def long_context_target(tmp_path_factory):
 def test_default_chunking_generates_like_transformers(long_context_target):
     """A 600-token prompt is prefilled in blocks of the default size (bucket 1024)."""
     target, hf = long_context_target
-    assert 600 > plain.PREFILL_CHUNK
+    assert 600 > PREFILL_CHUNK
     prompt = np.random.RandomState(6).randint(0, 97, 600).tolist()
     (result,) = eaglejax.generate([prompt], target=target, max_new_tokens=8, ignore_eos=True)
     assert result.token_ids == hf_greedy(hf, prompt, 8)

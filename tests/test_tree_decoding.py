@@ -68,7 +68,7 @@ def check_calibration_counts(target):
     sizes = (2, 5, 8, 14, 22)
     run = decode(target, draft, _prompts(11, 4), [0] * 4, SamplingParams.make(), 40,
                  StopCriteria(), SpecConfig.tree(3, 3, 22), calibration_sizes=sizes)
-    per_size = np.asarray(run.state.size_accepted)  # [B,S]
+    per_size = np.asarray(run.calibration)  # [B,S]
     hist = np.asarray(run.state.accept_hist)  # [B,D+1]
     assert np.all(np.diff(per_size, axis=1) >= 0)
     np.testing.assert_array_equal(per_size[:, -1], hist @ np.arange(hist.shape[1]))
@@ -80,7 +80,7 @@ def check_calibration_counts(target):
     # more than the grafted tree itself accepted, each family non-decreasing in s.
     run = decode(target, draft, _prompts(11, 4), [0] * 4, SamplingParams.make(), 40,
                  StopCriteria(), SpecConfig.tree(3, 3, 22).with_lookup(3), calibration_sizes=sizes)
-    counts = np.asarray(run.state.size_accepted)  # [B,S*(1+3)]: no branch, then 1..3 tokens
+    counts = np.asarray(run.calibration)  # [B,S*(1+3)]: no branch, then 1..3 tokens
     hist = np.asarray(run.state.accept_hist)
     assert counts.shape == (4, 4 * len(sizes))
     for family in np.split(counts, 4, axis=1):

@@ -1,5 +1,6 @@
 """Verification rules: greedy matching and lossless rejection sampling, for a sampled chain
-(min(1, p/q)) and for deterministic trees (recursive rejection over siblings)."""
+(min(1, p/q)) and for deterministic trees (recursive rejection over siblings); `verify`
+picks the rule a round needs."""
 
 from __future__ import annotations
 
@@ -7,22 +8,13 @@ import jax
 import jax.numpy as jnp
 
 from eaglejax.decoding.sampling import SamplingParams, target_log_probs
+from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.tree import Tree
 
 
 def _leading_true(flags: jax.Array) -> jax.Array:
     """[B,K] booleans -> [B] length of the all-True prefix."""
     return jnp.sum(jnp.cumprod(flags.astype(jnp.int32), axis=1), axis=1)
-
-
-def greedy_accept(drafted: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """drafted [B,K], target logits [B,K+1,V] at the K+1 verified positions.
-
-    Returns (accepted count a [B], next token [B]): the longest prefix where each draft
-    token is the target's argmax, then the target's argmax after it (the bonus token)."""
-    target_next = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
-    n_accepted = _leading_true(drafted == target_next[:, :-1])
-    return n_accepted, target_next[jnp.arange(drafted.shape[0]), n_accepted]
 
 
 def sample_accept(drafted: jax.Array, draft_probs: jax.Array, target_logits: jax.Array,
@@ -51,19 +43,6 @@ def sample_accept(drafted: jax.Array, draft_probs: jax.Array, target_logits: jax
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_at)
     next_token = jax.vmap(jax.random.categorical)(final_keys[:, 0], jnp.log(residual))
     return n_accepted, next_token.astype(jnp.int32)
-
-
-def draft_sample(draft_logits: jax.Array, sampling: SamplingParams, keys: jax.Array,
-                 target_ids: jax.Array, target_vocab: int) -> tuple[jax.Array, jax.Array]:
-    """Sample one draft token per row from warped draft logits [B,DV] (keys [B,2]).
-
-    Returns (target token ids [B], the draft distribution over the target vocabulary
-    [B,V]); target_ids [DV] maps draft indices to target ids."""
-    log_q = target_log_probs(draft_logits, sampling)
-    index = jax.vmap(jax.random.categorical)(keys, log_q)
-    probs = jnp.zeros((draft_logits.shape[0], target_vocab), jnp.float32)
-    probs = probs.at[:, target_ids].set(jnp.exp(log_q))
-    return target_ids[index].astype(jnp.int32), probs
 
 
 def _path_to(tree: Tree, node: jax.Array, max_depth: int) -> jax.Array:
@@ -155,3 +134,20 @@ def tree_sample_accept(tree: Tree, target_logits: jax.Array, sampling: SamplingP
     next_token = jax.vmap(jax.random.categorical)(final_keys[:, 0], jnp.log(residual))
     return (_path_to(tree, current, max_depth), tree.depths[rows, current],
             next_token.astype(jnp.int32))
+
+
+def verify(tree: Tree, target_logits: jax.Array, draft_probs: jax.Array | None,
+           spec: SpecConfig, greedy: bool, sampling: SamplingParams,
+           keys: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(path [B,D+1], accepted draft tokens [B], next token [B]) of a round drafted as
+    `spec` says: greedy matching, min(1, p/q) for a sampled chain (`draft_probs` [B,K,V]),
+    recursive rejection for a tree. keys [B,2] one per row."""
+    depth = spec.max_depth
+    if greedy:
+        return tree_greedy_accept(tree, target_logits, depth)
+    if spec.is_chain:
+        n_accepted, bonus = sample_accept(tree.tokens[:, 1:], draft_probs, target_logits,
+                                          sampling, keys)
+        path = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), tree.tokens.shape)
+        return path, n_accepted, bonus
+    return tree_sample_accept(tree, target_logits, sampling, keys, depth, spec.max_children)

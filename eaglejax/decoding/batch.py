@@ -13,11 +13,13 @@ import numpy as np
 from eaglejax import compilation_cache
 from eaglejax.decoding import plain
 from eaglejax.decoding.buckets import bucket
+from eaglejax.decoding.calibration import calibration_loop
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculative import spec_loop, spec_prefill
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.sharding.mesh import mesh_context
+from eaglejax.sharding.placement import replicate
 from eaglejax.target import Target
 
 if TYPE_CHECKING:
@@ -32,13 +34,15 @@ def cache_capacity(prompt_tokens: int, max_new_tokens: int, extra: int = 0) -> i
 
 
 class DecodeRun(NamedTuple):
-    """A finished decode: the loop's final state and its timings (compiling excluded from
-    prefill_s and decode_s)."""
+    """A finished decode: the loop's final state, its timings (compiling excluded from
+    prefill_s and decode_s) and, when asked for, the calibration counts [B,S*(1+L)]
+    (`decoding.calibration`)."""
 
     state: object
     compile_s: float
     prefill_s: float
     decode_s: float
+    calibration: jax.Array | None = None
 
 
 class Timed(NamedTuple):
@@ -64,7 +68,9 @@ def compile_then_run(fn, *args, **kwargs) -> Timed:
 def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seeds: list[int],
            sampling: SamplingParams, max_new_tokens: int, criteria: StopCriteria,
            spec: SpecConfig | None, calibration_sizes: tuple[int, ...] = ()) -> DecodeRun:
-    """Prefill and decode validated token-id prompts in one compiled batch."""
+    """Prefill and decode validated token-id prompts in one compiled batch; with
+    `calibration_sizes`, greedily with `spec`'s largest tree, counting what each smaller
+    size would have accepted (`decoding.calibration`)."""
     batch = len(encoded)
     lengths = [len(ids) for ids in encoded]
     prompt_len = bucket(max(lengths), 16)
@@ -82,7 +88,6 @@ def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seed
     args = (target.params, target.config)
     prompt, prompt_lengths = jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32)
     if target.mesh is not None:  # every process passes the same inputs, replicated
-        from eaglejax.sharding.placement import replicate
 
         prompt, prompt_lengths, row_keys, sampling, max_new = replicate(
             (prompt, prompt_lengths, row_keys, sampling, max_new), target.mesh)
@@ -101,11 +106,18 @@ def _decode_compiled(target, draft, args, prompt, prompt_lengths, row_keys, samp
         decoded = compile_then_run(plain.decode_loop, *args, prefilled.result, sampling,
                                     max_new, greedy=greedy, **common)
     else:
-        spec_args = dict(spec=spec, greedy=greedy, calibration_sizes=calibration_sizes, **common)
         prefilled = compile_then_run(
             spec_prefill, *args, draft.params, draft.config, prompt, prompt_lengths, row_keys,
-            sampling, max_new, capacity=capacity, max_tokens=max_tokens, **spec_args)
-        decoded = compile_then_run(spec_loop, *args, draft.params, draft.config, draft.d2t,
-                                    prefilled.result, sampling, max_new, **spec_args)
+            sampling, max_new, capacity=capacity, max_tokens=max_tokens, spec=spec,
+            greedy=greedy, **common)
+        loop_args = (*args, draft.params, draft.config, draft.d2t, prefilled.result, sampling,
+                     max_new)
+        if calibration_sizes:
+            decoded = compile_then_run(calibration_loop, *loop_args, spec=spec,
+                                        sizes=calibration_sizes, **common)
+            state, counts = decoded.result
+            return DecodeRun(state, prefilled.compile_s + decoded.compile_s, prefilled.run_s,
+                             decoded.run_s, counts)
+        decoded = compile_then_run(spec_loop, *loop_args, spec=spec, greedy=greedy, **common)
     return DecodeRun(decoded.result, prefilled.compile_s + decoded.compile_s,
                      prefilled.run_s, decoded.run_s)

@@ -11,15 +11,27 @@ also answers for "size s with the branch in place of its weakest nodes" (`lookup
 where the whole n-gram matched, that tree is the s - n best nodes plus the copied tokens
 hung under the deepest of those nodes already holding their prefix; every node of it has a
 twin with the same path in the grafted largest tree, so its acceptance is exact too.
+`calibration_loop` is the greedy speculative loop with these counters beside its state;
+the loop that decodes (`speculative.spec_loop`) carries none of them.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from eaglejax.config import ModelConfig
 from eaglejax.decoding.acceptance import greedy_accepted_nodes
+from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.decoding.speculative import Round, SpecState, verified_round
+from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.decoding.tree import Tree
+from eaglejax.draft.config import DraftConfig
+from eaglejax.models.attention import AttentionImpl
+from eaglejax.models.llama import Params
 
 
 def _deepest(tree: Tree, nodes: jax.Array) -> jax.Array:
@@ -63,3 +75,44 @@ def lookup_subtree_acceptance(tree: Tree, target_logits: jax.Array, max_depth: i
         fitted = jnp.maximum(_deepest(tree, accepted & kept), jnp.minimum(agreed, held + lookup))
         counts.append(jnp.where(use, fitted, _deepest(tree, accepted & (tree.ranks < s))))
     return jnp.stack(counts, axis=1)
+
+
+def round_counts(done: Round, spec: SpecConfig, sizes: tuple[int, ...]) -> jax.Array:
+    """[B,S*(1+L)] for one round: per size s, the draft tokens the best s-node subtree
+    accepted; with a lookup branch of L tokens, L more blocks of S columns for a branch of
+    1..L of those tokens in place of the weakest nodes (zero for rows already done)."""
+    tree, logits, depth = done.drafted.tree, done.target_logits, spec.max_depth
+    counts = [subtree_acceptance(tree, logits, depth, sizes)]
+    if spec.lookup:
+        copied, matched = done.drafted.branch
+        counts += [lookup_subtree_acceptance(tree, logits, depth, sizes, copied, matched, n)
+                   for n in range(1, spec.lookup + 1)]
+    return done.running[:, None] * jnp.concatenate(counts, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "stop",
+                                             "attn_impl", "sizes"),
+                   donate_argnames=("state",))
+def calibration_loop(params: Params, config: ModelConfig, draft_params: Params,
+                     draft_config: DraftConfig, d2t: jax.Array, state: SpecState,
+                     sampling: SamplingParams, max_new_tokens: jax.Array, *, spec: SpecConfig,
+                     stop: StopCriteria, sizes: tuple[int, ...],
+                     attn_impl: AttentionImpl = "auto") -> tuple[SpecState, jax.Array]:
+    """Greedy speculative decoding with the largest dynamic tree `spec` (a lookup branch, if
+    any, grafted) until every row finishes, and the summed `round_counts` [B,S*(1+L)]."""
+    if spec.method != "tree" or spec.lookup_replaces:
+        raise ValueError(f"calibration counts need a dynamic tree whose lookup branch (if any) "
+                         f"is grafted, not {spec.describe()}")
+    play = verified_round(params, config, draft_params, draft_config, d2t, sampling,
+                          max_new_tokens, spec=spec, greedy=True, stop=stop,
+                          attn_impl=attn_impl)
+
+    def step(carry: tuple[SpecState, jax.Array]) -> tuple[SpecState, jax.Array]:
+        s, counts = carry
+        s, done = play(s)
+        return s, counts + round_counts(done, spec, sizes)
+
+    batch = state.last_token.shape[0]
+    counts = jnp.zeros((batch, len(sizes) * (1 + spec.lookup)), jnp.int32)
+    return jax.lax.while_loop(lambda carry: jnp.any(carry[0].out.running), step,
+                              (state, counts))

@@ -1,4 +1,6 @@
-"""Drafting one speculative round with an EAGLE head: a chain, a dynamic tree or a static tree.
+"""Drafting one speculative round with an EAGLE head: a chain, P-EAGLE's parallel chain or
+lattice tree, a dynamic tree or a static tree, plus an optional context-lookup branch
+(`draft_round` picks the drafter the `SpecConfig` names).
 
 Every drafter starts from the head's proposal for the token after the root (the last
 accepted token x_n): its draft-vocabulary logits and the un-normed hidden state that
@@ -17,9 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax.decoding.acceptance import draft_sample
-from eaglejax.decoding.sampling import SamplingParams
-from eaglejax.decoding.tree import StaticShape, Tree, select_tree, tree_from_parents
+from eaglejax.decoding import lookup
+from eaglejax.decoding.sampling import SamplingParams, draft_sample
+from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.decoding.tree import (
+    StaticShape,
+    Tree,
+    chain_tree,
+    select_tree,
+    static_shape,
+    tree_from_parents,
+)
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.head import draft_forward, head_logits
 from eaglejax.models import kv_cache
@@ -208,3 +218,45 @@ def draft_static_tree(head: Head, root: Root, shape: StaticShape) -> Tree:
             hidden_of[i], choices[i] = picked[:, j], top[:, j]
     return tree_from_parents(tokens, jnp.broadcast_to(jnp.asarray(parents), (batch, n_nodes)),
                              shape.max_depth)
+
+
+class Drafted(NamedTuple):
+    """One round's draft: the tree to verify, the draft distributions [B,K,V] of a sampled
+    chain (None otherwise), and the lookup branch (None without one): the copied tokens
+    [B,L] and the rows [B] where their whole n-gram matched."""
+
+    tree: Tree
+    probs: jax.Array | None
+    branch: tuple[jax.Array, jax.Array] | None
+
+
+def draft_round(head: Head, root: Root, spec: SpecConfig, greedy: bool,
+                sampling: SamplingParams, keys: jax.Array, vocab: int, context: jax.Array,
+                context_lengths: jax.Array) -> Drafted:
+    """The draft `spec` asks for, rooted at `root`; with `spec.lookup`, a branch copied from
+    each row's context [B,C] (x_0..x_n, n = `context_lengths`) grafted on or fitted in."""
+    probs = None
+    if spec.method == "chain":
+        drafted, probs = draft_chain(head, root, spec.num_draft_tokens, greedy, sampling, keys,
+                                     vocab)
+        tree = chain_tree(root.token, drafted)
+    elif spec.method == "parallel":
+        drafted, probs = draft_parallel(head, root, greedy, sampling, keys, vocab)
+        tree = chain_tree(root.token, drafted)
+    elif spec.method == "parallel_tree":
+        tree = draft_parallel_tree(root, head.draft_ids, spec.top_k, spec.depth,
+                                   spec.total_tokens)
+    elif spec.method == "tree":
+        tree = draft_dynamic_tree(head, root, spec.top_k, spec.depth, spec.total_tokens)
+    else:
+        tree = draft_static_tree(head, root, static_shape(spec.paths))
+    if not spec.lookup:
+        return Drafted(tree, probs, None)
+    copied, matched = lookup.continuation(context, context_lengths, spec.lookup_ngram,
+                                          spec.draft_depth + spec.lookup)
+    matched = matched >= spec.lookup_ngram
+    if spec.lookup_replaces:
+        tree = lookup.fit(tree, copied, matched, spec.draft_depth, spec.lookup)
+    else:
+        tree = lookup.graft(tree, copied, spec.draft_depth, spec.lookup)
+    return Drafted(tree, probs, (copied, matched))

@@ -14,11 +14,12 @@ import jax.numpy as jnp
 
 from eaglejax.config import ModelConfig
 from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
+from eaglejax.decoding.prefill import PREFILL_CHUNK, prefill_target
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
 from eaglejax.decoding.stopping import StopCriteria, StopTable
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
-from eaglejax.models.llama import Params, compute_dtype, forward, forward_chunked, lm_head
+from eaglejax.models.llama import Params, forward, lm_head
 
 
 class DecodeState(NamedTuple):
@@ -29,44 +30,6 @@ class DecodeState(NamedTuple):
     out: Output
     row_keys: jax.Array  # [B] PRNG keys, one per row
     forwards: jax.Array  # int32 scalar: target forwards run by the loop
-
-
-PREFILL_CHUNK = 512  # prompt tokens per prefill block
-
-
-class Prefilled(NamedTuple):
-    """A prefilled prompt batch: the cache (lengths = prompt lengths), the logits at each
-    row's last prompt token [B,V], and every position's final-normed hidden state [B,P,H]
-    and taps (or None)."""
-
-    cache: kv_cache.KVCache
-    logits: jax.Array
-    hidden: jax.Array
-    taps: jax.Array | None
-
-
-def prefill_target(params: Params, config: ModelConfig, prompt: jax.Array,
-                   prompt_lengths: jax.Array, capacity: int, tap_layers: tuple[int, ...] = (),
-                   attn_impl: AttentionImpl = "auto", chunk: int = PREFILL_CHUNK) -> Prefilled:
-    """Run right-padded prompts [B,P] into a fresh cache of `capacity` slots.
-
-    A prompt longer than `chunk` runs `chunk` tokens at a time, each block attending to the
-    cache written so far plus itself, so memory grows linearly with P."""
-    batch, prompt_len = prompt.shape
-    cache = kv_cache.init_cache(config.num_layers, batch, capacity, config.num_kv_heads,
-                                config.head_dim, compute_dtype(params))
-    if prompt_len <= chunk:
-        positions = jnp.broadcast_to(jnp.arange(prompt_len)[None], (batch, prompt_len))
-        out = forward(params, config, prompt, positions, None, tap_layers=tap_layers,
-                      attn_impl=attn_impl)
-        cache = kv_cache.append(cache, out.k_new, out.v_new, prompt_lengths)
-        hidden, taps = out.hidden, out.taps
-    else:
-        hidden, taps, cache = forward_chunked(params, config, prompt, cache, chunk=chunk,
-                                              tap_layers=tap_layers, attn_impl=attn_impl)
-        cache = cache._replace(lengths=prompt_lengths)
-    last_hidden = hidden[jnp.arange(batch), prompt_lengths - 1]
-    return Prefilled(cache, lm_head(params, last_hidden), hidden, taps)
 
 
 def prefill_state(params: Params, config: ModelConfig, prompt: jax.Array,

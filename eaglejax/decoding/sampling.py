@@ -1,4 +1,5 @@
-"""Turning logits into the target distribution (temperature, top-k, top-p) and sampling it."""
+"""Turning logits into warped distributions (temperature, top-k, top-p) and sampling them:
+the target's tokens and the draft head's (with the draft distribution, for verification)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,16 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, keys: jax.Array,
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     log_probs = target_log_probs(logits, params)
     return jax.vmap(jax.random.categorical)(keys, log_probs).astype(jnp.int32)
+
+
+def draft_sample(draft_logits: jax.Array, sampling: SamplingParams, keys: jax.Array,
+                 target_ids: jax.Array, target_vocab: int) -> tuple[jax.Array, jax.Array]:
+    """Sample one draft token per row from warped draft logits [B,DV] (keys [B,2]).
+
+    Returns (target token ids [B], the draft distribution over the target vocabulary
+    [B,V]); target_ids [DV] maps draft indices to target ids."""
+    log_q = target_log_probs(draft_logits, sampling)
+    index = jax.vmap(jax.random.categorical)(keys, log_q)
+    probs = jnp.zeros((draft_logits.shape[0], target_vocab), jnp.float32)
+    probs = probs.at[:, target_ids].set(jnp.exp(log_q))
+    return target_ids[index].astype(jnp.int32), probs

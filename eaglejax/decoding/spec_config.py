@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Sequence
 
-from eaglejax.decoding.tree import num_candidates
+import numpy as np
+
+from eaglejax.decoding.tree import max_nodes, static_shape
 from eaglejax.errors import InputError
 
 Method = Literal["chain", "parallel", "tree", "parallel_tree", "static"]
@@ -86,10 +88,10 @@ class SpecConfig:
         if self.method in ("tree", "parallel_tree"):
             _positive_int("top_k", self.top_k, 64)
             _positive_int("depth", self.depth, 32)
-            most = num_candidates(self.top_k, self.depth) + 1
-            if not isinstance(self.total_tokens, int) or not 2 <= self.total_tokens <= min(most, 256):
-                raise InputError(f"total_tokens must be an integer in [2, {min(most, 256)}] for "
-                                 f"top_k={self.top_k}, depth={self.depth}; got {self.total_tokens!r}")
+            most = min(max_nodes(self.top_k, self.depth), 256)
+            if not isinstance(self.total_tokens, int) or not 2 <= self.total_tokens <= most:
+                raise InputError(f"total_tokens must be an integer in [2, {most}] for top_k="
+                                 f"{self.top_k}, depth={self.depth}; got {self.total_tokens!r}")
         if self.method == "static":
             object.__setattr__(self, "paths", normalize_paths(self.paths))
         if self.lookup != 0:
@@ -192,6 +194,17 @@ class SpecConfig:
         if self.method in ("tree", "parallel_tree"):
             return self.depth
         return max(len(p) for p in self.paths)
+
+    @property
+    def max_children(self) -> int:
+        """Most children of one node (a lookup branch may add one to any node)."""
+        if self.method in ("tree", "parallel_tree"):
+            most = self.top_k
+        elif self.method == "static":
+            most = int(np.bincount(static_shape(self.paths).parents[1:]).max())
+        else:
+            most = 1
+        return most + (self.lookup > 0)
 
     @property
     def num_nodes(self) -> int:

@@ -22,27 +22,29 @@ copied from it onto every round's tree (`decoding.lookup`).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.config import ModelConfig
-from eaglejax.decoding import calibration, lookup
-from eaglejax.decoding.acceptance import sample_accept, tree_greedy_accept, tree_sample_accept
-from eaglejax.decoding.drafting import (
-    Head, Root, draft_chain, draft_dynamic_tree, draft_parallel, draft_parallel_tree,
-    draft_static_tree)
+from eaglejax.decoding import lookup
+from eaglejax.decoding.acceptance import verify
+from eaglejax.decoding.drafting import Drafted, Head, Root, draft_round
 from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
-from eaglejax.decoding.plain import PREFILL_CHUNK, Prefilled, prefill_target
+from eaglejax.decoding.prefill import PREFILL_CHUNK, Prefilled, prefill_target
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopCriteria, StopTable
-from eaglejax.decoding.tree import chain_tree, static_shape
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.head import (
-    draft_forward, draft_forward_chunked, head_logits, mask_slots, to_target_ids)
+    draft_forward,
+    draft_forward_chunked,
+    head_logits,
+    mask_slots,
+    to_target_ids,
+)
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import ForwardOutput, Params, compute_dtype, forward, lm_head
@@ -60,8 +62,16 @@ class SpecState(NamedTuple):
     row_keys: jax.Array  # [B] PRNG keys, one per row (sampling)
     accept_hist: jax.Array  # [B,D+1] rounds per row that accepted exactly a draft tokens
     forwards: jax.Array  # int32 scalar: target forwards in the loop
-    size_accepted: jax.Array  # [B,S*(1+lookup)]: see `spec_loop`
     context: jax.Array  # [B,C] x_0..x_n per row when spec.lookup, else [B,0]
+
+
+class Round(NamedTuple):
+    """What one round drafted and what the target made of it (for counters kept outside the
+    loop state, e.g. `decoding.calibration`)."""
+
+    drafted: Drafted
+    target_logits: jax.Array  # [B,N,V] at the tree's nodes
+    running: jax.Array  # [B] rows that were still generating
 
 
 def _features(out: ForwardOutput | Prefilled, draft_config: DraftConfig) -> jax.Array:
@@ -75,9 +85,9 @@ def _catch_up(draft_params: Params, draft_config: DraftConfig, target_params: Pa
     """Run the head over a block of new positions starting at each row's cache length, keep
     the first n_accepted [B] rows, and return (cache, logits, hidden) at the last kept one.
 
-    `slots` (P-EAGLE; None otherwise) mask slots ride in the same forward after each row's last kept row
-    (positions continuing from it, seeing the kept rows and each other only): logits
-    [B,1+slots,DV], the next token's and the mask slots' proposals."""
+    `slots` (P-EAGLE; None otherwise) mask slots ride in the same forward after each row's
+    last kept row (positions continuing from it, seeing the kept rows and each other only):
+    logits [B,1+slots,DV], the next token's and the mask slots' proposals."""
     batch, block = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(block)[None, :]
     mask = None
@@ -144,7 +154,6 @@ def prefill_state(params: Params, config: ModelConfig, draft_params: Params,
                   row_keys: jax.Array, sampling: SamplingParams, max_new_tokens: jax.Array, *,
                   capacity: int, max_tokens: int, spec: SpecConfig, greedy: bool,
                   stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto",
-                  calibration_sizes: tuple[int, ...] = (),
                   prefill_chunk: int = PREFILL_CHUNK) -> SpecState:
     """Prefill the target and the head on right-padded prompts (`prefill_chunk` positions at
     a time); record the first token."""
@@ -176,9 +185,7 @@ def prefill_state(params: Params, config: ModelConfig, draft_params: Params,
         context = lookup.write_context(context.at[:, :prompt.shape[1]].set(prompt),
                                        first[:, None], prompt_lengths)
     return SpecState(cache, draft_cache, first, draft_logits, draft_hidden, output, row_keys,
-                     jnp.zeros((batch, spec.max_depth + 1), jnp.int32), jnp.int32(0),
-                     jnp.zeros((batch, _calibration_width(spec, calibration_sizes)), jnp.int32),
-                     context)
+                     jnp.zeros((batch, spec.max_depth + 1), jnp.int32), jnp.int32(0), context)
 
 
 def spec_prefill(*args, **kwargs) -> SpecState:
@@ -189,46 +196,7 @@ def spec_prefill(*args, **kwargs) -> SpecState:
 spec_prefill.__wrapped__ = prefill_state  # its signature: static arguments by name or position
 spec_prefill = jax.jit(spec_prefill, static_argnames=(
     "config", "draft_config", "capacity", "max_tokens", "spec", "greedy", "stop", "attn_impl",
-    "calibration_sizes", "prefill_chunk"))
-
-
-
-
-def _calibration_width(spec: SpecConfig, sizes: tuple[int, ...]) -> int:
-    """Columns of `SpecState.size_accepted` (see `spec_loop`)."""
-    if sizes and (spec.method != "tree" or spec.lookup_replaces):
-        raise ValueError(f"calibration counts need a dynamic tree whose lookup branch (if any) "
-                         f"is grafted, not {spec.describe()}")
-    return len(sizes) * (1 + spec.lookup)
-
-
-def _draft_round(head: Head, root: Root, spec: SpecConfig, greedy: bool,
-                 sampling: SamplingParams, keys: jax.Array, vocab: int):
-    """The round's tree and, for a sampled chain, the draft distributions [B,K,V]."""
-    if spec.method == "chain":
-        drafted, probs = draft_chain(head, root, spec.num_draft_tokens, greedy, sampling, keys,
-                                     vocab)
-        return chain_tree(root.token, drafted), probs
-    if spec.method == "parallel":
-        drafted, probs = draft_parallel(head, root, greedy, sampling, keys, vocab)
-        return chain_tree(root.token, drafted), probs
-    if spec.method == "parallel_tree":
-        return draft_parallel_tree(root, head.draft_ids, spec.top_k, spec.depth,
-                                   spec.total_tokens), None
-    if spec.method == "tree":
-        return draft_dynamic_tree(head, root, spec.top_k, spec.depth, spec.total_tokens), None
-    return draft_static_tree(head, root, static_shape(spec.paths)), None
-
-
-def _max_children(spec: SpecConfig) -> int:
-    """Most children of one node (a lookup branch may add one to any node)."""
-    if spec.method in ("tree", "parallel_tree"):
-        most = spec.top_k
-    elif spec.method == "static":
-        most = int(np.bincount(static_shape(spec.paths).parents[1:]).max())
-    else:
-        most = 1
-    return most + (spec.lookup > 0)
+    "prefill_chunk"))
 
 
 def _commit_path(cache: kv_cache.KVCache, k_new: tuple[jax.Array, ...],
@@ -236,41 +204,41 @@ def _commit_path(cache: kv_cache.KVCache, k_new: tuple[jax.Array, ...],
     """Write the accepted path's K/V rows (per layer [B,N,kv,D], path [B,D+1]) into the
     consecutive slots after each row's prefix (lengths unchanged)."""
     pick = lambda rows: jnp.take_along_axis(rows, path[:, :, None, None], axis=1)  # noqa: E731
-    k = tuple(kv_cache.write_block(buf, pick(new), cache.lengths) for buf, new in zip(cache.k, k_new))
-    v = tuple(kv_cache.write_block(buf, pick(new), cache.lengths) for buf, new in zip(cache.v, v_new))
+    write = lambda buf, new: kv_cache.write_block(buf, pick(new), cache.lengths)  # noqa: E731
+    k = tuple(write(buf, new) for buf, new in zip(cache.k, k_new))
+    v = tuple(write(buf, new) for buf, new in zip(cache.v, v_new))
     return kv_cache.KVCache(k, v, cache.lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "greedy",
-                                             "stop", "attn_impl", "calibration_sizes"),
+                                             "stop", "attn_impl"),
                    donate_argnames=("state",))
 def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
               draft_config: DraftConfig, d2t: jax.Array, state: SpecState,
               sampling: SamplingParams, max_new_tokens: jax.Array, *, spec: SpecConfig,
-              greedy: bool, stop: StopCriteria, attn_impl: AttentionImpl = "auto",
-              calibration_sizes: tuple[int, ...] = ()) -> SpecState:
+              greedy: bool, stop: StopCriteria, attn_impl: AttentionImpl = "auto") -> SpecState:
     """Speculate (chain, dynamic tree or static tree, per `spec`) until every row finishes
     (`round_step` is one round)."""
     step = round_step(params, config, draft_params, draft_config, d2t, sampling, max_new_tokens,
-                      spec=spec, greedy=greedy, stop=stop, attn_impl=attn_impl,
-                      calibration_sizes=calibration_sizes)
+                      spec=spec, greedy=greedy, stop=stop, attn_impl=attn_impl)
     return jax.lax.while_loop(lambda s: jnp.any(s.out.running), step, state)
 
 
-def round_step(params: Params, config: ModelConfig, draft_params: Params,
-               draft_config: DraftConfig, d2t: jax.Array, sampling: SamplingParams,
-               max_new_tokens: jax.Array, *, spec: SpecConfig, greedy: bool,
-               stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto",
-               calibration_sizes: tuple[int, ...] = ()):
-    """One speculative round as a function SpecState -> SpecState (traced inside a loop):
-    greedy matching, or lossless speculative sampling when not `greedy`.
+def round_step(*args, **kwargs) -> Callable[[SpecState], SpecState]:
+    """One speculative round as a function SpecState -> SpecState (arguments as for
+    `verified_round`)."""
+    play = verified_round(*args, **kwargs)
+    return lambda s: play(s)[0]
 
-    `calibration_sizes` (greedy dynamic trees only) also counts in `size_accepted` [B,S],
-    per row, the draft tokens the best s-node subtree of each round's tree would have
-    accepted, for each s given: exact, since those subtrees are the trees a smaller
-    `total_tokens` would have drafted. With a (grafted) lookup branch of L tokens, L more
-    blocks of S columns count what each size would have accepted with a branch of 1..L of
-    those tokens in place of its weakest nodes (`decoding.calibration`).
+
+def verified_round(params: Params, config: ModelConfig, draft_params: Params,
+                   draft_config: DraftConfig, d2t: jax.Array, sampling: SamplingParams,
+                   max_new_tokens: jax.Array, *, spec: SpecConfig, greedy: bool,
+                   stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto"
+                   ) -> Callable[[SpecState], tuple[SpecState, Round]]:
+    """One speculative round as a function SpecState -> (SpecState, Round), traced inside a
+    loop: draft (`drafting.draft_round`), verify in one target forward (`acceptance.verify`:
+    greedy matching, or lossless speculative sampling when not `greedy`), commit, catch up.
     """
     depth = spec.max_depth
     head = Head(draft_params, draft_config, params,
@@ -279,37 +247,23 @@ def round_step(params: Params, config: ModelConfig, draft_params: Params,
     parallel_slots = spec.draft_depth - 1 if spec.is_parallel else None
     spec.check_sampling(greedy)
 
-    def step(s: SpecState) -> SpecState:
+    def step(s: SpecState) -> tuple[SpecState, Round]:
         running = s.out.running
         rows = jnp.arange(running.shape[0])
         # A row's randomness depends only on its seed and how many tokens it has.
         keys = jax.vmap(lambda key: jax.random.split(key, depth + 1))(
             row_step_keys(s.row_keys, s.out.counts))
         root = Root(s.last_token, s.draft_logits, s.draft_hidden, s.draft_cache)
-        tree, draft_probs = _draft_round(head, root, spec, greedy, sampling, keys,
-                                         config.vocab_size)
-        if spec.lookup:
-            copied, matched = lookup.continuation(s.context, s.target_cache.lengths,
-                                                  spec.lookup_ngram, spec.draft_depth + spec.lookup)
-            if spec.lookup_replaces:
-                tree = lookup.fit(tree, copied, matched >= spec.lookup_ngram, spec.draft_depth,
-                                  spec.lookup)
-            else:
-                tree = lookup.graft(tree, copied, spec.draft_depth, spec.lookup)
+        drafted = draft_round(head, root, spec, greedy, sampling, keys, config.vocab_size,
+                              s.context, s.target_cache.lengths)
+        tree = drafted.tree
         positions = s.target_cache.lengths[:, None] + tree.depths
         verified = forward(params, config, tree.tokens, positions, s.target_cache,
                            mask=tree.mask, tap_layers=draft_config.tap_layers,
                            attn_impl=attn_impl)
         logits = lm_head(params, verified.hidden)
-        if spec.is_chain and not greedy:
-            n_accepted, bonus = sample_accept(tree.tokens[:, 1:], draft_probs, logits, sampling,
-                                              keys[:, depth])
-            path = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), tree.tokens.shape)
-        elif greedy:
-            path, n_accepted, bonus = tree_greedy_accept(tree, logits, depth)
-        else:
-            path, n_accepted, bonus = tree_sample_accept(tree, logits, sampling, keys[:, depth],
-                                                         depth, _max_children(spec))
+        path, n_accepted, bonus = verify(tree, logits, drafted.probs, spec, greedy, sampling,
+                                         keys[:, depth])
         # Emitted this round: the accepted draft tokens, then the bonus; one at a time so
         # EOS, stop sequences and max_new_tokens cut exactly.
         path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)
@@ -335,15 +289,9 @@ def round_step(params: Params, config: ModelConfig, draft_params: Params,
         if spec.lookup:
             context = lookup.write_context(context, emitted, s.target_cache.lengths + 1)
         hist = s.accept_hist.at[rows, n_accepted].add(running.astype(jnp.int32))
-        size_accepted = s.size_accepted
-        if calibration_sizes:
-            counts = [calibration.subtree_acceptance(tree, logits, depth, calibration_sizes)]
-            counts += [calibration.lookup_subtree_acceptance(
-                tree, logits, depth, calibration_sizes, copied, matched >= spec.lookup_ngram, n)
-                for n in range(1, spec.lookup + 1)]
-            size_accepted = size_accepted + running[:, None] * jnp.concatenate(counts, axis=1)
-        return SpecState(target_cache, draft_cache, jnp.where(running, bonus, s.last_token),
-                         draft_logits, draft_hidden, out, s.row_keys, hist, s.forwards + 1,
-                         size_accepted, context)
+        state = SpecState(target_cache, draft_cache, jnp.where(running, bonus, s.last_token),
+                          draft_logits, draft_hidden, out, s.row_keys, hist, s.forwards + 1,
+                          context)
+        return state, Round(drafted, logits, running)
 
     return step

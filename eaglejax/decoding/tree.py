@@ -43,6 +43,11 @@ def num_candidates(top_k: int, depth: int) -> int:
     return top_k + (depth - 1) * top_k * top_k
 
 
+def max_nodes(top_k: int, depth: int) -> int:
+    """The largest EAGLE-2 tree of this top_k and depth: every candidate plus the root."""
+    return num_candidates(top_k, depth) + 1
+
+
 def select_tree(root_tokens: jax.Array, cand_tokens: jax.Array, cand_scores: jax.Array,
                 cand_parents: jax.Array, total_tokens: int, max_depth: int) -> Tree:
     """Keep the best `total_tokens - 1` candidates per row and build their tree.

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax.draft.config import DraftConfig
-from eaglejax.draft.head import draft_forward, head_logits, mask_slots, to_target_logits
 from eaglejax import validation
+from eaglejax.draft.config import DraftConfig
+from eaglejax.draft.formats.native import write_head
+from eaglejax.draft.head import (
+    draft_forward,
+    head_logits,
+    init_params,
+    mask_slots,
+    to_target_logits,
+)
 from eaglejax.errors import InputError
 from eaglejax.models.llama import Params
-
-if TYPE_CHECKING:
-    from eaglejax.target import Target
+from eaglejax.sharding.placement import replicate
+from eaglejax.target import Target, default_tap_layers
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attn_impl"))
@@ -104,8 +110,6 @@ class Draft:
     def for_target(self, target: "Target") -> "Draft":
         """This head for `target`, the same model placed elsewhere (`Target.on_mesh`): on
         a mesh the head is replicated on every device (see `eaglejax.sharding.placement`)."""
-        from eaglejax.sharding.placement import replicate
-
         params, d2t = self.params, self.d2t
         if target.mesh is not None:
             params, d2t = replicate((params, d2t), target.mesh)
@@ -113,9 +117,7 @@ class Draft:
 
     def save(self, path: str) -> None:
         """Write the head in eaglejax's own format (a new or empty directory)."""
-        from eaglejax.draft.formats.native import save_draft
-
-        save_draft(self, path)
+        write_head(self.config, self.params, self.d2t, self.source, path)
 
 
 def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
@@ -134,9 +136,6 @@ def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
     whose mask token gets its own trainable embedding `mask_embed` (starting from the
     target's row); `own_embedding`: the head keeps a trainable copy of the whole table.
     """
-    from eaglejax.draft.head import init_params
-    from eaglejax.target import default_tap_layers
-
     c = target.config
     used = np.arange(c.vocab_size) if used_tokens is None else np.asarray(used_tokens)
     if used.ndim != 1 or np.any(np.diff(used) <= 0) or used[0] < 0 or used[-1] >= c.vocab_size:

@@ -10,10 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.draft.draft import Draft
+from eaglejax.draft.formats import READERS
+from eaglejax.draft.formats.native import FORMAT, manifest_format
+from eaglejax.draft.formats.speculators import is_speculators
 from eaglejax.errors import LoadError
+from eaglejax.loading.hf_dir import HFWeights, read_json
+from eaglejax.sharding.placement import replicate
 
 if TYPE_CHECKING:
-    from eaglejax.loading.hf_dir import HFWeights
     from eaglejax.target import Target
 
 _EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -23,10 +27,6 @@ _EAGLE1_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 def detect_format(path: Path) -> tuple[str, "HFWeights | None"]:
     """The layout of a head directory ("eaglejax", "speculators", "eagle3" or "eagle1"), and
     its opened weights when they had to be looked at."""
-    from eaglejax.draft.formats.native import FORMAT, manifest_format
-    from eaglejax.draft.formats.speculators import is_speculators
-    from eaglejax.loading.hf_dir import HFWeights, read_json
-
     found = manifest_format(path)
     if found == FORMAT:
         return "eaglejax", None
@@ -61,8 +61,6 @@ def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | N
 
     Parameters are cast to `dtype`, by default the target's.
     """
-    from eaglejax.draft.formats import READERS
-
     path = Path(path).expanduser()
     if not path.exists():
         raise LoadError(f"{path}: no such file or directory")
@@ -73,8 +71,6 @@ def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | N
     config, params, d2t = READERS[layout](path, target.config, weights)
     dtype = jnp.dtype(dtype) if dtype is not None else target.dtype
     if target.mesh is not None:  # replicated on every device: see sharding.placement
-        from eaglejax.sharding.placement import replicate
-
         host = jax.tree.map(lambda a: np.asarray(a).astype(dtype), params)
         params, d2t = replicate((host, np.asarray(d2t, np.int32)), target.mesh)
         return Draft(config, params, d2t, target, str(path))

@@ -9,11 +9,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from eaglejax.config import ModelConfig
 from eaglejax import validation
+from eaglejax.config import ModelConfig
 from eaglejax.errors import InputError, LoadError
+from eaglejax.loading import checkpoint
+from eaglejax.loading.builtin import resolve_builtin
 from eaglejax.loading.files import require_regular_file
+from eaglejax.loading.gguf_file import read_gguf
+from eaglejax.loading.hf_dir import HFWeights, read_json
+from eaglejax.loading.weights import params_from_hf
+from eaglejax.sharding.placement import TargetPlacement
 from eaglejax.target import FLOAT_DTYPES, Target
+from eaglejax.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
 
@@ -44,9 +51,6 @@ def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = Non
 
 
 def _load(path_or_name: str | Path, dtype: jnp.dtype | str | None, mesh: Mesh | None) -> Target:
-    from eaglejax.loading import checkpoint
-    from eaglejax.loading.builtin import resolve_builtin
-
     resolved = resolve_builtin(str(path_or_name)) if isinstance(path_or_name, str) else None
     path = Path(resolved or path_or_name).expanduser()
     if not path.exists():
@@ -73,9 +77,6 @@ def _load(path_or_name: str | Path, dtype: jnp.dtype | str | None, mesh: Mesh | 
 
 
 def _load_hf_dir(path: Path, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
-    from eaglejax.loading.hf_dir import HFWeights, read_json
-    from eaglejax.loading.weights import params_from_hf
-
     config_path = path / "config.json"
     config = ModelConfig.from_hf_dict(read_json(config_path), str(config_path))
     weights = HFWeights(path)
@@ -84,8 +85,6 @@ def _load_hf_dir(path: Path, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
                             placement and placement.place)
     config, mesh = (placement.config, placement.mesh) if placement else (config, None)
     if (path / "tokenizer.json").exists():
-        from eaglejax.tokenizer import Tokenizer
-
         tokenizer = Tokenizer.from_hf_dir(path)
         return Target(config, params, tokenizer, str(path), tuple(tokenizer.eos_token_ids),
                       mesh=mesh)
@@ -96,15 +95,12 @@ def _placement(config: ModelConfig, mesh: Mesh | None):
     """The plan for putting this model on `mesh`, or None without one."""
     if mesh is None:
         return None
-    from eaglejax.sharding.placement import TargetPlacement
 
     return TargetPlacement.plan(config, mesh)
 
 
 def _config_eos_ids(path: Path) -> tuple[int, ...]:
     """EOS ids from generation_config.json, else config.json (an int or a list)."""
-    from eaglejax.loading.hf_dir import read_json
-
     for name in ("generation_config.json", "config.json"):
         if (path / name).exists():
             eos = read_json(path / name).get("eos_token_id")
@@ -114,9 +110,6 @@ def _config_eos_ids(path: Path) -> tuple[int, ...]:
 
 
 def _load_gguf(path: Path, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
-    from eaglejax.loading.gguf_file import read_gguf
-    from eaglejax.loading.weights import params_from_hf
-
     model = read_gguf(path)
     config = ModelConfig.from_hf_dict(model.config, str(path))
     shapes = {name: tuple(t.shape) for name, t in model.tensors.items()}

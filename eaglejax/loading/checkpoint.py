@@ -25,6 +25,9 @@ from eaglejax.loading.files import file_checksums, verify_checksums, write_atomi
 from eaglejax.loading.hf_dir import read_json
 from eaglejax.loading.orbax_io import restore_tree
 from eaglejax.models.llama import Params, is_param_info, logical_axes, param_info
+from eaglejax.sharding.placement import TargetPlacement
+from eaglejax.sharding.rules import shardings
+from eaglejax.tokenizer import Tokenizer
 
 MANIFEST = "eaglejax.json"
 FORMAT, VERSION = "eaglejax-target", 1
@@ -68,8 +71,6 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None = Non
     `mesh`, each parameter is read straight into its sharding there (orbax reads only each
     device's slice) unless the model's KV heads must be widened for the mesh first
     (`eaglejax.sharding.placement`): then the caller places them."""
-    from eaglejax.tokenizer import Tokenizer
-
     manifest = read_json(path / MANIFEST)
     if manifest.get("format") != FORMAT:
         raise LoadError(f"{path / MANIFEST}: format is {manifest.get('format')!r}, "
@@ -88,9 +89,6 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None = Non
 
     abstract = jax.tree.map(stored, param_info(config), is_leaf=is_param_info)
     if mesh is not None:
-        from eaglejax.sharding.placement import TargetPlacement
-        from eaglejax.sharding.rules import shardings
-
         if TargetPlacement.plan(config, mesh).factor == 1:
             where = shardings(mesh, logical_axes(config), abstract)
             abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from eaglejax.errors import LoadError
 from eaglejax.loading.files import require_regular_file
-
-if TYPE_CHECKING:
-    from eaglejax.loading.safetensors_file import SafetensorsFile
+from eaglejax.loading.safetensors_file import SafetensorsFile
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -59,8 +57,6 @@ class HFWeights:
     """Uniform access to the tensors of an HF directory, whatever the file layout."""
 
     def __init__(self, directory: Path):
-        from eaglejax.loading.safetensors_file import SafetensorsFile
-
         self.directory = directory
         self._getters: dict[str, Callable[[], np.ndarray]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from eaglejax.sharding.rules import over_mesh
+
 _xla_only = False
 
 
@@ -25,6 +27,4 @@ def xla_only() -> Iterator[None]:
 def kernels_allowed() -> bool:
     """False inside `xla_only()` and while tracing over a device mesh (the partitioner
     cannot split a custom call: it would gather every sharded operand onto each device)."""
-    from eaglejax.sharding.rules import over_mesh
-
     return not _xla_only and not over_mesh()

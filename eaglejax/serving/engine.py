@@ -28,7 +28,12 @@ from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import (
-    FINISH_LENGTH, FINISH_NONE, FINISH_REASONS, StopCriteria, StopTable)
+    FINISH_LENGTH,
+    FINISH_NONE,
+    FINISH_REASONS,
+    StopCriteria,
+    StopTable,
+)
 from eaglejax.errors import ConfigError, InputError
 from eaglejax.sharding.distributed import fetch
 from eaglejax.sharding.mesh import mesh_context

@@ -24,6 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from eaglejax import native
 from eaglejax.config import ModelConfig
 from eaglejax.decoding import plain
+from eaglejax.decoding.batch import cache_capacity
+from eaglejax.decoding.prefill import PREFILL_CHUNK
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculative import spec_loop, spec_prefill
@@ -34,6 +36,7 @@ from eaglejax.models import kv_cache
 from eaglejax.models.llama import param_shapes
 from eaglejax.sharding.placement import TargetPlacement
 from eaglejax.sharding.rules import logical_spec
+from eaglejax.target import default_tap_layers
 
 # meta-llama/Llama-3.1-8B-Instruct's config.json (the fields eaglejax reads)
 LLAMA31_8B = {
@@ -66,8 +69,6 @@ def eagle3_config(target: ModelConfig, draft_vocab_size: int = EAGLE3_DRAFT_VOCA
                   tap_layers: tuple[int, ...] | None = None) -> DraftConfig:
     """A one-layer EAGLE-3 head for `target` (as `new_eagle3_draft` builds it). Default taps:
     layers 2, L/2 and L-3, or (0, L/2, L) for models too shallow for those."""
-    from eaglejax.target import default_tap_layers
-
     layers = target.num_layers
     if tap_layers is None:
         tap_layers = default_tap_layers(layers) if layers >= 5 else (0, layers // 2, layers)
@@ -119,8 +120,6 @@ class LoopShapes:
     max_new_tokens: int = 128
 
     def capacity(self, spec: SpecConfig | None) -> int:
-        from eaglejax.decoding.batch import cache_capacity
-
         return cache_capacity(self.prompt_len, self.max_new_tokens,
                               spec.num_nodes if spec else 0)
 
@@ -215,7 +214,7 @@ def loop_programs(config: ModelConfig, mesh: Mesh, shapes: LoopShapes = LoopShap
     first = add("prefill", plain.prefill, (params, placed, prompt, lengths, keys, sampling,
                                            max_new),
                 dict(capacity=shapes.capacity(None), max_tokens=max_tokens, **common),
-                min(shapes.prompt_len, plain.PREFILL_CHUNK))
+                min(shapes.prompt_len, PREFILL_CHUNK))
     state = first.out_shapes()
     add("decode", plain.decode_loop, (params, placed, _on_mesh(state, mesh), sampling,
                                       max_new), common, 1)
@@ -228,7 +227,7 @@ def loop_programs(config: ModelConfig, mesh: Mesh, shapes: LoopShapes = LoopShap
                       **common)
         first = add(f"spec_prefill[{spec_name}]", spec_prefill,
                     (params, placed, draft_params, draft_config, prompt, lengths, keys,
-                     sampling, max_new), kwargs, min(shapes.prompt_len, plain.PREFILL_CHUNK))
+                     sampling, max_new), kwargs, min(shapes.prompt_len, PREFILL_CHUNK))
         state = first.out_shapes()
         add(f"spec_loop[{spec_name}]", spec_loop,
             (params, placed, draft_params, draft_config, d2t, _on_mesh(state, mesh), sampling,

@@ -20,9 +20,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eaglejax.compilation_cache import cache_root
-from eaglejax.serving.engine import Engine, Request, SamplingOptions
 from eaglejax.errors import InputError
 from eaglejax.fingerprints import target_fingerprint
+from eaglejax.serving.engine import Engine, Request, SamplingOptions
 from eaglejax.target import Target
 from eaglejax.training.data import Conversation, parse_record, render_messages
 

@@ -27,16 +27,18 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from eaglejax import SpecConfig
+from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.draft import Draft, new_eagle3_draft
 from eaglejax.draft.head import to_target_ids
+from eaglejax.draft.loading import load_draft
 from eaglejax.errors import InputError, LoadError
 from eaglejax.fingerprints import draft_fingerprint, target_fingerprint
 from eaglejax.generate import generate
 from eaglejax.loading.orbax_io import describe_failure, drop_failed_restore_debris
 from eaglejax.models.llama import Params
 from eaglejax.sharding.mesh import mesh_context
+from eaglejax.sharding.placement import replicate, split_rows
 from eaglejax.target import Target
 from eaglejax.training.data import PackedRows
 from eaglejax.training.run import append_log, open_run, read_log, truncate_log
@@ -387,8 +389,6 @@ def train(target: Target, rows: PackedRows, out: str | Path,
                          f"least {finished}")
     if head_dir.is_dir():
         if finished == config.steps or not config.extendable:
-            from eaglejax.draft.loading import load_draft
-
             return TrainResult(load_draft(str(head_dir), target=target), read_log(out), out)
         head_dir.rename(out / f"head-step{finished}")  # the earlier head is kept
     if init_head is None:
@@ -403,7 +403,6 @@ def train(target: Target, rows: PackedRows, out: str | Path,
     used, t2d = jnp.asarray(vocab.used), jnp.asarray(vocab.t2d)
     mesh = target.mesh
     if mesh is not None:  # data parallel: the head replicated, each batch's rows split
-        from eaglejax.sharding.placement import replicate, split_rows
 
         if jax.process_count() > 1:
             raise InputError("train-draft runs over the devices of one process; every process "

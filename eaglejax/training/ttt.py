@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
-from eaglejax.draft.head import draft_forward, fc_input, head_logits
-from eaglejax.draft.head import embed_tokens, mask_slots as mask_slots_of
+from eaglejax.draft.head import draft_forward, embed_tokens, fc_input, head_logits
+from eaglejax.draft.head import mask_slots as mask_slots_of
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import (
     Params,

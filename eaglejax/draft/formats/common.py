@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -14,11 +14,9 @@ from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.head import param_shapes
 from eaglejax.errors import ConfigError, EaglejaxError, LoadError
+from eaglejax.loading.hf_dir import HFWeights
 from eaglejax.loading.weights import check_tensor_shapes
 from eaglejax.models.llama import Params
-
-if TYPE_CHECKING:
-    from eaglejax.loading.hf_dir import HFWeights
 
 Shapes = dict[str, tuple[int, ...]]
 ReadResult = tuple[DraftConfig, Params, np.ndarray]
@@ -249,8 +247,6 @@ def weights_source(path: Path) -> str:
 
 def open_weights(path: Path, weights: "HFWeights | None" = None) -> "HFWeights":
     """The head's tensors (model.safetensors, sharded safetensors or pytorch_model.bin)."""
-    from eaglejax.loading.hf_dir import HFWeights
-
     return weights if weights is not None else HFWeights(path)
 
 

@@ -16,8 +16,17 @@ import numpy as np
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import (
-    ReadResult, Shapes, check_tensors, flag, open_weights, parse_decoder, refuse_unsupported,
-    validate, validate_config, weights_source)
+    ReadResult,
+    Shapes,
+    check_tensors,
+    flag,
+    open_weights,
+    parse_decoder,
+    refuse_unsupported,
+    validate,
+    validate_config,
+    weights_source,
+)
 from eaglejax.loading.hf_dir import read_json
 from eaglejax.loading.weights import hf_layer_shapes, layer_params_from_hf
 from eaglejax.models.llama import Params

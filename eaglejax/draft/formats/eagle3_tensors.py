@@ -11,8 +11,16 @@ import numpy as np
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import (
-    MASK_TOKEN_KEYS, ReadResult, Shapes, check_t2d, check_tensors, d2t_from_tensors, validate,
-    validate_config, weights_source)
+    MASK_TOKEN_KEYS,
+    ReadResult,
+    Shapes,
+    check_t2d,
+    check_tensors,
+    d2t_from_tensors,
+    validate,
+    validate_config,
+    weights_source,
+)
 from eaglejax.errors import ConfigError
 from eaglejax.loading.weights import hf_layer_shapes, layer_params_from_hf, layer_params_to_hf
 from eaglejax.models.llama import Params

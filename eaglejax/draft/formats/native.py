@@ -35,8 +35,9 @@ from eaglejax.loading.files import (
 )
 from eaglejax.loading.hf_dir import read_json
 from eaglejax.loading.orbax_io import restore_tree
+from eaglejax.models.llama import Params
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: `Draft.save` calls `write_head` below
     from eaglejax.draft.draft import Draft
 
 MANIFEST = "eaglejax.json"
@@ -51,13 +52,19 @@ def manifest_format(path: Path) -> str | None:
 
 def save_draft(draft: "Draft", path: str | Path) -> Path:
     """Write `draft` as an eaglejax head directory; refuses to touch a non-empty one."""
+    return write_head(draft.config, draft.params, draft.d2t, draft.source, path)
+
+
+def write_head(config: DraftConfig, params: Params, d2t: np.ndarray | jax.Array, source: str,
+               path: str | Path) -> Path:
+    """Write a head's parts as an eaglejax head directory (a new or empty one)."""
     out = prepare_output_dir(path)
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(out / "params", draft.params)
-    np.save(out / "d2t.npy", np.asarray(draft.d2t, np.int32))
-    dtype = jnp.dtype(jax.tree.leaves(draft.params)[0].dtype).name
-    manifest = {"format": FORMAT, "version": VERSION, "config": draft.config.to_dict(),
-                "dtype": dtype, "tap_semantics": "entering", "source": draft.source,
+        checkpointer.save(out / "params", params)
+    np.save(out / "d2t.npy", np.asarray(d2t, np.int32))
+    dtype = jnp.dtype(jax.tree.leaves(params)[0].dtype).name
+    manifest = {"format": FORMAT, "version": VERSION, "config": config.to_dict(),
+                "dtype": dtype, "tap_semantics": "entering", "source": source,
                 "files": file_checksums(out, ["params", "d2t.npy"])}
     write_atomically(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return out

@@ -19,10 +19,24 @@ import numpy as np
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import (
-    ReadResult, consumer_layer_config, dtype_name, flag, layer_ids, mask_token_id, open_weights,
-    parse_decoder, prepare_output_dir, refuse_unsupported, t2d_for, to_numpy)
+    ReadResult,
+    consumer_layer_config,
+    dtype_name,
+    flag,
+    layer_ids,
+    mask_token_id,
+    open_weights,
+    parse_decoder,
+    prepare_output_dir,
+    refuse_unsupported,
+    t2d_for,
+    to_numpy,
+)
 from eaglejax.draft.formats.eagle3_tensors import (
-    REFERENCE_FIRST, read_eagle3_weights, tensors_from_params)
+    REFERENCE_FIRST,
+    read_eagle3_weights,
+    tensors_from_params,
+)
 from eaglejax.errors import ConfigError
 from eaglejax.loading.hf_dir import read_json
 from eaglejax.loading.safetensors_file import save_safetensors
