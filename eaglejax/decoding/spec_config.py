@@ -1,4 +1,5 @@
-"""How to speculate: a chain, an EAGLE-2 dynamic tree or a user-given static tree."""
+"""How to speculate: a chain, an EAGLE-2 dynamic tree, a user-given static tree or a P-EAGLE
+parallel chain or lattice tree, each with an optional context-lookup branch; device presets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""EAGLE-2 dynamic draft trees: choosing the nodes to verify and describing their shape.
+"""Draft trees: their description (tokens, parents, depths, mask), EAGLE-2's choice of the
+nodes to verify, chains and static shapes as trees.
 
 Candidates are numbered in the order the expansion rounds create them: round 0 scores
 the root's `top_k` children, every later round the `top_k` children of each of the

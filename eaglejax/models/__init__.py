@@ -1,0 +1,1 @@
+"""Target models as pure functions: the Llama-family decoder, its KV cache, attention, RoPE."""

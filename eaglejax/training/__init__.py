@@ -1,4 +1,4 @@
-"""EAGLE-3 head training: data, draft vocabulary, training-time test, resumable trainer.
+"""Draft-head training (EAGLE-3, P-EAGLE): data, draft vocabulary, training-time test, trainer.
 
 data.py (conversations -> token ids + assistant loss mask -> packed rows),
 regenerate.py (assistant turns resampled from the target, cached), vocab.py (draft

@@ -1,4 +1,4 @@
-"""The EAGLE-3 head training loop: AdamW, a jit-compiled TTT step, resumable checkpoints.
+"""The draft-head training loop (EAGLE-3, P-EAGLE): AdamW, a jitted TTT step, resumable runs.
 
 The frozen target runs inside every step (its taps and next-token distributions are
 never stored). A run lives in one directory (see `run.py`); killed at any point, the
