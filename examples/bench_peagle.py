@@ -71,7 +71,9 @@ def main() -> None:
                      "head_ms_per_round": round(r["spec_ms_per_round"] - verify_ms, 2),
                      "tokens_per_s": round(r["spec_decode_tokens_per_s"], 1),
                      "speedup": round(r["speedup"], 3),
-                     "identical_tokens": r["identical_tokens"]})
+                     "identical_tokens": r["identical_tokens"],
+                     "acceptance_length_by_category": {
+                         c: round(v, 3) for c, v in r["acceptance_length_by_category"].items()}})
     report = {"machine": reports[0]["machine"], "model": reports[0]["model"],
               "prompts": len(questions), "max_new_tokens": args.max_new_tokens,
               "plain_tokens_per_s": round(reports[0]["plain_decode_tokens_per_s"], 1),

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SHIPPED = {"smollm2-135m-instruct": "smollm2-135m-instruct-eagle3"}  # built-in target -> folder
+SHIPPED = {  # built-in target -> {method: folder}
+    "smollm2-135m-instruct": {"eagle3": "smollm2-135m-instruct-eagle3",
+                              "peagle": "smollm2-135m-instruct-peagle"},
+}
 
 
 def checkpoints_dir() -> Path:
@@ -14,10 +17,11 @@ def checkpoints_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "checkpoints"
 
 
-def shipped_head(model: str) -> Path | None:
-    """The shipped head's folder for the built-in target `model`, or None (no head was
+def shipped_head(model: str, method: str = "eagle3") -> Path | None:
+    """The folder of the head shipped for the built-in target `model` ("eagle3": the default
+    head of `eaglejax generate`; "peagle": the P-EAGLE one), or None (no such head was
     trained for it, or this installation lacks the checkpoints)."""
-    folder = SHIPPED.get(model)
+    folder = SHIPPED.get(model, {}).get(method)
     if folder is None:
         return None
     path = checkpoints_dir() / folder
