@@ -22,6 +22,8 @@ from eaglejax.draft.draft import new_eagle3_draft
 from eaglejax.draft.formats import WRITERS
 from eaglejax.draft.shipped import shipped_head
 from eaglejax.errors import EaglejaxError, InputError
+from eaglejax.loading.builtin import builtin_model
+from eaglejax.loading.hf_export import export_hf
 from eaglejax.sharding import make_mesh
 from eaglejax.sharding.distributed import initialize
 from eaglejax.training.pipeline import mt_bench_prompts, prepare_rows
@@ -216,18 +218,27 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--stop-at-eos", action="store_true",
                        help="stop rows at EOS (default: always decode max-new-tokens)")
 
-    convert = commands.add_parser("convert", help="convert a draft head between checkpoint layouts")
+    convert = commands.add_parser(
+        "convert", help="convert a draft head between checkpoint layouts, or write a target "
+                        "model as a Hugging Face directory (--to hf)")
     convert.add_argument("src", help="draft head directory: EAGLE-1/2, EAGLE-3 (reference, "
-                                     "SpecForge, speculators) or eaglejax")
+                                     "SpecForge, speculators) or eaglejax; with --to hf the "
+                                     "TARGET model: built-in name, GGUF file, Hugging Face "
+                                     "directory or eaglejax checkpoint")
     convert.add_argument("dst", help="new (or empty) output directory")
-    convert.add_argument("--target", required=True,
+    convert.add_argument("--target", default=None,
                          help="the head's target model: built-in name, GGUF file, Hugging Face "
-                              "directory or eaglejax checkpoint")
+                              "directory or eaglejax checkpoint (required for the head "
+                              "layouts; not with --to hf)")
     convert.add_argument("--to", default="eaglejax",
-                         choices=["eaglejax", "reference", "speculators"],
-                         help="output layout (default: eaglejax)")
+                         choices=["eaglejax", "reference", "speculators", "hf"],
+                         help="output layout (default: eaglejax); hf: SRC is a target model, "
+                              "written for transformers and vLLM (config.json, safetensors, "
+                              "tokenizer)")
     convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                         help="parameter dtype (default: the target's)")
+                         help="parameter dtype (default: the target's as it loads: an "
+                              "eaglejax checkpoint's saved dtype, else float32 on CPU and "
+                              "bfloat16 on GPU/TPU)")
     _add_train_args(commands)
     _add_serve_args(commands)
     return parser
@@ -407,6 +418,13 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
+    if args.to == "hf":
+        _convert_target(args)
+        return
+    if args.target is None:
+        raise InputError(f"--target is required with --to {args.to}: the draft head's target "
+                         f"model (built-in name, GGUF file, Hugging Face directory or eaglejax "
+                         f"checkpoint)")
     validation.existing_path("SRC", args.src, directory=True)
     validation.new_output_dir("DST", args.dst)
     target = load_target(args.target, dtype=args.dtype)
@@ -415,6 +433,23 @@ def _convert(args: argparse.Namespace) -> None:
     c = draft.config
     print(f"wrote {out} ({args.to} layout; {c.kind} head, {c.decoder.num_layers} layer(s), "
           f"draft vocab {c.draft_vocab_size}, taps {list(c.tap_layers)})")
+
+
+def _convert_target(args: argparse.Namespace) -> None:
+    """`convert SRC DST --to hf`: the target model SRC as a Hugging Face directory."""
+    if args.target is not None:
+        raise InputError("--target is not used with --to hf: SRC is the target model itself "
+                         "(built-in name, GGUF file, Hugging Face directory or eaglejax "
+                         "checkpoint)")
+    if builtin_model(args.src) is None:
+        validation.existing_path("SRC", args.src)
+    dst = validation.new_output_dir("DST", args.dst)
+    target = load_target(args.src, dtype=args.dtype)
+    out = export_hf(target, dst)
+    c = target.config
+    tokenizer = "tokenizer" if target.tokenizer is not None else "NO tokenizer (none loaded)"
+    print(f"wrote {out} (Hugging Face layout; {c.model_type}, {c.num_layers} layers, vocab "
+          f"{c.vocab_size}, {target.dtype.name}, {tokenizer})")
 
 
 def _train_draft(args: argparse.Namespace) -> None:

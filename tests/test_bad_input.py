@@ -10,6 +10,7 @@ import pytest
 
 import eaglejax
 from eaglejax import ConfigError, InputError, LoadError
+from eaglejax import cli
 from eaglejax.cli import main
 
 
@@ -147,6 +148,7 @@ def no_model_loading(monkeypatch):
 
     monkeypatch.setattr(generate_module, "_cached_target", refuse)
     monkeypatch.setattr(eaglejax, "load_target", refuse)
+    monkeypatch.setattr(cli, "load_target", refuse)  # the CLI holds its own reference
 
 
 @pytest.mark.parametrize("prompts,kwargs,match", [
