@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import eaglejax
-from eaglejax import ConfigError, InputError, LoadError
-from eaglejax import cli
+from eaglejax import ConfigError, InputError, LoadError, cli
 from eaglejax.cli import main
 
 
