@@ -13,7 +13,7 @@ from typing import Sequence
 
 import jax
 
-from eaglejax import compilation_cache, generate, load_target, validation
+from eaglejax import compilation_cache, generate, load_target, roofline, validation
 from eaglejax.bench import bench_plain, bench_speculative
 from eaglejax.datasets import interleave_categories, mt_bench_questions
 from eaglejax.decoding.spec_config import SpecConfig
@@ -217,6 +217,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="take the questions round-robin over the 8 categories")
     bench.add_argument("--stop-at-eos", action="store_true",
                        help="stop rows at EOS (default: always decode max-new-tokens)")
+    bench.add_argument("--roofline", default=None, metavar="DEVICE",
+                       help="instead, predict Llama-3.1-8B + EAGLE-3 decode speed on DEVICE "
+                            f"({', '.join(roofline.DEVICES)}) from XLA's cost analysis of "
+                            "the compiled programs (batch 1 and 8; no model is loaded)")
 
     convert = commands.add_parser(
         "convert", help="convert a draft head between checkpoint layouts, or write a target "
@@ -390,6 +394,9 @@ def _load_draft(args: argparse.Namespace, target):
 
 
 def _bench(args: argparse.Namespace) -> None:
+    if args.roofline is not None:
+        print(roofline.report(args.roofline, as_json=args.json))
+        return
     validation.integer("--batch-size", args.batch_size, 1)
     validation.integer("--num-prompts", args.num_prompts, 1)
     speculative = _check_decoding_args(args)

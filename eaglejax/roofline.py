@@ -1,0 +1,438 @@
+"""Accelerator decode speed predicted from XLA's cost analysis of the compiled programs.
+
+No accelerator is needed: the plain decode step and one speculative round (the library's
+own `plain.decode_step` and `speculative.verified_round`, one step each, since XLA's cost
+analysis counts a while loop's body once at most) are lowered with abstract inputs
+(`jax.ShapeDtypeStruct`: no weight is ever allocated) and compiled for the CPU; their
+"bytes accessed" and "flops" give a roofline time max(bytes / bandwidth, flops / peak).
+Plain tokens/s = batch / t_step; speculative tokens/s = batch * AL / t_round, with the
+average acceptance length AL (tokens per round, bonus included) an explicit assumption.
+
+How the CPU compile is made to count what an accelerator moves:
+  * only XLA's own operations (`native.xla_only()`, attn_impl "xla"): the native CPU
+    kernels are custom calls whose bytes and FLOPs XLA cannot see;
+  * float32 compute, bytes scaled to 16-bit storage (x 2/4): XLA:CPU widens bfloat16
+    matmul operands to float32 first (a converted copy of every weight per call, about 5x
+    the bytes), which no accelerator does; a float32 matmul reads its operands as stored.
+    FLOPs do not depend on the dtype. (The few float32 intermediates of a bfloat16
+    program, logits and norms, are halved with the rest: negligible here.)
+  * XLA's fusion cost model counts the whole table a fused gather reads and the whole
+    buffer a fused scatter updates in place (embedding lookups, KV-cache writes); only the
+    gathered rows and the updates move, so the difference, read off the optimised HLO, is
+    taken off (`fused_overcount`);
+  * the XLA attention path reads every slot of its cache, where an accelerator kernel
+    (Pallas, FlashAttention) reads the valid prefix: caches are compiled with exactly
+    `context` slots, so their reads are those of a longer cache holding `context` tokens;
+  * the XLA attention path also writes its scores and probabilities to memory, which a
+    fused kernel (the library's Pallas kernels on GPU/TPU) keeps on chip. With
+    attention="fused" (the default) the bytes come from a second compile in which the
+    attention is a stand-in with a fused kernel's traffic (`fused_attention_traffic`: it
+    reads q, the cache and the new K/V once and writes the output); FLOPs always come from
+    the real XLA attention. attention="xla" takes both from the XLA path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from eaglejax import native
+from eaglejax.config import ModelConfig
+from eaglejax.decoding import plain, speculative
+from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.draft import head
+from eaglejax.draft.config import DraftConfig
+from eaglejax.errors import InputError
+from eaglejax.models import llama
+from eaglejax.target import default_tap_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """An accelerator's published peaks: HBM bytes/s and dense bfloat16 FLOP/s."""
+
+    name: str
+    bandwidth: float
+    peak_flops: float
+    source: str
+
+
+DEVICES = {d.name: d for d in (
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM5: HBM3 3.35 TB/s; BF16 Tensor Core 1,979
+    # TFLOPS with 2:4 sparsity, i.e. 989.4 dense.
+    Device("h100", 3.35e12, 989.4e12, "NVIDIA H100 SXM datasheet"),
+    # NVIDIA H200 datasheet, SXM: HBM3e 4.8 TB/s; the H100's tensor cores (989.4 dense).
+    Device("h200", 4.8e12, 989.4e12, "NVIDIA H200 SXM datasheet"),
+    # cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16 per chip, HBM2 819 GBps.
+    Device("tpu-v5e", 819e9, 197e12, "Cloud TPU v5e docs"),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16 per chip, HBM2e 2,765 GBps.
+    Device("tpu-v5p", 2765e9, 459e12, "Cloud TPU v5p docs"),
+)}
+
+# SGLang's EAGLE-3 announcement: Llama-3.1-8B-Instruct, MT-bench, one H100, batch 1.
+PUBLISHED = {"device": "h100", "batch": 1, "source": "SGLang, EAGLE-3 on MT-bench",
+             "plain_tokens_per_s": 158.34, "eagle3_tokens_per_s": 373.25}
+
+COMPILE_DTYPE = jnp.float32  # see the module docstring
+STORAGE_BYTES = 2  # bfloat16 weights and KV cache
+MAX_TOKENS = 128  # the output buffer's length (a few hundred bytes per row)
+PROMPT = 16  # the prompt length the abstract state is shaped by (nothing is prefilled)
+ATTENTION = ("fused", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """One program's cost with 16-bit storage: bytes moved with a fused attention kernel
+    and with XLA's attention path, and FLOPs."""
+
+    bytes: float
+    flops: float
+    xla_attention_bytes: float
+
+    def moved(self, attention: str) -> float:
+        """The bytes for `attention` ("fused" or "xla")."""
+        return self.bytes if attention == "fused" else self.xla_attention_bytes
+
+
+def llama31_8b() -> ModelConfig:
+    """Llama-3.1-8B's shape (its llama3 rope scaling changes no cost and is left out)."""
+    return ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                       rms_norm_eps=1e-5, rope_theta=500000.0,
+                       max_position_embeddings=131072)
+
+
+def eagle3_head(target: ModelConfig, draft_vocab: int = 32000) -> DraftConfig:
+    """The public EAGLE-3 head shape of a Llama target (for Llama-3.1-8B:
+    yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): one decoder layer of the target's width, fc
+    from the taps entering layers (2, L//2, L-3), a `draft_vocab` output, the target's
+    embedding table."""
+    decoder = dataclasses.replace(target, num_layers=1)
+    return DraftConfig("eagle3", decoder, draft_vocab, target.hidden_size,
+                       default_tap_layers(target.num_layers))
+
+
+def parameter_bytes(config: ModelConfig, itemsize: int = STORAGE_BYTES) -> int:
+    """Bytes of a target's parameters at `itemsize` bytes each."""
+    infos = jax.tree.leaves(llama.param_info(config), is_leaf=llama.is_param_info)
+    return itemsize * sum(math.prod(i.shape) for i in infos)
+
+
+def _abstract(infos: Any) -> Any:
+    return jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, COMPILE_DTYPE), infos,
+                        is_leaf=llama.is_param_info)
+
+
+# --- reading the compiled program --------------------------------------------------------
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_LINE = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*([a-z0-9]+)\[([0-9,]*)\]\S*\s+"
+                   r"([\w\-]+)\(([^)]*)\)")
+_FUSION_CALLS = re.compile(r"\bfusion\(.*calls=%([\w.\-]+)")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_NAME = re.compile(r"%([\w.\-]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instr:
+    root: bool
+    nbytes: int
+    opcode: str
+    operands: tuple[str, ...]
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    """The instruction lines of every computation in an HLO module's text."""
+    blocks: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in hlo.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = blocks.setdefault(header.group(1), [])
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def _instructions(lines: list[str]) -> tuple[dict[str, _Instr], dict[str, int]]:
+    """A computation's array-shaped instructions by name, and how often each name is read."""
+    found: dict[str, _Instr] = {}
+    reads: dict[str, int] = {}
+    for line in lines:
+        for name in _NAME.findall(line.partition("=")[2]):
+            reads[name] = reads.get(name, 0) + 1
+        m = _LINE.match(line)
+        if m and m.group(3) in _DTYPE_BYTES:
+            size = _DTYPE_BYTES[m.group(3)] * math.prod(
+                int(d) for d in m.group(4).split(",") if d)
+            found[m.group(2)] = _Instr(bool(m.group(1)), size, m.group(5),
+                                       tuple(_NAME.findall(m.group(6))))
+    return found, reads
+
+
+def _sole_parameter(name: str, found: dict[str, _Instr], reads: dict[str, int]
+                    ) -> _Instr | None:
+    """The fusion parameter `name` is (through bitcasts) when nothing else reads it."""
+    while name in found and reads.get(name, 0) == 1:
+        instr = found[name]
+        if instr.opcode == "parameter":
+            return instr
+        if instr.opcode != "bitcast":
+            return None
+        name = instr.operands[0]
+    return None
+
+
+def fused_overcount(hlo: str) -> float:
+    """Bytes XLA's cost analysis counts beyond what fused gathers and scatters move.
+
+    Inside a fusion, a parameter that only a gather reads is counted whole (an embedding
+    table for a few rows), and a scatter at the fusion's root that updates a parameter in
+    place (a KV-cache write) is counted as reading and writing the whole buffer; only the
+    gathered rows and the updates move."""
+    blocks = _computations(hlo)
+    fused = {m.group(1) for lines in blocks.values() for line in lines
+             if (m := _FUSION_CALLS.search(line))}
+    extra = 0.0
+    for name in fused:
+        found, reads = _instructions(blocks.get(name, []))
+        for instr in found.values():
+            if instr.opcode == "gather":
+                table = _sole_parameter(instr.operands[0], found, reads)
+                if table is not None:
+                    extra += max(table.nbytes - instr.nbytes, 0)
+            elif instr.opcode == "scatter" and instr.root and len(instr.operands) == 3:
+                buffer = _sole_parameter(instr.operands[0], found, reads)
+                updates = found.get(instr.operands[2])
+                if buffer is not None and updates is not None:
+                    extra += max(buffer.nbytes + instr.nbytes - updates.nbytes, 0)
+    return extra
+
+
+def analysed(compiled: Any) -> tuple[float, float]:
+    """(bytes, flops) of a compiled float32 program at `STORAGE_BYTES` per element, without
+    `fused_overcount`. `cost_analysis()` is one dict, or a list of them (one per module),
+    depending on the JAX version."""
+    analysis = compiled.cost_analysis()
+    parts = analysis if isinstance(analysis, (list, tuple)) else [analysis]
+    counted = sum(float(p.get("bytes accessed", 0.0)) for p in parts)
+    flops = sum(float(p.get("flops", 0.0)) for p in parts)
+    scale = STORAGE_BYTES / jnp.dtype(COMPILE_DTYPE).itemsize
+    return (counted - fused_overcount(compiled.as_text())) * scale, flops
+
+
+# --- the programs ------------------------------------------------------------------------
+
+def fused_attention_traffic(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                            cache_lengths: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                            mask: jax.Array, *, impl: str = "auto") -> jax.Array:
+    """A stand-in for `attention` that moves what a fused kernel moves: q, the cache, the
+    new K/V and the mask read once, an output of q's shape written (its value is
+    meaningless; the FLOPs are taken from the real attention)."""
+    group = q.shape[2] // k_new.shape[2]
+    summary = jnp.sum(k_cache, axis=2) + jnp.sum(v_cache, axis=2) + jnp.sum(k_new + v_new, 1)
+    seen = jnp.sum(mask, axis=-1).astype(q.dtype)[..., None, None]  # [B,T,1,1]
+    return q * seen + jnp.repeat(summary, group, axis=1)[:, None].astype(q.dtype)
+
+
+@contextlib.contextmanager
+def _attention(kind: str) -> Iterator[None]:
+    """Trace with XLA's operations; with kind "fused", with `fused_attention_traffic` in
+    place of the decoder layers' attention (target and head alike)."""
+    saved = llama.attention
+    if kind == "fused":
+        llama.attention = fused_attention_traffic
+    try:
+        with native.xla_only():
+            yield
+    finally:
+        llama.attention = saved
+
+
+def _cost(step: Callable, args: tuple, donate: int) -> Cost:
+    """`Cost` of `step(*args)` compiled twice (fused-attention traffic, XLA attention),
+    donating args[donate]: the state is updated in place, as inside the decode loop."""
+    measured = {}
+    for kind in ATTENTION:
+        def fresh(*a):  # a new function each time: jit would reuse the other kind's trace
+            return step(*a)
+
+        with _attention(kind):
+            compiled = jax.jit(fresh, donate_argnums=(donate,)).lower(*args).compile()
+        measured[kind] = analysed(compiled)
+    return Cost(measured["fused"][0], measured["xla"][1], measured["xla"][0])
+
+
+def _inputs(batch: int) -> tuple[Any, ...]:
+    """Abstract prompt, prompt lengths, row keys, sampling settings and max_new_tokens."""
+    i32 = jnp.int32
+    keys = jax.eval_shape(lambda: jax.vmap(jax.random.PRNGKey)(jnp.zeros((batch,), jnp.uint32)))
+    return (jax.ShapeDtypeStruct((batch, PROMPT), i32), jax.ShapeDtypeStruct((batch,), i32),
+            keys, jax.eval_shape(SamplingParams.make), jax.ShapeDtypeStruct((), i32))
+
+
+@functools.cache
+def plain_step_cost(config: ModelConfig, batch: int, context: int) -> Cost:
+    """One plain decode step (`plain.decode_step`, greedy: a 1-token target forward,
+    lm_head, argmax, the token recorded) over caches of `context` slots (cached: a cost
+    depends on the shapes only)."""
+    params = _abstract(llama.param_info(config))
+    prompt, lengths, keys, sampling, max_new = _inputs(batch)
+    common = dict(greedy=True, stop=StopCriteria(), attn_impl="xla")
+    state = jax.eval_shape(functools.partial(
+        plain.prefill_state, config=config, capacity=context, max_tokens=MAX_TOKENS,
+        **common), params, prompt=prompt, prompt_lengths=lengths, row_keys=keys,
+        sampling=sampling, max_new_tokens=max_new)
+
+    def step(params, state, sampling, max_new):
+        return plain.decode_step(params, config, state, sampling, max_new, **common)
+
+    return _cost(step, (params, state, sampling, max_new), donate=1)
+
+
+@functools.cache
+def spec_round_cost(config: ModelConfig, draft: DraftConfig, spec: SpecConfig, batch: int,
+                    context: int) -> Cost:
+    """One speculative round (`speculative.verified_round`, greedy: draft, verify every node
+    in one target forward, commit, catch the head up) over caches of `context` slots
+    (cached)."""
+    params = _abstract(llama.param_info(config))
+    draft_params = _abstract(head.param_info(draft))
+    d2t = jax.ShapeDtypeStruct((draft.draft_vocab_size,), jnp.int32)
+    prompt, lengths, keys, sampling, max_new = _inputs(batch)
+    common = dict(spec=spec, greedy=True, stop=StopCriteria(), attn_impl="xla")
+    state = jax.eval_shape(functools.partial(
+        speculative.prefill_state, config=config, draft_config=draft, capacity=context,
+        max_tokens=MAX_TOKENS, **common), params, draft_params=draft_params, prompt=prompt,
+        prompt_lengths=lengths, row_keys=keys, sampling=sampling, max_new_tokens=max_new)
+
+    def step(params, draft_params, d2t, state, sampling, max_new):
+        play = speculative.verified_round(params, config, draft_params, draft, d2t, sampling,
+                                          max_new, **common)
+        return play(state)[0]
+
+    return _cost(step, (params, draft_params, d2t, state, sampling, max_new), donate=3)
+
+
+# --- the prediction ----------------------------------------------------------------------
+
+def device(name: str) -> Device:
+    """The `DEVICES` entry `name` (InputError naming the known devices otherwise)."""
+    key = str(name).lower()
+    if key not in DEVICES:
+        raise InputError(f"--roofline: unknown device {name!r}; known devices: "
+                         f"{', '.join(DEVICES)}")
+    return DEVICES[key]
+
+
+def seconds(moved: float, flops: float, dev: Device, efficiency: float = 1.0) -> float:
+    """Roofline time max(bytes / bandwidth, flops / peak), both at `efficiency` of peak."""
+    return max(moved / dev.bandwidth, flops / dev.peak_flops) / efficiency
+
+
+def tokens_per_second(batch: int, step_seconds: float, accept_length: float = 1.0) -> float:
+    """Tokens per second of `batch` rows that each gain `accept_length` tokens per step."""
+    return batch * accept_length / step_seconds
+
+
+def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: int = 1024,
+             chain: SpecConfig = SpecConfig.chain(5), chain_al: float = 3.5,
+             tree: SpecConfig = SpecConfig.tree(top_k=10, depth=6, total_tokens=60),
+             tree_al: float = 6.0, efficiency: float = 1.0, attention: str = "fused",
+             config: ModelConfig | None = None, draft: DraftConfig | None = None
+             ) -> dict[str, Any]:
+    """Predicted decode speed of the plain step, a chain round and a tree round for every
+    batch and device, as a JSON-ready report.
+
+    Defaults: Llama-3.1-8B and its public EAGLE-3 head (`llama31_8b`, `eagle3_head`), 1024
+    cached tokens, chain K=5 at an assumed AL of 3.5, a 60-node EAGLE-2 tree at AL 6.0 (the
+    EAGLE-3 paper's Llama-3.1-8B figure, rounded); `efficiency` scales both peaks (1.0:
+    the pure roofline, an upper bound on speed); `attention` as in the module docstring."""
+    devs = [device(d) for d in devices]
+    if not 0 < efficiency <= 1:
+        raise InputError(f"efficiency must be in (0, 1], got {efficiency!r}")
+    if attention not in ATTENTION:
+        raise InputError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    config = llama31_8b() if config is None else config
+    draft = eagle3_head(config) if draft is None else draft
+    programs = [("plain step", 1.0, lambda b: plain_step_cost(config, b, context)),
+                (chain.describe(), chain_al,
+                 lambda b: spec_round_cost(config, draft, chain, b, context)),
+                (tree.describe(), tree_al,
+                 lambda b: spec_round_cost(config, draft, tree, b, context))]
+    rows = []
+    for batch in batches:
+        costs = [(label, al, cost(batch)) for label, al, cost in programs]
+        for dev in devs:
+            plain_rate = None
+            for label, al, cost in costs:
+                moved = cost.moved(attention)
+                t = seconds(moved, cost.flops, dev, efficiency)
+                rate = tokens_per_second(batch, t, al)
+                plain_rate = rate if plain_rate is None else plain_rate
+                memory_bound = moved / dev.bandwidth >= cost.flops / dev.peak_flops
+                rows.append(dict(device=dev.name, batch=batch, program=label,
+                                 gb_accessed=moved / 1e9,
+                                 gb_xla_attention=cost.xla_attention_bytes / 1e9,
+                                 gflops=cost.flops / 1e9, ms=t * 1e3, tokens_per_s=rate,
+                                 speedup=rate / plain_rate, accept_length=al,
+                                 bound="memory" if memory_bound else "compute"))
+    return {
+        "model": f"{config.model_type} L={config.num_layers} H={config.hidden_size} "
+                 f"V={config.vocab_size}, EAGLE-3 head DV={draft.draft_vocab_size}",
+        "assumptions": {"context_tokens": context, "storage": "bfloat16 weights and KV cache",
+                        "decoding": "greedy", "attention": attention,
+                        "chain": chain.describe(), "chain_accept_length": chain_al,
+                        "tree": tree.describe(), "tree_accept_length": tree_al,
+                        "efficiency": efficiency},
+        "devices": {d.name: dataclasses.asdict(d) for d in devs},
+        "published": PUBLISHED,
+        "rows": rows,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a text table with its assumptions and the published reference."""
+    title = (f"{'device':<8} {'batch':>5}  {'program':<32} {'GB':>6} {'GFLOP':>7} {'ms':>6} "
+             f"{'tok/s':>7} {'speed-up':>8}  {'bound':<7} {'GB(xla-attn)':>12}")
+    lines = [f"Roofline from XLA's cost analysis of the CPU-compiled programs: "
+             f"{report['model']}", title, "-" * len(title)]
+    for r in report["rows"]:
+        lines.append(f"{r['device']:<8} {r['batch']:>5}  {r['program']:<32} "
+                     f"{r['gb_accessed']:>6.2f} {r['gflops']:>7.0f} {r['ms']:>6.2f} "
+                     f"{r['tokens_per_s']:>7.0f} {r['speedup']:>7.2f}x  {r['bound']:<7} "
+                     f"{r['gb_xla_attention']:>12.2f}")
+    a = report["assumptions"]
+    lines += ["", f"assumptions: {a['context_tokens']} cached tokens; {a['storage']}; "
+                  f"{a['decoding']}; {a['attention']} attention; AL {a['chain_accept_length']} "
+                  f"for {a['chain']}, AL {a['tree_accept_length']} for {a['tree']}; "
+                  f"{a['efficiency']:.0%} of peak bandwidth and FLOPs"]
+    for d in report["devices"].values():
+        lines.append(f"{d['name']}: {d['bandwidth'] / 1e12:.3f} TB/s, "
+                     f"{d['peak_flops'] / 1e12:.1f} TFLOP/s bf16 dense ({d['source']})")
+    p = report["published"]
+    if p["device"] in report["devices"]:
+        lines.append(f"published ({p['source']}, {p['device']}, batch {p['batch']}): plain "
+                     f"{p['plain_tokens_per_s']} tok/s, EAGLE-3 {p['eagle3_tokens_per_s']} "
+                     f"tok/s ({p['eagle3_tokens_per_s'] / p['plain_tokens_per_s']:.2f}x)")
+    return "\n".join(lines)
+
+
+def report(device_name: str, as_json: bool = False, **kwargs: Any) -> str:
+    """`eaglejax bench --roofline DEVICE`: the table (or JSON) for one device."""
+    result = roofline([device_name], **kwargs)
+    return json.dumps(result, indent=2) if as_json else format_report(result)

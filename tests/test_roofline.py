@@ -1,0 +1,205 @@
+"""The accelerator roofline (`eaglejax.roofline`): costs read from the compiled programs,
+the prediction arithmetic, and `eaglejax bench --roofline DEVICE`."""
+
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from eaglejax import cli, roofline
+from eaglejax.config import ModelConfig
+from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.draft import head
+from eaglejax.errors import InputError
+from eaglejax.models import llama
+from eaglejax.models.kv_cache import write_block
+
+CONTEXT = 64
+
+
+def tiny(num_layers: int = 2) -> ModelConfig:
+    """A Llama whose decoder layers hold most of its bytes (small vocabulary)."""
+    return ModelConfig("llama", vocab_size=256, hidden_size=128, intermediate_size=512,
+                       num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=32)
+
+
+TINY = tiny(4)  # enough layers for the EAGLE-3 taps (2, L//2, L-3)
+TINY_HEAD = roofline.eagle3_head(TINY, draft_vocab=128)
+
+
+def layer_bytes(config: ModelConfig) -> int:
+    """bfloat16 bytes of one decoder layer's parameters."""
+    infos = jax.tree.leaves(llama.param_info(config)["layers"][0], is_leaf=llama.is_param_info)
+    return 2 * sum(math.prod(i.shape) for i in infos)
+
+
+def cache_bytes(config: ModelConfig, batch: int, context: int, layers: int) -> int:
+    """bfloat16 bytes of `layers` layers' K and V caches."""
+    return 2 * 2 * layers * batch * config.num_kv_heads * context * config.head_dim
+
+
+def embed_bytes(config: ModelConfig) -> int:
+    return 2 * config.vocab_size * config.hidden_size
+
+
+# --- the costs come from the compiled programs ------------------------------------------
+
+def test_each_added_layer_costs_its_weights_and_cache():
+    # One decode step reads every weight matrix once and its layer's cache once; the
+    # activations of one token are a few KB, so per added layer the bytes grow by the
+    # layer's parameters and cache within 5%.
+    two, four = (roofline.plain_step_cost(tiny(n), 1, CONTEXT) for n in (2, 4))
+    per_layer = layer_bytes(tiny()) + cache_bytes(tiny(), 1, CONTEXT, 1)
+    assert (four.bytes - two.bytes) / (2 * per_layer) == pytest.approx(1.0, abs=0.05)
+    assert 1.7 < four.bytes / two.bytes < 2.0  # the lm_head and embedding row do not double
+    assert four.flops / two.flops == pytest.approx(2.0, abs=0.1)
+
+
+def test_doubling_the_batch_doubles_flops_not_weight_bytes():
+    one, two = (roofline.plain_step_cost(tiny(), b, CONTEXT) for b in (1, 2))
+    assert two.flops / one.flops == pytest.approx(2.0, abs=0.05)
+    # Weights are read once for all rows: only the second row's cache (32 KB here) and
+    # activations add, a few percent of the step's 1.1 MB.
+    assert 0 < two.bytes - one.bytes < 0.1 * one.bytes
+
+
+def test_a_step_reads_every_weight_once():
+    config = tiny()
+    cost = roofline.plain_step_cost(config, 1, CONTEXT)
+    # Everything but the embedding table, of which a step reads one row per token.
+    weights = roofline.parameter_bytes(config) - embed_bytes(config)
+    assert weights <= cost.bytes <= 1.05 * (weights + cache_bytes(config, 1, CONTEXT, 2))
+    # XLA's attention writes its scores to memory, which the fused-kernel traffic does not.
+    assert cost.xla_attention_bytes > cost.bytes
+
+
+def test_speculative_rounds_cost_more_than_a_step():
+    # The report's shapes (the costs are cached: `tiny_report` compiles them once).
+    step = roofline.plain_step_cost(TINY, 1, 1024)
+    chain = roofline.spec_round_cost(TINY, TINY_HEAD, SpecConfig.chain(5), 1, 1024)
+    tree = roofline.spec_round_cost(TINY, TINY_HEAD, SpecConfig.tree(10, 6, 60), 1, 1024)
+    head_weights = 2 * sum(math.prod(i.shape) for i in jax.tree.leaves(
+        head.param_info(TINY_HEAD), is_leaf=llama.is_param_info))
+    # The target's weights once, the head's at least once per drafting step.
+    assert chain.bytes > step.bytes + head_weights
+    assert tree.flops > chain.flops > 6 * step.flops  # 6 and 60 verified tokens
+
+
+def test_8b_decode_step_matches_its_weights():
+    # The real shapes (about 10 s): the step moves the weights (less the embedding table)
+    # and the 1024-token cache, and does 2 FLOPs per weight plus the attention's.
+    config = roofline.llama31_8b()
+    cost = roofline.plain_step_cost(config, 1, 1024)
+    weights = roofline.parameter_bytes(config) - embed_bytes(config)
+    cache = cache_bytes(config, 1, 1024, config.num_layers)
+    assert weights <= cost.bytes <= 1.01 * (weights + cache)
+    attention = 4 * config.num_heads * 1024 * config.head_dim * config.num_layers
+    assert cost.flops == pytest.approx(weights + attention, rel=0.02)  # 2 FLOPs / 2 bytes
+
+
+def test_fused_gathers_and_scatters_count_only_what_moves():
+    table = jax.ShapeDtypeStruct((1000, 512), jnp.float32)
+    rows = jax.ShapeDtypeStruct((8,), jnp.int32)
+    gather = jax.jit(lambda t, i: t[i] * 2.0).lower(table, rows).compile()
+    counted = roofline.analysed(gather)[0] * 2  # back to float32 bytes
+    assert counted < 4 * 8 * 512 * 4  # the 8 rows, not the 2 MB table
+    cache = jax.ShapeDtypeStruct((8, 2, 1000, 32), jnp.float32)
+    new = jax.ShapeDtypeStruct((8, 3, 2, 32), jnp.float32)
+    scatter = jax.jit(write_block, donate_argnums=0).lower(cache, new, rows).compile()
+    assert roofline.analysed(scatter)[0] * 2 < 6 * 8 * 3 * 2 * 32 * 4  # not the 2 MB cache
+
+
+@pytest.mark.parametrize("form", [dict, list])
+def test_cost_analysis_dict_and_list_forms(form):
+    class Compiled:
+        def cost_analysis(self):
+            analysis = {"bytes accessed": 400.0, "flops": 7.0}
+            return analysis if form is dict else [analysis]
+
+        def as_text(self):
+            return ""
+
+    assert roofline.analysed(Compiled()) == (200.0, 7.0)  # float32 bytes -> bfloat16
+
+
+# --- the prediction ---------------------------------------------------------------------
+
+def test_roofline_arithmetic():
+    h100 = roofline.device("H100")
+    assert roofline.seconds(3.35e12, 1.0, h100) == pytest.approx(1.0)  # memory-bound
+    assert roofline.seconds(1.0, 989.4e12 * 2, h100) == pytest.approx(2.0)  # compute-bound
+    assert roofline.seconds(3.35e12, 0.0, h100, efficiency=0.5) == pytest.approx(2.0)
+    assert roofline.tokens_per_second(8, 0.02) == pytest.approx(400.0)
+    assert roofline.tokens_per_second(1, 0.02, accept_length=3.5) == pytest.approx(175.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_report():
+    return roofline.roofline(["h100", "tpu-v5e"], config=TINY, draft=TINY_HEAD)
+
+
+def test_report_rows_follow_the_roofline(tiny_report):
+    rows = tiny_report["rows"]
+    assert len(rows) == 2 * 2 * 3  # batches x devices x programs
+    for row in rows:
+        dev = roofline.DEVICES[row["device"]]
+        t = max(row["gb_accessed"] * 1e9 / dev.bandwidth, row["gflops"] * 1e9 / dev.peak_flops)
+        assert row["ms"] == pytest.approx(t * 1e3)
+        assert row["tokens_per_s"] == pytest.approx(row["batch"] * row["accept_length"] / t)
+    plain = [r for r in rows if r["program"] == "plain step"]
+    assert all(r["speedup"] == 1.0 and r["accept_length"] == 1.0 for r in plain)
+    assert {r["accept_length"] for r in rows} == {1.0, 3.5, 6.0}
+    a = tiny_report["assumptions"]
+    assert (a["chain"], a["tree"]) == ("chain K=5", "tree top_k=10 depth=6 total=60")
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(InputError, match="known devices: h100, h200"):
+        roofline.roofline(["a100"])
+    with pytest.raises(InputError, match="efficiency"):
+        roofline.roofline(["h100"], efficiency=1.5)
+    with pytest.raises(InputError, match="attention"):
+        roofline.roofline(["h100"], attention="flash")
+
+
+# --- the CLI ----------------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_models(monkeypatch, tiny_report):
+    """`bench --roofline` on the tiny shapes (their costs are cached by `tiny_report`)."""
+    monkeypatch.setattr(roofline, "llama31_8b", lambda: TINY)
+    monkeypatch.setattr(roofline, "eagle3_head", lambda target: TINY_HEAD)
+
+
+def test_cli_prints_the_table(tiny_models, capsys):
+    assert cli.main(["bench", "--roofline", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "plain step" in out and "tree top_k=10 depth=6 total=60" in out
+    assert "h100" in out and "AL 3.5 for chain K=5" in out
+    assert "published" in out and "158.34" in out and "373.25" in out
+    assert "tpu-v5e" not in out.split("assumptions")[0]
+
+
+def test_cli_json(tiny_models, capsys):
+    assert cli.main(["bench", "--roofline", "h100", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {r["device"] for r in report["rows"]} == {"h100"}
+    assert report["published"]["eagle3_tokens_per_s"] == 373.25
+
+
+def test_cli_unknown_device(capsys):
+    assert cli.main(["bench", "--roofline", "a100"]) == 2
+    err = capsys.readouterr().err
+    assert "--roofline" in err and "'a100'" in err
+    assert "h100, h200, tpu-v5e, tpu-v5p" in err
+
+
+def test_cli_unknown_device_exit_status():
+    proc = subprocess.run([sys.executable, "-m", "eaglejax.cli", "bench", "--roofline", "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown device 'x'; known devices: h100, h200, tpu-v5e, tpu-v5p" in proc.stderr
