@@ -1,8 +1,8 @@
 """EAGLE-3 chain vs P-EAGLE chain vs P-EAGLE lattice tree, side by side in one run.
 
     python examples/bench_peagle.py --peagle checkpoints/smollm2-135m-instruct-peagle \\
-        [--eagle3 checkpoints/smollm2-135m-instruct-eagle3] [-k 3 5] [--num-prompts 16] \\
-        [--max-new-tokens 128] [--json]
+        [--eagle3 checkpoints/smollm2-135m-instruct-eagle3] [-k 3 5] [--tree 4:3:12 ...] \\
+        [--num-prompts 16] [--max-new-tokens 128] [--json]
 
 Greedy, batch 1, MT-bench first turns balanced over categories, SmolLM2 (or --model). Plain
 decoding and every (head, shape) pair are timed interleaved prompt by prompt
@@ -36,8 +36,8 @@ def main() -> None:
     parser.add_argument("--peagle", required=True, help="P-EAGLE head directory")
     parser.add_argument("-k", type=int, nargs="+", default=[3, 5],
                         help="draft tokens per round of both chains")
-    parser.add_argument("--tree", default="4:3:12",
-                        help="P-EAGLE lattice tree TOP_K:DEPTH:TOTAL ('' for none)")
+    parser.add_argument("--tree", nargs="*", default=["4:3:12"],
+                        help="P-EAGLE lattice trees TOP_K:DEPTH:TOTAL (none: no tree)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--json", action="store_true")
@@ -50,8 +50,8 @@ def main() -> None:
     for k in args.k:
         pairs += [("EAGLE-3", eagle3, SpecConfig.chain(k)),
                   ("P-EAGLE", peagle, SpecConfig.parallel(k))]
-    if args.tree:
-        top_k, depth, total = (int(n) for n in args.tree.split(":"))
+    for tree in args.tree:
+        top_k, depth, total = (int(n) for n in tree.split(":"))
         pairs.append(("P-EAGLE", peagle, SpecConfig.parallel_tree(top_k, depth, total)))
     questions = interleave_categories(mt_bench_questions())[:args.num_prompts]
     reports = compare_drafts(target, [(draft, spec) for _, draft, spec in pairs], questions,

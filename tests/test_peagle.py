@@ -233,10 +233,12 @@ def test_unusable_heads_are_refused(target, tmp_path):
         eagle3.parallel_logits(*_inputs(4)[::-1], K)
 
 
-def test_the_loop_drafts_what_parallel_logits_proposes(target, tmp_path):
+@pytest.mark.parametrize("attn_impl", ["xla", "pallas"])
+def test_the_loop_drafts_what_parallel_logits_proposes(target, tmp_path, attn_impl):
     """Inside the compiled loop, the prefill and the catch-up (its mask slots in the same
     forward as the accepted block, hidden from the block's unaccepted rows) propose exactly
-    the K distributions `Draft.parallel_logits` gives for the committed sequence."""
+    the K distributions `Draft.parallel_logits` gives for the committed sequence, through
+    the XLA attention and through the Pallas tree-attention kernel (interpret mode here)."""
     import jax.numpy as jnp
 
     from eaglejax import SpecConfig
@@ -253,7 +255,7 @@ def test_the_loop_drafts_what_parallel_logits_proposes(target, tmp_path):
                          jnp.asarray(prompt, jnp.int32), jnp.asarray([11], jnp.int32),
                          jnp.zeros((1, 2), jnp.uint32), SamplingParams.make(), jnp.int32(8),
                          capacity=128, max_tokens=16, spec=SpecConfig.parallel(K), greedy=True,
-                         stop=StopCriteria())
+                         stop=StopCriteria(), attn_impl=attn_impl)
     # s: the prompt, the first token, then 6 more; draft row p consumes s[p+1] and the
     # target's taps at p
     s = np.concatenate([prompt, [[int(state.last_token[0])]], rs.randint(0, V, (1, 6))], 1)
@@ -268,7 +270,7 @@ def test_the_loop_drafts_what_parallel_logits_proposes(target, tmp_path):
     cache, logits, _ = _catch_up(draft.params, draft.config, target.params, state.draft_cache,
                                  jnp.asarray(s[:, 12:17], jnp.int32),
                                  jnp.asarray(taps[:, 11:16] * garbage), jnp.asarray([kept]),
-                                 "xla", slots=K - 1)
+                                 attn_impl, slots=K - 1)
     assert int(cache.lengths[0]) == 11 + kept
     want = draft.parallel_logits(s[:, 1:12 + kept], taps[:, :11 + kept], K)
     np.testing.assert_allclose(_draft_columns(draft, to_target_logits(logits, draft.d2t, V)),
