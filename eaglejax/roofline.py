@@ -113,14 +113,15 @@ def llama31_8b() -> ModelConfig:
                        max_position_embeddings=131072)
 
 
-def eagle3_head(target: ModelConfig, draft_vocab: int = 32000) -> DraftConfig:
+def eagle3_head(target: ModelConfig, draft_vocab: int = 32000,
+                mask_token_id: int | None = None) -> DraftConfig:
     """The public EAGLE-3 head shape of a Llama target (for Llama-3.1-8B:
     yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): one decoder layer of the target's width, fc
     from the taps entering layers (2, L//2, L-3), a `draft_vocab` output, the target's
-    embedding table."""
+    embedding table; with `mask_token_id`, the same head as a P-EAGLE head (mask slots)."""
     decoder = dataclasses.replace(target, num_layers=1)
     return DraftConfig("eagle3", decoder, draft_vocab, target.hidden_size,
-                       default_tap_layers(target.num_layers))
+                       default_tap_layers(target.num_layers), mask_token_id=mask_token_id)
 
 
 def parameter_bytes(config: ModelConfig, itemsize: int = STORAGE_BYTES) -> int:
@@ -351,16 +352,19 @@ def tokens_per_second(batch: int, step_seconds: float, accept_length: float = 1.
 
 def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: int = 1024,
              chain: SpecConfig = SpecConfig.chain(5), chain_al: float = 3.5,
+             parallel: SpecConfig = SpecConfig.parallel(5), parallel_al: float | None = None,
              tree: SpecConfig = SpecConfig.tree(top_k=10, depth=6, total_tokens=60),
              tree_al: float = 6.0, efficiency: float = 1.0, attention: str = "fused",
              config: ModelConfig | None = None, draft: DraftConfig | None = None
              ) -> dict[str, Any]:
-    """Predicted decode speed of the plain step, a chain round and a tree round for every
-    batch and device, as a JSON-ready report.
+    """Predicted decode speed of the plain step, a chain round, a P-EAGLE parallel chain
+    round and a tree round for every batch and device, as a JSON-ready report.
 
     Defaults: Llama-3.1-8B and its public EAGLE-3 head (`llama31_8b`, `eagle3_head`), 1024
-    cached tokens, chain K=5 at an assumed AL of 3.5, a 60-node EAGLE-2 tree at AL 6.0 (the
-    EAGLE-3 paper's Llama-3.1-8B figure, rounded); `efficiency` scales both peaks (1.0:
+    cached tokens, chain K=5 at an assumed AL of 3.5, the same head drafting its K=5 tokens
+    in one forward as a P-EAGLE head at the chain's AL unless `parallel_al` is given (the
+    rounds then differ by their cost alone), a 60-node EAGLE-2 tree at AL 6.0 (the EAGLE-3
+    paper's Llama-3.1-8B figure, rounded); `efficiency` scales both peaks (1.0:
     the pure roofline, an upper bound on speed); `attention` as in the module docstring."""
     devs = [device(d) for d in devices]
     if not 0 < efficiency <= 1:
@@ -369,9 +373,13 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
         raise InputError(f"attention must be one of {ATTENTION}, got {attention!r}")
     config = llama31_8b() if config is None else config
     draft = eagle3_head(config) if draft is None else draft
+    parallel_draft = dataclasses.replace(draft, mask_token_id=draft.draft_vocab_size - 1)
+    parallel_al = chain_al if parallel_al is None else parallel_al
     programs = [("plain step", 1.0, lambda b: plain_step_cost(config, b, context)),
                 (chain.describe(), chain_al,
                  lambda b: spec_round_cost(config, draft, chain, b, context)),
+                (parallel.describe(), parallel_al,
+                 lambda b: spec_round_cost(config, parallel_draft, parallel, b, context)),
                 (tree.describe(), tree_al,
                  lambda b: spec_round_cost(config, draft, tree, b, context))]
     rows = []
@@ -397,6 +405,7 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
         "assumptions": {"context_tokens": context, "storage": "bfloat16 weights and KV cache",
                         "decoding": "greedy", "attention": attention,
                         "chain": chain.describe(), "chain_accept_length": chain_al,
+                        "parallel": parallel.describe(), "parallel_accept_length": parallel_al,
                         "tree": tree.describe(), "tree_accept_length": tree_al,
                         "efficiency": efficiency},
         "devices": {d.name: dataclasses.asdict(d) for d in devs},
@@ -419,7 +428,8 @@ def format_report(report: dict[str, Any]) -> str:
     a = report["assumptions"]
     lines += ["", f"assumptions: {a['context_tokens']} cached tokens; {a['storage']}; "
                   f"{a['decoding']}; {a['attention']} attention; AL {a['chain_accept_length']} "
-                  f"for {a['chain']}, AL {a['tree_accept_length']} for {a['tree']}; "
+                  f"for {a['chain']}, AL {a['parallel_accept_length']} for {a['parallel']} "
+                  f"(the same head as P-EAGLE), AL {a['tree_accept_length']} for {a['tree']}; "
                   f"{a['efficiency']:.0%} of peak bandwidth and FLOPs"]
     for d in report["devices"].values():
         lines.append(f"{d['name']}: {d['bandwidth'] / 1e12:.3f} TB/s, "

@@ -144,7 +144,7 @@ def tiny_report():
 
 def test_report_rows_follow_the_roofline(tiny_report):
     rows = tiny_report["rows"]
-    assert len(rows) == 2 * 2 * 3  # batches x devices x programs
+    assert len(rows) == 2 * 2 * 4  # batches x devices x programs
     for row in rows:
         dev = roofline.DEVICES[row["device"]]
         t = max(row["gb_accessed"] * 1e9 / dev.bandwidth, row["gflops"] * 1e9 / dev.peak_flops)
@@ -154,7 +154,23 @@ def test_report_rows_follow_the_roofline(tiny_report):
     assert all(r["speedup"] == 1.0 and r["accept_length"] == 1.0 for r in plain)
     assert {r["accept_length"] for r in rows} == {1.0, 3.5, 6.0}
     a = tiny_report["assumptions"]
-    assert (a["chain"], a["tree"]) == ("chain K=5", "tree top_k=10 depth=6 total=60")
+    assert (a["chain"], a["parallel"], a["tree"]) == (
+        "chain K=5", "parallel K=5", "tree top_k=10 depth=6 total=60")
+
+
+def test_parallel_round_reads_the_head_once(tiny_report):
+    """The chain runs the head K times a round, reading its weights K times; P-EAGLE's one
+    forward reads them once: the parallel round moves at least (K - 1) head reads less.
+    Same verification, same AL by default."""
+    rows = {(r["device"], r["batch"], r["program"]): r for r in tiny_report["rows"]}
+    chain, parallel = rows["h100", 1, "chain K=5"], rows["h100", 1, "parallel K=5"]
+    infos = jax.tree.leaves(head.param_info(TINY_HEAD), is_leaf=llama.is_param_info)
+    head_read = 2 * sum(math.prod(i.shape) for i in infos if i.shape[0] != TINY.vocab_size)
+    saved = (chain["gb_accessed"] - parallel["gb_accessed"]) * 1e9
+    # at least four reads of the head's weights; at most twice that, as each chain step's
+    # other traffic (activations, its cache rows and logits) is smaller than the weights
+    assert 4 * head_read <= saved <= 8 * head_read
+    assert parallel["accept_length"] == chain["accept_length"]
 
 
 def test_bad_arguments_are_refused():
