@@ -69,6 +69,14 @@ class Root(NamedTuple):
     cache: kv_cache.KVCache
 
 
+def top_k_last(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the last axis of x [..., N], computed on x as a 2-D [M,N] array:
+    XLA:CPU can turn a 3-D top-k into a full sort of all N entries (about 8 ms for
+    [1,3,8192] on a 2-core CPU), where the 2-D call keeps its top-k kernel (<0.1 ms)."""
+    values, index = jax.lax.top_k(x.reshape(-1, x.shape[-1]), k)
+    return values.reshape(*x.shape[:-1], k), index.reshape(*x.shape[:-1], k)
+
+
 def draft_chain(head: Head, root: Root, k: int, greedy: bool, sampling: SamplingParams,
                 keys: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array | None]:
     """K tokens one after another [B,K] (argmax, or sampled from the warped draft with
@@ -114,7 +122,7 @@ def draft_parallel_tree(root: Root, draft_ids: jax.Array, top_k: int, depth: int
     for every parent: no head call, only their scores (summed log-probabilities) differ."""
     batch = root.token.shape[0]
     k = top_k
-    slot_scores, slot_index = jax.lax.top_k(jax.nn.log_softmax(root.logits, axis=-1), k)
+    slot_scores, slot_index = top_k_last(jax.nn.log_softmax(root.logits, axis=-1), k)
     slot_tokens = draft_ids[slot_index]  # [B,depth,k]
     cand_tokens, cand_scores = [slot_tokens[:, 0]], [slot_scores[:, 0]]
     cand_parents = [jnp.full((batch, k), -1, jnp.int32)]
@@ -165,7 +173,7 @@ def draft_dynamic_tree(head: Head, root: Root, top_k: int, depth: int,
         positions = root.cache.lengths[:, None] + slot_depths[None, :hi] - 1
         hidden = head.step(slot_tokens[:, :hi], slot_inputs[:, :hi], positions, root.cache,
                            slot_mask[:, :hi, :hi]).hidden[:, lo:hi]  # [B,k,H]
-        child_scores, child_index = jax.lax.top_k(head.log_probs(hidden), k)  # [B,k,k]
+        child_scores, child_index = top_k_last(head.log_probs(hidden), k)  # [B,k,k]
         cum = (frontier["scores"][:, :, None] + child_scores).reshape(batch, k * k)
         tokens = head.draft_ids[child_index].reshape(batch, k * k)
         base = k + (r - 1) * k * k
@@ -213,7 +221,7 @@ def draft_static_tree(head: Head, root: Root, shape: StaticShape) -> Tree:
                            mask).hidden
         picked = hidden[:, np.asarray(expanding) - 1]  # [B,E,H]
         logits = head_logits(head.params, head.config, head.target_params, picked)
-        top = head.draft_ids[jax.lax.top_k(logits, width)[1]]  # [B,E,width]
+        top = head.draft_ids[top_k_last(logits, width)[1]]  # [B,E,width]
         for j, i in enumerate(expanding):
             hidden_of[i], choices[i] = picked[:, j], top[:, j]
     return tree_from_parents(tokens, jnp.broadcast_to(jnp.asarray(parents), (batch, n_nodes)),
