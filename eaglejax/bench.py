@@ -156,9 +156,10 @@ def _speculative_report(header: dict[str, Any], floor_ms: float, draft,
                         greedy: bool) -> dict[str, Any]:
     """Speed, acceptance and round cost of one speculative run against the plain run."""
     rows = spec["results"]
-    rounds = [r.metrics.target_forwards - 1 for r in rows]
-    # With speculative="auto" a row may have run plainly (AL 1, no draft position reached)
-    # and rows may have run shapes of different depths.
+    # Pooled over rows as vLLM pools its counters: each row weighted by its own rounds.
+    # With speculative="auto" a row may have run plainly (AL 1, a round per decode step,
+    # no draft position reached) and rows may have run shapes of different depths.
+    rounds = [r.metrics.verify_rounds or r.metrics.new_tokens - 1 for r in rows]
     lengths = [r.metrics.acceptance_length or 1.0 for r in rows]
     positions = [r.metrics.acceptance_by_position or [] for r in rows]
     depth = max(len(p) for p in positions)

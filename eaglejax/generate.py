@@ -37,9 +37,11 @@ class GenerationMetrics:
     and tokens/s exclude it. On a CPU the first run of a new program still builds its
     XNNPACK (YNN) kernel pipelines (about 0.5 s for SmolLM2's prefill on 2 cores), inside
     `prefill_s`.
-    Speculative runs add the acceptance length (AL): mean tokens per verification round
-    INCLUDING the target's bonus token (plain decoding would be 1.0; AL - 1 is the mean of
-    accepted draft tokens), per-position acceptance (share of rounds whose accepted path
+    Speculative runs add this row's verification rounds (`target_forwards` counts the
+    batch's, which a row that finished early does not take part in all of) and the
+    acceptance length (AL): mean tokens per verification round INCLUDING the target's bonus
+    token (plain decoding would be 1.0; AL - 1 is the mean of accepted draft tokens),
+    per-position acceptance (share of rounds whose accepted path
     reached draft depth d = 1..K) and the conditional rate at each depth. `speculative`
     names the shape that ran when a draft head was given (`speculative="auto"` may have
     chosen plain decoding).
@@ -53,6 +55,7 @@ class GenerationMetrics:
     decode_tokens_per_s: float
     target_forwards: int
     batch_size: int
+    verify_rounds: int | None = None
     acceptance_length: float | None = None
     acceptance_by_position: list[float] | None = None
     conditional_acceptance: list[float] | None = None
@@ -60,14 +63,15 @@ class GenerationMetrics:
 
 
 def acceptance_metrics(hist: np.ndarray) -> dict[str, object]:
-    """From a row's histogram of accepted draft tokens per round: AL (tokens per verify round,
-    bonus included), the share of rounds reaching each draft depth, and the rate of reaching
-    depth d given d-1 was reached."""
+    """From a row's histogram of accepted draft tokens per round: its rounds, AL (tokens per
+    verify round, bonus included), the share of rounds reaching each draft depth, and the
+    rate of reaching depth d given d-1 was reached."""
     rounds = int(hist.sum())
     if rounds == 0:
         return {}
     reached = [float(hist[d:].sum()) for d in range(len(hist))]  # rounds accepting >= d
     return {
+        "verify_rounds": rounds,
         "acceptance_length": float((hist * np.arange(1, len(hist) + 1)).sum() / rounds),
         "acceptance_by_position": [r / rounds for r in reached[1:]],
         "conditional_acceptance": [reached[d] / reached[d - 1] if reached[d - 1] else 0.0

@@ -46,6 +46,10 @@ def test_self_draft_accepts_much_and_matches_plain(k, selfdraft_target):
     assert mean_al > 1 + 0.6 * k, mean_al  # a random head stays near 1
     assert all(s.metrics.target_forwards < p.metrics.target_forwards
                for s, p in zip(spec, plain)) or k == 1
+    for s in spec:  # a row's own rounds produced its 47 decode tokens (the last may overrun)
+        m = s.metrics
+        assert m.verify_rounds <= m.target_forwards - 1
+        assert 47 <= round(m.acceptance_length * m.verify_rounds) <= 47 + k
 
 
 def test_multi_layer_head_and_tied_target(target_of):
