@@ -14,24 +14,22 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from pathlib import Path
 from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from eaglejax import validation
 from eaglejax.config import ModelConfig
 from eaglejax.errors import ConfigError, InputError
+from eaglejax.loading.safetensors_file import write_safetensors
 from eaglejax.loading.weights import hf_layer_shapes, layer_params_to_hf
 from eaglejax.target import FLOAT_DTYPES, Target
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
-_SAFETENSORS_DTYPE = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16",
-                      np.dtype(np.float16): "F16"}
+_METADATA = {"format": "pt"}  # what transformers' safetensors loader looks for
 _LAYER = "model.layers.{i}."
 _O_BIAS = "self_attn.o_proj.bias"
 
@@ -92,41 +90,19 @@ def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
-def _write_safetensors(path: Path, names: list[str], shapes: dict[str, tuple[int, ...]],
-                       dtype: np.dtype, tensors: Iterator[tuple[str, np.ndarray]]) -> None:
-    """Stream `names` (taken in order from `tensors`) into one safetensors file: the header
-    is known from the shapes before any tensor is read."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name in names:
-        size = math.prod(shapes[name]) * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(shapes[name]),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for expected in names:
-            name, array = next(tensors)
-            if name != expected or array.shape != shapes[name] or array.dtype != dtype:
-                raise AssertionError(f"export order broken at {name} {array.shape}: "
-                                     f"expected {expected} {shapes[expected]}")
-            f.write(array.tobytes())
-
-
 def _write_weights(target: Target, out: Path, dtype: np.dtype, max_bytes: int) -> list[str]:
     """The safetensors file(s) and, when sharded, their index; returns the file names."""
     shapes = tensor_shapes(target.config)
     sizes = {name: math.prod(shape) * dtype.itemsize for name, shape in shapes.items()}
     shards = _plan_shards(sizes, max_bytes)
-    tensors = _host_tensors(target, dtype)
-    if len(shards) == 1:
-        _write_safetensors(out / "model.safetensors", shards[0], shapes, dtype, tensors)
-        return ["model.safetensors"]
-    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    tensors = _host_tensors(target, dtype)  # one stream, consumed shard by shard
+    files = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for file, names in zip(files, shards):
-        _write_safetensors(out / file, names, shapes, dtype, tensors)
+        write_safetensors(out / file, {name: (dtype, shapes[name]) for name in names}, tensors,
+                          _METADATA)
+    if len(shards) == 1:
+        return files
     index = {"metadata": {"total_size": sum(sizes.values())},
              "weight_map": {name: file for file, names in zip(files, shards) for name in names}}
     _write_json(out / "model.safetensors.index.json", index)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 import ml_dtypes
@@ -75,22 +77,35 @@ class SafetensorsFile:
                          shape=shape)
 
 
+def write_safetensors(path: str | Path, layout: dict[str, tuple[np.dtype, tuple[int, ...]]],
+                      arrays: Iterable[tuple[str, np.ndarray]],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file as its tensors arrive: the header comes from `layout`
+    (name -> (dtype, shape), in file order), so one array at a time is in memory. `arrays`
+    yields (name, array) in that order; a mismatch is a ValueError naming the tensor."""
+    names = {np.dtype(v): k for k, v in _DTYPES.items()}
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, (dtype, shape) in layout.items():
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": names[np.dtype(dtype)], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    arrays = iter(arrays)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for expected, (dtype, shape) in layout.items():
+            name, array = next(arrays)
+            if (name, array.shape, array.dtype) != (expected, tuple(shape), np.dtype(dtype)):
+                raise ValueError(f"{path}: got {name} {array.shape} {array.dtype} where the "
+                                 f"header has {expected} {tuple(shape)} {np.dtype(dtype)}")
+            f.write(np.ascontiguousarray(array).tobytes())
+
+
 def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray],
                      metadata: dict[str, str] | None = None) -> None:
     """Write numpy arrays (bfloat16 included) to a safetensors file."""
-    names = {np.dtype(v): k for k, v in _DTYPES.items()}
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    offset, blobs = 0, []
-    for name, array in tensors.items():
-        array = np.ascontiguousarray(array)
-        blob = array.tobytes()
-        header[name] = {"dtype": names[array.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + len(blob)]}
-        offset += len(blob)
-        blobs.append(blob)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for blob in blobs:
-            f.write(blob)
+    layout = {name: (array.dtype, array.shape) for name, array in tensors.items()}
+    write_safetensors(path, layout, tensors.items(), metadata)
