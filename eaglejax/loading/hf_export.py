@@ -130,27 +130,14 @@ def hf_config(target: Target, dtype: str) -> dict[str, Any]:
     if c.model_type == "mistral" and c.attention_bias:
         raise ConfigError(f"{target.source}: a Mistral model with attention biases has no "
                           f"Hugging Face architecture (MistralForCausalLM has no biases)")
-    base = c.to_hf_dict()
-    rope = dict(base["rope_parameters"])
-    legacy = {k: v for k, v in rope.items() if k != "rope_theta"}
+    config = c.to_hf_dict()  # the architecture's own keys; completed and adjusted below
+    rope = config["rope_parameters"]
     bos, eos, pad = _special_ids(target)
-    config: dict[str, Any] = {
-        "architectures": base["architectures"],
-        "model_type": c.model_type,
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
+    config.update({
         "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
-        "rope_scaling": legacy if c.rope_scaling is not None else None,
-        "rope_parameters": rope,
-        "max_position_embeddings": c.max_position_embeddings,
-        "tie_word_embeddings": c.tie_word_embeddings,
+        "rope_scaling": ({k: v for k, v in rope.items() if k != "rope_theta"}
+                         if c.rope_scaling is not None else None),
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
@@ -159,15 +146,15 @@ def hf_config(target: Target, dtype: str) -> dict[str, Any]:
         "pad_token_id": pad,
         "dtype": dtype,
         "torch_dtype": dtype,
-    }
-    if c.model_type in ("llama", "qwen3"):
-        config["attention_bias"] = c.attention_bias
+    })
+    if c.model_type == "llama" and not c.sliding_window:
+        del config["sliding_window"]  # LlamaConfig has none
+    if c.model_type not in ("llama", "qwen3"):
+        del config["attention_bias"]  # Qwen2's biases are implied, Mistral has none
     if c.model_type == "llama":
         config.update(mlp_bias=False, pretraining_tp=1)
     if c.model_type == "qwen2" and c.head_dim == c.hidden_size // c.num_heads:
         del config["head_dim"]  # Qwen2Config has none; its attention derives it
-    if c.model_type != "llama" or c.sliding_window:
-        config["sliding_window"] = c.sliding_window
     if c.model_type in ("qwen2", "qwen3"):
         config.update(use_sliding_window=c.sliding_window is not None,
                       max_window_layers=0 if c.sliding_window else c.num_layers)
