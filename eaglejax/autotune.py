@@ -15,7 +15,10 @@ bookkeeping included). Plain decoding competes
 as size 1: AL 1, one single-token forward a token (what a plain step costs; see
 BENCHMARKS.md). Timings are noisy on a shared machine: a size's verify time is taken as at
 least that of every smaller size, and speculation must be expected to beat plain decoding
-by `MARGIN` to be chosen.
+by `MARGIN` to be chosen. What a verify of n nodes costs is a property of the device, the
+target and the cache size, not of the prompt: it is timed once per target, batch size,
+cache capacity (prompts and outputs bucketed to multiples of 128 tokens) and n in a process,
+so a prompt of another length calibrates only the head's acceptance.
 
 Choices are remembered per process and on disk (`<eaglejax cache>/autotune.json`, keyed by
 the device, the versions, the target's and the head's contents, the batch size and the
@@ -28,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import weakref
 from typing import TYPE_CHECKING
 
 import jax
@@ -103,8 +107,7 @@ def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_ne
     capacity = cache_capacity(max(len(ids) for ids in encoded), max_new_tokens,
                               calibrated.num_nodes)
     node_counts = (1, *sizes, calibrated.num_nodes)
-    verify_ms = {n: single_forward_ms(target, context, capacity, batch, repeats=15, tokens=n)
-                 for n in node_counts}
+    verify_ms = {n: _verify_ms(target, context, capacity, batch, n) for n in node_counts}
     for smaller, n in zip(node_counts, node_counts[1:]):  # more tokens never verify faster
         verify_ms[n] = max(verify_ms[n], verify_ms[smaller])
     draft_ms = max(round_ms - verify_ms[calibrated.num_nodes], 0.0)
@@ -123,6 +126,21 @@ def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_ne
     if speedup < MARGIN:
         best, speedup = table[0], 1.0
     return AutoChoice(_config(top_k, depth, best), speedup, table)
+
+
+_VERIFY_MS: dict[tuple, tuple[weakref.ref, float]] = {}
+
+
+def _verify_ms(target: Target, context: int, capacity: int, batch: int, tokens: int) -> float:
+    """A target forward of `tokens` tokens per row (`single_forward_ms`), timed once per
+    target, batch, cache capacity and token count in this process."""
+    key = (id(target), batch, capacity, tokens)
+    known = _VERIFY_MS.get(key)
+    if known is not None and known[0]() is target:
+        return known[1]
+    ms = single_forward_ms(target, context, capacity, batch, repeats=15, tokens=tokens)
+    _VERIFY_MS[key] = (weakref.ref(target), ms)
+    return ms
 
 
 def _config(top_k: int, depth: int, row: dict) -> SpecConfig | None:

@@ -23,6 +23,7 @@ from eaglejax.models.llama import lm_head
 from hf_oracle import hf_greedy, hf_logits, make_hf_model
 from pallas_kernels import tree_attention_reference
 from spec_helpers import random_eagle3
+from tolerances import FORWARD_UNITS, assert_close_scaled, scaled_error
 
 LENGTHS = (48, 30, 7, 17)  # right-padded to 48
 
@@ -52,7 +53,11 @@ def test_blocked_attention_matches_reference(t_new, s_cache, block):
     args = (q, k_cache, v_cache, lengths, k_new, v_new, mask)
     want = tree_attention_reference(*args, kv_layout="bhsd")
     got = jax.jit(functools.partial(blocked_attention, block=block))(*args)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+    assert_close_scaled(got, want, units=FORWARD_UNITS, what="blocked attention")
+    # Negative control: the same check rejects a cache that lost its last valid key.
+    fewer = (q, k_cache, v_cache, jnp.maximum(lengths - 1, 0), k_new, v_new, mask)
+    wrong = jax.jit(functools.partial(blocked_attention, block=block))(*fewer)
+    assert scaled_error(wrong, want) > 10 * FORWARD_UNITS
 
 
 def test_blocked_attention_reads_only_valid_blocks():
@@ -64,7 +69,7 @@ def test_blocked_attention_reads_only_valid_blocks():
     got = blocked_attention(q, *poisoned, lengths, k_new, v_new, mask, block=32)
     want = tree_attention_reference(q, k_cache, v_cache, lengths, k_new, v_new, mask,
                                     kv_layout="bhsd")
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+    assert_close_scaled(got, want, units=FORWARD_UNITS, what="blocked attention")
 
 
 def test_long_queries_over_a_long_cache_use_blocked_attention(monkeypatch):
@@ -81,7 +86,7 @@ def test_long_queries_over_a_long_cache_use_blocked_attention(monkeypatch):
               impl="xla")  # one decode query: the plain reference
     assert len(calls) == 1
     want = tree_attention_reference(*args, kv_layout="bhsd")
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+    assert_close_scaled(got, want, units=FORWARD_UNITS, what="blocked attention")
 
 
 def _prefill(target, prompt, lengths, capacity, chunk, tap_layers=(1, 3)):
@@ -91,17 +96,30 @@ def _prefill(target, prompt, lengths, capacity, chunk, tap_layers=(1, 3)):
     return fn(target.params, prompt=prompt, prompt_lengths=lengths)
 
 
-def _valid_close(got, want, lengths, atol):
-    """[B,P,...] arrays equal at each row's valid positions."""
+def _valid_close(got, want, lengths, depth: int, what: str = "values"):
+    """[B,P,...] arrays equal at each row's valid positions, within float32 noise of a
+    forward `depth` layers deep (tolerances.FORWARD_UNITS)."""
     for row, n in enumerate(np.asarray(lengths)):
-        np.testing.assert_allclose(np.asarray(got[row, :n]), np.asarray(want[row, :n]),
-                                   atol=atol, rtol=1e-5)
+        assert_close_scaled(got[row, :n], want[row, :n], units=FORWARD_UNITS, depth=depth,
+                            what=f"{what}, row {row}")
 
 
-def _cache_close(got, want, lengths, atol=2e-6):
+def _cache_close(got, want, lengths):
+    """Equal lengths; each layer's keys and values within the noise of that layer's depth."""
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(want.lengths))
-    for g, w in zip(got.k + got.v, want.k + want.v):  # [B,kv,S,D]: compare the valid slots
-        _valid_close(jnp.swapaxes(g, 1, 2), jnp.swapaxes(w, 1, 2), lengths, atol)
+    for layer, (g, w) in enumerate(zip(got.k + got.v, want.k + want.v)):  # [B,kv,S,D]
+        _valid_close(jnp.swapaxes(g, 1, 2), jnp.swapaxes(w, 1, 2), lengths,
+                     depth=layer % len(got.k) + 1, what=f"cache entry {layer}")
+
+
+def _assert_chunks_see_each_other(target, prompt, lengths, capacity, got):
+    """Negative control for the checks above: the same check rejects the unchunked prefill
+    of the prompt with its first token changed, i.e. a chunked prefill that lost one key of
+    its first chunk would fail it."""
+    other = prompt.at[:, 0].set((prompt[:, 0] + 1) % target.config.vocab_size)
+    wrong = _prefill(target, other, lengths, capacity, chunk=prompt.shape[1])
+    assert scaled_error(got.logits[0], wrong.logits[0],
+                        depth=target.config.num_layers) > 10 * FORWARD_UNITS
 
 
 @pytest.mark.parametrize("chunk", [5, 16, 20])
@@ -110,10 +128,12 @@ def test_chunked_prefill_equals_unchunked(chunk, target_of):
     prompt, lengths = _ragged_prompt()
     want = _prefill(target, prompt, lengths, 128, chunk=48)
     got = _prefill(target, prompt, lengths, 128, chunk=chunk)
-    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=2e-5)
-    _valid_close(got.hidden, want.hidden, lengths, 2e-5)
-    _valid_close(got.taps, want.taps, lengths, 2e-5)
+    depth = target.config.num_layers
+    assert_close_scaled(got.logits, want.logits, units=FORWARD_UNITS, depth=depth, what="logits")
+    _valid_close(got.hidden, want.hidden, lengths, depth, "hidden")
+    _valid_close(got.taps, want.taps, lengths, depth, "taps")
     _cache_close(got.cache, want.cache, lengths)
+    _assert_chunks_see_each_other(target, prompt, lengths, 128, got)
 
 
 def test_chunked_prefill_with_blocked_attention(target_of, monkeypatch):
@@ -125,8 +145,10 @@ def test_chunked_prefill_with_blocked_attention(target_of, monkeypatch):
     prompt, lengths = _ragged_prompt(seed=1)
     want = _prefill(target, prompt, lengths, 64, chunk=48)
     got = _prefill(target, prompt, lengths, 64, chunk=12)
-    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=2e-5)
+    assert_close_scaled(got.logits, want.logits, units=FORWARD_UNITS,
+                        depth=target.config.num_layers, what="logits")
     _cache_close(got.cache, want.cache, lengths)
+    _assert_chunks_see_each_other(target, prompt, lengths, 64, got)
 
 
 def test_chunked_prefill_with_the_pallas_kernel(target_of):
@@ -136,8 +158,10 @@ def test_chunked_prefill_with_the_pallas_kernel(target_of):
     pallas = jax.jit(functools.partial(prefill_target, config=target.config, capacity=32,
                                        attn_impl="pallas", chunk=8))
     got = pallas(target.params, prompt=prompt, prompt_lengths=lengths)
-    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=2e-5)
+    assert_close_scaled(got.logits, want.logits, units=FORWARD_UNITS,
+                        depth=target.config.num_layers, what="logits")
     _cache_close(got.cache, want.cache, lengths)
+    _assert_chunks_see_each_other(target, prompt, lengths, 32, got)
 
 
 def test_chunked_prefill_logits_match_transformers(hf_family, target_of):
@@ -147,8 +171,9 @@ def test_chunked_prefill_logits_match_transformers(hf_family, target_of):
     got = _prefill(target, prompt, lengths, 384, chunk=64, tap_layers=())
     for row, n in enumerate(np.asarray(lengths)):
         want = hf_logits(hf, np.asarray(prompt[row:row + 1, :n]))[0]
-        np.testing.assert_allclose(np.asarray(lm_head(target.params, got.hidden[row, :n])),
-                                   want, atol=1e-4, rtol=1e-4)
+        assert_close_scaled(lm_head(target.params, got.hidden[row, :n]), want,
+                            units=FORWARD_UNITS, depth=target.config.num_layers,
+                            what=f"logits of row {row}")
 
 
 def test_chunked_draft_prefill_equals_unchunked(target_of):
@@ -165,7 +190,7 @@ def test_chunked_draft_prefill_equals_unchunked(target_of):
     run = jax.jit(functools.partial(draft_forward_chunked, config=draft.config, chunk=20))
     hidden, got_cache = run(draft.params, target_params=target.params, tokens=prompt,
                             features=features, cache=cache)
-    _valid_close(hidden, want.hidden, lengths, 2e-5)
+    _valid_close(hidden, want.hidden, lengths, d.num_layers, "draft hidden")
     _cache_close(got_cache._replace(lengths=lengths), want_cache, lengths)
 
 

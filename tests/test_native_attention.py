@@ -15,18 +15,19 @@ import pallas_kernels
 from eaglejax import native
 from eaglejax.models.attention import attention
 from eaglejax.native import build, cache_attention
+from tolerances import FORWARD_UNITS, assert_close_scaled, scaled_error
 
 needs_compiler = pytest.mark.skipif(build.compiler() is None or not build.enabled(),
                                     reason="no C++ compiler here (or EAGLEJAX_NATIVE=0): "
                                            "the XLA reference is used, which the other tests cover")
 reference = functools.partial(pallas_kernels.tree_attention_reference, kv_layout="bhsd")
 
-# Outputs are softmax-weighted means of values of size ~1. Float32 dot products over D <= 128
-# terms of size ~1 and sums over <= 300 keys, plus the kernel's exp polynomial (relative
-# error 2e-7), measured 1.7e-6 at most against float64 here (XLA's reference: 1.6e-6, both
-# at D=128). Dropping one key moves outputs by ~1e-2 (checked below); a wrong head mapping
-# by ~1. 1e-5 is 6x the noise.
-ATOL = 1e-5
+# Outputs are softmax-weighted means of values of size ~1: one attention call, float32 noise
+# of tolerances.FORWARD_UNITS. Float32 dot products over D <= 128 terms and sums over <= 300
+# keys, plus the kernel's exp polynomial (relative error 2e-7), measured 1.7e-6 at most
+# against float64 (XLA's reference: 1.6e-6, both at D=128), about 4 units of outputs up to
+# ~3.5. Dropping one key moves outputs by ~1e-2, thousands of units (checked below); a wrong
+# head mapping by ~1.
 
 
 def _oracle(q, k_cache, v_cache, lengths, k_new, v_new, mask) -> np.ndarray:
@@ -78,11 +79,11 @@ def test_attention_matches_float64(batch, t_new, n_q, n_kv, capacity, d):
     assert cache_attention.applies(args[0], args[1])
     got = np.asarray(jax.jit(attention)(*args))
     want = _oracle(*args)
-    np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+    assert_close_scaled(got, want, units=FORWARD_UNITS, what="native attention")
     assert batch == 1 or not got[-1, 0].any()  # a query that sees nothing gets zeros
-    # The same bound catches a dropped key (negative control for ATOL).
+    # The same bound catches a dropped key (negative control).
     fewer = (*args[:3], args[3] - (args[3] > 0), *args[4:])
-    assert np.abs(np.asarray(jax.jit(attention)(*fewer)) - want).max() > 100 * ATOL
+    assert scaled_error(jax.jit(attention)(*fewer), want) > 100 * FORWARD_UNITS
 
 
 @needs_compiler
@@ -112,8 +113,12 @@ def test_gradient_is_the_references():
 
     got = jax.grad(functools.partial(loss, attention), argnums=(0, 1))(args[0], args[4])
     want = jax.grad(functools.partial(loss, reference), argnums=(0, 1))(args[0], args[4])
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-5)
+    for g, w in zip(got, want):  # one attention call and its transpose: depth 1
+        assert_close_scaled(g, w, units=FORWARD_UNITS, what="gradient")
+    # Negative control: the gradient with one key dropped fails the same check.
+    fewer = (*args[1:3], args[3] - (args[3] > 0))
+    dropped = jax.grad(lambda q: jnp.sum(attention(q, *fewer, *args[4:]) ** 2))(args[0])
+    assert scaled_error(dropped, want[0]) > 100 * FORWARD_UNITS
 
 
 def test_dispatch_rules():

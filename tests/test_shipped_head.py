@@ -15,6 +15,7 @@ from eaglejax import SpecConfig
 from eaglejax.draft.formats import WRITERS
 from eaglejax.draft.shipped import shipped_head
 from eaglejax.training.pipeline import mt_bench_prompts
+from tolerances import ACCEPTANCE_LENGTH_NEAR_TIES
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +42,8 @@ def test_acceptance_is_what_the_model_card_states(shipped, smollm2):
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
     measured = float(np.mean([s.metrics.acceptance_length for s in spec]))
     # The card's figure was measured with this very call; float32 rounding on another CPU
-    # may flip a near-tie token, hence the small tolerance. An untrained head scores 1.0.
-    assert measured == pytest.approx(card["acceptance_length"], abs=0.03)
+    # may flip a near-tie draft token (tolerances.ACCEPTANCE_LENGTH_NEAR_TIES).
+    assert abs(measured - card["acceptance_length"]) <= ACCEPTANCE_LENGTH_NEAR_TIES
     assert measured > 1.15
 
 

@@ -26,9 +26,9 @@ from eaglejax.config import RopeScaling
 from eaglejax.draft import Draft, DraftConfig, export_reference, export_speculators, load_draft
 from eaglejax.draft.head import init_params
 from eaglejax.errors import ConfigError
+from tolerances import HEAD_UNITS, assert_close_scaled, scaled_error
 
 V = 97  # the random target's vocabulary
-TOL = 2e-5
 
 # Keys of `transformer_layer_config` that vLLM's EAGLE-3 llama/qwen3 layers read with no
 # default (a missing one stops vLLM at start-up, e.g. `hidden_act`) or with a default that
@@ -149,20 +149,25 @@ def _package_logits(model: Eagle3DraftModel, tokens: np.ndarray, features: np.nd
     return caught[0][0].double().numpy()
 
 
-def _assert_same_logits(model: Eagle3DraftModel, draft: Draft, tokens: np.ndarray, tol=TOL):
-    """Teacher-forced first-step logits of the package model equal eaglejax's over the draft
-    vocabulary, and the package holds the same draft -> target map."""
+def _both_logits(model: Eagle3DraftModel, draft: Draft, tokens: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Teacher-forced first-step logits [T, DV] of eaglejax and of the package model over the
+    draft vocabulary; asserts the package holds the same draft -> target map."""
     d2t = np.asarray(draft.d2t)
     if model.d2t is not None:
         np.testing.assert_array_equal(model.d2t.numpy(), d2t)
     features = np.asarray(draft.target_features(tokens), np.float32)
     tokens, features = tokens[:, 1:], features[:, :-1]
     ours = np.asarray(draft.logits(tokens, features), np.float64)[0]
-    ours = ours[:, np.arange(d2t.size) + d2t]
-    theirs = _package_logits(model, tokens, features)
-    assert ours.shape == theirs.shape
-    err = np.abs(ours - theirs).max()
-    assert err <= tol * max(1.0, np.abs(theirs).max()), f"max abs error {err:.3g}"
+    return ours[:, np.arange(d2t.size) + d2t], _package_logits(model, tokens, features)
+
+
+def _assert_same_logits(model: Eagle3DraftModel, draft: Draft, tokens: np.ndarray):
+    """Both within float32 noise of one head step (tolerances.HEAD_UNITS, as deep as the
+    head's layers), with the same argmax."""
+    ours, theirs = _both_logits(model, draft, tokens)
+    assert_close_scaled(ours, theirs, units=HEAD_UNITS, depth=draft.config.decoder.num_layers,
+                        what="draft logits vs speculators")
     np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
 
 
@@ -204,6 +209,18 @@ def test_speculators_export_runs_in_the_package(tmp_path, name, target, tokens):
     export = export_speculators(draft, tmp_path / "spec")
     _assert_package_reads_ours(export, draft)
     _assert_same_logits(_model_from_weights(export, draft), draft, tokens)
+
+
+def test_the_logit_check_rejects_a_wrong_norm_epsilon(tmp_path, target, tokens):
+    """Negative control: the package model built from an export whose rms_norm_eps was
+    edited to 10x the head's fails `_assert_same_logits`."""
+    draft = _random_head(target, HEADS["plain"])
+    export = export_speculators(draft, tmp_path / "spec")
+    config = json.loads((export / "config.json").read_text())
+    config["transformer_layer_config"]["rms_norm_eps"] *= 10
+    (export / "config.json").write_text(json.dumps(config))
+    ours, theirs = _both_logits(_model_from_weights(export, draft), draft, tokens)
+    assert scaled_error(ours, theirs, depth=draft.config.decoder.num_layers) > 2 * HEAD_UNITS
 
 
 def test_speculators_export_of_a_narrow_head(tmp_path, target):
@@ -268,4 +285,4 @@ def test_shipped_head_export_runs_in_the_package(tmp_path, smollm2):
     model = _model_from_weights(export, draft)
     tokens = np.asarray([smollm2.tokenizer.encode(
         "The quick brown fox jumps over the lazy dog because it wanted to")])
-    _assert_same_logits(model, draft, tokens, tol=1e-5)
+    _assert_same_logits(model, draft, tokens)

@@ -56,10 +56,37 @@ SOFTMAX_UNITS = 2.0
 # catch those.
 BF16_UNITS = 4.0
 
+# A float32 activation times a 16-bit stored weight, as `split_precision_linear` computes it
+# (x split into two bfloat16 halves): float32-accurate up to 2^-16 relative, so its noise
+# unit takes that precision in place of eps(float32). Pass ``dtype=SPLIT_PRODUCT``.
+SPLIT_PRODUCT = "split-product"
+
+# Values that went through the same operations on the same inputs, where at most the last
+# rounding of each differs (a parameter after an update of lr 1e-12, a mean of counts taken
+# in float32 against the same mean in float64): 1 unit.
+ONE_ROUNDING_UNITS = 1.0
+
+
+# The mean acceptance length of a shipped head over its model card's MT-bench prompts, against
+# the card's own figure. Greedy output is identical everywhere (tested); what rounding can move
+# is a draft token whose top two head logits are tied within float32 noise, which changes
+# that round's accepted length and the alignment of the rounds after it in that prompt.
+# An untrained head scores 1.0, the shipped heads 1.37 (P-EAGLE) and 1.43 (EAGLE-3).
+ACCEPTANCE_LENGTH_NEAR_TIES = 0.03
+
 
 def eps(dtype=np.float32) -> float:
-    """Machine epsilon of ``dtype`` (float32, float64 or bfloat16)."""
+    """Machine epsilon of ``dtype`` (float32, float64, bfloat16 or SPLIT_PRODUCT)."""
+    if isinstance(dtype, str) and dtype == SPLIT_PRODUCT:
+        return 2.0**-16
     return float(ml_dtypes.finfo(np.dtype(dtype)).eps)
+
+
+def frequency_bound(count: int, false_alarm: float = 1e-6) -> float:
+    """How far an observed frequency of ``count`` independent draws may stray from its
+    probability: Hoeffding's bound sqrt(ln(2 / false_alarm) / (2 count)), exceeded by a
+    correct sampler with probability below ``false_alarm`` on any machine."""
+    return math.sqrt(math.log(2.0 / false_alarm) / (2.0 * count))
 
 
 def noise_unit(want, *, depth: int = 1, scale: float | None = None, dtype=np.float32) -> float:
