@@ -9,40 +9,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("EAGLEJAX_COMPILATION_CACHE", "0")
 os.environ.setdefault("EAGLEJAX_AUTOTUNE_CACHE", "0")
 
-import tempfile  # noqa: E402
-
 import pytest  # noqa: E402
 
 from hf_oracle import make_hf_model  # noqa: E402
 
-# The suite compiles the same small programs again in many modules (each module's compiled
-# programs are dropped below) and in each pytest-xdist worker: one JAX persistent cache per
-# run, shared by the workers (the controller names it before they start), loads them instead.
-# File locks (max_size) keep one worker from reading a program another is still writing.
-PROGRAM_CACHE_ENV = "EAGLEJAX_TEST_PROGRAM_CACHE"
 MEMORY_PER_WORKER = 6 * 2**30  # a worker's peak: SmolLM2, its transformers oracle, programs
-
-
-_created_program_cache: list[str] = []
-
-
-def pytest_configure(config):
-    import jax
-
-    if PROGRAM_CACHE_ENV not in os.environ:  # the controller, or a run without workers
-        os.environ[PROGRAM_CACHE_ENV] = tempfile.mkdtemp(prefix="eaglejax-test-programs-")
-        _created_program_cache.append(os.environ[PROGRAM_CACHE_ENV])
-    jax.config.update("jax_compilation_cache_dir", os.environ[PROGRAM_CACHE_ENV])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_compilation_cache_max_size", 64 * 2**30)
-
-
-def pytest_unconfigure(config):
-    import shutil
-
-    for folder in _created_program_cache:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -51,6 +22,14 @@ def pytest_xdist_auto_num_workers(config):
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(cores or 1, psutil.virtual_memory().total // MEMORY_PER_WORKER))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding `slow` tests (real models, 8-device and two-process runs) first: the
+    workers take whole files in this order, so the long ones start early and no worker idles
+    at the end while another runs one of them alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture(scope="session")

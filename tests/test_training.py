@@ -148,8 +148,9 @@ def test_training_raises_acceptance_length(tiny_target, sampled_rows, tmp_path):
     loaded = eaglejax.load_draft(result.out / "head", target=tiny_target)
     for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(result.draft.params)):
         np.testing.assert_array_equal(a, b)
-    # bit-identical parameters in the same compiled loop: exactly the same AL
-    assert acceptance_length(loaded, prompts, max_new_tokens=32) == trained
+    # bit-identical parameters in the same compiled loop: exactly the AL the log holds (which
+    # rounds it to 4 decimals)
+    assert round(acceptance_length(loaded, prompts, max_new_tokens=32), 4) == trained
 
 
 # ------------------------------------------------------------------------------ (b) resume
