@@ -112,14 +112,16 @@ def _cache_close(got, want, lengths):
                      depth=layer % len(got.k) + 1, what=f"cache entry {layer}")
 
 
-def _assert_chunks_see_each_other(target, prompt, lengths, capacity, got):
-    """Negative control for the checks above: the same check rejects the unchunked prefill
-    of the prompt with its first token changed, i.e. a chunked prefill that lost one key of
-    its first chunk would fail it."""
+def _assert_prefill_matches(target, prompt, lengths, capacity, got, want):
+    """Chunked prefill `got` gives the unchunked `want`'s last logits and cache. Negative
+    control: the same check rejects the unchunked prefill of the prompt with its first token
+    changed, i.e. a chunked prefill that lost one key of its first chunk would fail it."""
+    depth = target.config.num_layers
+    assert_close_scaled(got.logits, want.logits, units=FORWARD_UNITS, depth=depth, what="logits")
+    _cache_close(got.cache, want.cache, lengths)
     other = prompt.at[:, 0].set((prompt[:, 0] + 1) % target.config.vocab_size)
     wrong = _prefill(target, other, lengths, capacity, chunk=prompt.shape[1])
-    assert scaled_error(got.logits[0], wrong.logits[0],
-                        depth=target.config.num_layers) > 10 * FORWARD_UNITS
+    assert scaled_error(got.logits[0], wrong.logits[0], depth=depth) > 10 * FORWARD_UNITS
 
 
 @pytest.mark.parametrize("chunk", [5, 16, 20])
@@ -128,12 +130,9 @@ def test_chunked_prefill_equals_unchunked(chunk, target_of):
     prompt, lengths = _ragged_prompt()
     want = _prefill(target, prompt, lengths, 128, chunk=48)
     got = _prefill(target, prompt, lengths, 128, chunk=chunk)
-    depth = target.config.num_layers
-    assert_close_scaled(got.logits, want.logits, units=FORWARD_UNITS, depth=depth, what="logits")
-    _valid_close(got.hidden, want.hidden, lengths, depth, "hidden")
-    _valid_close(got.taps, want.taps, lengths, depth, "taps")
-    _cache_close(got.cache, want.cache, lengths)
-    _assert_chunks_see_each_other(target, prompt, lengths, 128, got)
+    _assert_prefill_matches(target, prompt, lengths, 128, got, want)
+    _valid_close(got.hidden, want.hidden, lengths, target.config.num_layers, "hidden")
+    _valid_close(got.taps, want.taps, lengths, target.config.num_layers, "taps")
 
 
 def test_chunked_prefill_with_blocked_attention(target_of, monkeypatch):
@@ -145,10 +144,7 @@ def test_chunked_prefill_with_blocked_attention(target_of, monkeypatch):
     prompt, lengths = _ragged_prompt(seed=1)
     want = _prefill(target, prompt, lengths, 64, chunk=48)
     got = _prefill(target, prompt, lengths, 64, chunk=12)
-    assert_close_scaled(got.logits, want.logits, units=FORWARD_UNITS,
-                        depth=target.config.num_layers, what="logits")
-    _cache_close(got.cache, want.cache, lengths)
-    _assert_chunks_see_each_other(target, prompt, lengths, 64, got)
+    _assert_prefill_matches(target, prompt, lengths, 64, got, want)
 
 
 def test_chunked_prefill_with_the_pallas_kernel(target_of):
@@ -158,10 +154,7 @@ def test_chunked_prefill_with_the_pallas_kernel(target_of):
     pallas = jax.jit(functools.partial(prefill_target, config=target.config, capacity=32,
                                        attn_impl="pallas", chunk=8))
     got = pallas(target.params, prompt=prompt, prompt_lengths=lengths)
-    assert_close_scaled(got.logits, want.logits, units=FORWARD_UNITS,
-                        depth=target.config.num_layers, what="logits")
-    _cache_close(got.cache, want.cache, lengths)
-    _assert_chunks_see_each_other(target, prompt, lengths, 32, got)
+    _assert_prefill_matches(target, prompt, lengths, 32, got, want)
 
 
 def test_chunked_prefill_logits_match_transformers(hf_family, target_of):
