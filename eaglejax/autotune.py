@@ -1,29 +1,30 @@
-"""`speculative="auto"`: pick the dynamic tree size (with or without a context-lookup
-branch) with the best expected tokens/s, or plain decoding when nothing is expected to
-beat it.
+"""`speculative="auto"`: which shape to decode the next segment with, from what this machine
+measured while decoding. No calibration pass: the choice adapts as the text goes.
 
-As the reference's `total_token=-1`, the target's forward is timed at a few node counts
-(batch and context as in the request). The acceptance each candidate would reach is
-measured, not modelled: one greedy calibration run drafts the largest tree with a lookup
-branch of `LOOKUP` tokens grafted and records, every round, how many draft tokens each
-candidate would have accepted (exact, `decoding.calibration`): the tree `total_tokens=s`,
-and the same tree with a branch of n = 1..LOOKUP copied tokens in place of its n weakest
-nodes (`with_lookup(n, replaces=True)`: same node count, so same verify cost). Expected
-tokens/s for a candidate of s nodes is AL / (draft_ms + verify_ms(s)), draft_ms being the
-fastest calibration round time minus the calibration tree's verify time (lookup
-bookkeeping included). Plain decoding competes
-as size 1: AL 1, one single-token forward a token (what a plain step costs; see
-BENCHMARKS.md). Timings are noisy on a shared machine: a size's verify time is taken as at
-least that of every smaller size, and speculation must be expected to beat plain decoding
-by `MARGIN` to be chosen. What a verify of n nodes costs is a property of the device, the
-target and the cache size, not of the prompt: it is timed once per target, batch size,
-cache capacity (prompts and outputs bucketed to multiples of 128 tokens) and n in a process,
-so a prompt of another length calibrates only the head's acceptance.
+The modes: plain decoding, a few dynamic trees of the device's preset top_k and depth (each
+with a context-lookup branch of `LOOKUP` copied tokens in place of its weakest nodes where
+the n-gram matched), and the probe: the largest tree with the branch grafted on top. A probe
+round verifies every node of the largest tree, so it counts exactly (greedy) what each
+smaller tree, with and without the branch, would have accepted in that round
+(`decoding.calibration`); a round of another mode counts its own acceptance. Acceptance is
+kept per mode as a decayed mean (half-life `HALF_LIFE` target forwards, whatever the mode
+that ran them), so it follows the text.
 
-Choices are remembered per process and on disk (`<eaglejax cache>/autotune.json`, keyed by
-the device, the versions, the target's and the head's contents, the batch size and the
-bucketed lengths), so a second `eaglejax generate --auto-tree` does not calibrate again.
-`EAGLEJAX_AUTOTUNE_CACHE=0` keeps choices in memory only.
+What a round of each mode costs is its wall time, measured on every segment the loop runs
+(median of the last few); a mode not yet run is costed by interpolating between the modes
+run so far in node count (a verify's cost grows with its nodes). Expected tokens/s of a mode
+is acceptance length / round cost (plain decoding: 1 / step cost); speculation must beat
+plain by `MARGIN` to be chosen. The probe comes back every `probe_every` target forwards:
+the interval doubles (up to `MAX_PROBE_EVERY`) each time a probe leaves the choice as it
+was and falls back to `MIN_PROBE_EVERY` when it changes it, so text that turns predictable
+(code, quotes, repetition) brings speculation back while a head that never pays costs
+little.
+
+What was learnt (costs, acceptance, the probe interval) is carried to the next call with
+the same target, head and batch size in the process, and on disk (`<eaglejax cache>/
+autotune.json`, keyed by the device, the versions and the two models' contents):
+`EAGLEJAX_AUTOTUNE_CACHE=0` keeps it in memory only. A new call starts from it with its
+acceptance weighed as `PRIOR_ROUNDS` row-rounds, so each request soon speaks for itself.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import weakref
 from typing import TYPE_CHECKING
 
 import jax
@@ -39,18 +39,12 @@ import numpy as np
 
 from eaglejax import hardware, native
 from eaglejax.compilation_cache import cache_root, switched_on
-from eaglejax.decoding.batch import cache_capacity, decode
-from eaglejax.decoding.buckets import bucket
-from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
-from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.decoding.tree import max_nodes
-from eaglejax.errors import InputError
 from eaglejax.fingerprints import draft_fingerprint, target_fingerprint
 from eaglejax.loading.files import write_atomically
 from eaglejax.native import cache_attention, few_row_matmul
 from eaglejax.target import Target
-from eaglejax.timing import single_forward_ms
 from eaglejax.version import __version__
 
 if TYPE_CHECKING:
@@ -58,109 +52,219 @@ if TYPE_CHECKING:
 
 SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MARGIN = 1.05  # expected speed over plain decoding below which speculating is not worth it
-LOOKUP, LOOKUP_NGRAM = 4, 3  # lookup branches of 1..LOOKUP tokens are weighed
-CANDIDATES = "trees, trees with lookup 1-4 replacing"  # part of the disk key: what was weighed
+LOOKUP, LOOKUP_NGRAM = 4, 3  # every mode's lookup branch
 # On a CPU, verify blocks of up to 16 tokens run the native kernels and larger ones XLA's
-# dot at several times the cost per row: the calibration tree (largest size + LOOKUP) stays
-# within 16 nodes there, so the draft cost read off its round is that of the candidates.
-CPU_CALIBRATION_NODES = 16
+# dot at several times the cost per row: the probe (largest tree + LOOKUP) stays within 16.
+CPU_PROBE_NODES = 16
+HALF_LIFE = 64  # target forwards after which an acceptance count weighs half
+PRIOR_ROUNDS = 4  # what a new call's inherited acceptance weighs, in row-rounds
+MIN_PROBE_EVERY, MAX_PROBE_EVERY = 32, 512  # target forwards between probes
+PROBE_ROUNDS = 1  # rounds per probe segment
+SPEC_ROUNDS = 4  # rounds per segment of another speculative mode
+PLAIN_WIDTH = 16  # plain steps per plain segment
+TIMINGS_KEPT = 5  # per mode, the latest round times whose median is its cost
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPlan:
+    """The modes `auto` switches between (static: one compiled program each): `modes[0]` is
+    plain decoding (None), then the candidate trees, the last is the probe; `sizes` are the
+    tree sizes the probe counts."""
+
+    modes: tuple[SpecConfig | None, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def probe(self) -> SpecConfig:
+        return self.modes[-1]
+
+    @classmethod
+    def for_device(cls, platform: str, top_k: int | None = None,
+                   depth: int | None = None) -> "AutoPlan":
+        """The probe is the largest tree of the batch-1 preset (within `CPU_PROBE_NODES` with
+        its branch on a CPU), the candidates the two sizes below it."""
+        preset = SpecConfig.preset(platform, 1)
+        top_k, depth = top_k or preset.top_k, depth or preset.depth
+        most = max_nodes(top_k, depth)
+        if platform == "cpu":
+            most = min(most, CPU_PROBE_NODES - LOOKUP)
+        sizes = tuple(s for s in SIZES if LOOKUP < s <= most)
+        candidates = tuple(SpecConfig.tree(top_k, depth, s).with_lookup(LOOKUP, LOOKUP_NGRAM,
+                                                                          replaces=True)
+                           for s in sizes[-3:-1])
+        probe = SpecConfig.tree(top_k, depth, sizes[-1]).with_lookup(LOOKUP, LOOKUP_NGRAM)
+        return cls((None, *candidates, probe), sizes)
+
+    def name(self, mode: int) -> str:
+        spec = self.modes[mode]
+        return "plain" if spec is None else spec.describe()
+
+    def nodes(self, mode: int) -> int:
+        spec = self.modes[mode]
+        return 1 if spec is None else spec.num_nodes
+
+    def count_column(self, mode: int) -> int | None:
+        """The probe's counter that stands for candidate `mode` (None: plain, the probe)."""
+        spec = self.modes[mode]
+        if spec is None or mode == len(self.modes) - 1:
+            return None
+        return spec.lookup * len(self.sizes) + self.sizes.index(spec.total_tokens)
 
 
 @dataclasses.dataclass
-class AutoChoice:
-    """The chosen configuration (None: plain decoding is faster here), its expected tokens/s
-    over plain decoding's (1.0 for plain), and the candidates it was chosen from: per row
-    total_tokens (1: plain decoding), lookup (branch tokens in place of the weakest nodes),
-    acceptance_length, verify_ms, expected_tokens_per_s (empty when read back from disk)."""
+class Knowledge:
+    """What `auto` knows per mode name: decayed accepted draft tokens and row-rounds, recent
+    round times (s); and the probe interval."""
 
-    choice: SpecConfig | None
-    expected_speedup: float
-    table: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    accepted: dict[str, float] = dataclasses.field(default_factory=dict)
+    rounds: dict[str, float] = dataclasses.field(default_factory=dict)
+    round_s: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    probe_every: int = MIN_PROBE_EVERY
 
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
 
-def choose_tree(target: Target, draft: "Draft", encoded: list[list[int]], max_new_tokens: int,
-                *, calibration_tokens: int = 128, max_rows: int = 4, top_k: int | None = None,
-                depth: int | None = None) -> AutoChoice:
-    """Choose `total_tokens` and whether a lookup branch replaces the weakest nodes for
-    `encoded` prompts (token ids) on this device, or None when plain decoding is expected to
-    be faster; `top_k` and `depth` default to the device's batch-1 preset (its largest tree)."""
-    batch = len(encoded)
-    largest_preset = SpecConfig.preset(jax.default_backend(), 1)
-    top_k = top_k or largest_preset.top_k
-    depth = depth or largest_preset.depth
-    most = max_nodes(top_k, depth)
-    if jax.default_backend() == "cpu":
-        most = min(most, CPU_CALIBRATION_NODES - LOOKUP)
-    sizes = tuple(s for s in SIZES if s <= most)
-    calibrated = SpecConfig.tree(top_k, depth, sizes[-1]).with_lookup(LOOKUP, LOOKUP_NGRAM)
-    rows = encoded[:max_rows]
-    greedy = SamplingParams.make()
-    steps = min(calibration_tokens, max_new_tokens)
-    runs = [decode(target, draft, rows, [0] * len(rows), greedy, steps, StopCriteria((), ()),
-                   calibrated, calibration_sizes=sizes) for _ in range(3)]
-    run = runs[0]  # greedy: every run drafts and accepts the same; the timings differ
-    rounds = max(int(np.asarray(run.state.accept_hist).sum()), 1)
-    accepted = np.asarray(run.calibration).sum(axis=0)  # per size and branch length
-    round_ms = 1e3 * min(r.decode_s for r in runs) / max(int(run.state.forwards), 1)
-
-    context = max(len(ids) for ids in encoded) + max_new_tokens // 2
-    capacity = cache_capacity(max(len(ids) for ids in encoded), max_new_tokens,
-                              calibrated.num_nodes)
-    node_counts = (1, *sizes, calibrated.num_nodes)
-    verify_ms = {n: _verify_ms(target, context, capacity, batch, n) for n in node_counts}
-    for smaller, n in zip(node_counts, node_counts[1:]):  # more tokens never verify faster
-        verify_ms[n] = max(verify_ms[n], verify_ms[smaller])
-    draft_ms = max(round_ms - verify_ms[calibrated.num_nodes], 0.0)
-    table = [{"total_tokens": 1, "lookup": 0, "acceptance_length": 1.0,
-              "verify_ms": verify_ms[1], "expected_tokens_per_s": 1e3 * batch / verify_ms[1]}]
-    for lookup in range(LOOKUP + 1):
-        for s, acc in zip(sizes, accepted[lookup * len(sizes):(lookup + 1) * len(sizes)]):
-            if s <= lookup:
-                continue  # the branch would replace every node
-            al = 1.0 + acc / rounds
-            table.append({"total_tokens": s, "lookup": lookup, "acceptance_length": float(al),
-                          "verify_ms": verify_ms[s], "expected_tokens_per_s":
-                          float(1e3 * al * batch / (draft_ms + verify_ms[s]))})
-    best = max(table, key=lambda row: row["expected_tokens_per_s"])
-    speedup = best["expected_tokens_per_s"] / table[0]["expected_tokens_per_s"]
-    if speedup < MARGIN:
-        best, speedup = table[0], 1.0
-    return AutoChoice(_config(top_k, depth, best), speedup, table)
+    @classmethod
+    def from_json(cls, stored: object) -> "Knowledge":
+        """ValueError for anything but a stored Knowledge."""
+        if not isinstance(stored, dict):
+            raise ValueError("not a dict")
+        known = cls(**{key: stored[key] for key in ("accepted", "rounds", "round_s",
+                                                    "probe_every")})
+        numbers = [*known.accepted.values(), *known.rounds.values(),
+                   *(t for times in known.round_s.values() for t in times)]
+        if not all(isinstance(x, (int, float)) and x >= 0 for x in numbers) \
+                or not isinstance(known.probe_every, int) or known.probe_every < 1:
+            raise ValueError("malformed")
+        return known
 
 
-_VERIFY_MS: dict[tuple, tuple[weakref.ref, float]] = {}
+class AutoPolicy:
+    """Chooses each segment's mode (index into `plan.modes`) from `knowledge`, and learns from
+    what each segment did (see the module docstring)."""
 
+    def __init__(self, plan: AutoPlan, knowledge: Knowledge):
+        self.plan = plan
+        self.knowledge = knowledge
+        for name in knowledge.rounds:  # inherited acceptance weighs PRIOR_ROUNDS at most
+            scale = min(1.0, PRIOR_ROUNDS / max(knowledge.rounds[name], 1e-9))
+            knowledge.rounds[name] *= scale
+            knowledge.accepted[name] *= scale
+        self.since_probe = 0
+        self.best = self._best()
 
-def _verify_ms(target: Target, context: int, capacity: int, batch: int, tokens: int) -> float:
-    """A target forward of `tokens` tokens per row (`single_forward_ms`), timed once per
-    target, batch, cache capacity and token count in this process."""
-    key = (id(target), batch, capacity, tokens)
-    known = _VERIFY_MS.get(key)
-    if known is not None and known[0]() is target:
-        return known[1]
-    ms = single_forward_ms(target, context, capacity, batch, repeats=15, tokens=tokens)
-    _VERIFY_MS[key] = (weakref.ref(target), ms)
-    return ms
+    @property
+    def probe(self) -> int:
+        return len(self.plan.modes) - 1
 
+    def acceptance_length(self, mode: int) -> float | None:
+        """Expected tokens a round of `mode` yields per row (None: never measured)."""
+        if self.plan.modes[mode] is None:
+            return 1.0
+        name = self.plan.name(mode)
+        rounds = self.knowledge.rounds.get(name, 0.0)
+        return None if rounds <= 0 else 1.0 + self.knowledge.accepted[name] / rounds
 
-def _config(top_k: int, depth: int, row: dict) -> SpecConfig | None:
-    """The SpecConfig a table row stands for (None: plain decoding)."""
-    if int(row["total_tokens"]) <= 1:
-        return None
-    tree = SpecConfig.tree(top_k, depth, int(row["total_tokens"]))
-    lookup = int(row["lookup"])
-    return tree.with_lookup(lookup, LOOKUP_NGRAM, replaces=True) if lookup else tree
+    def round_seconds(self, mode: int) -> float | None:
+        """A round's cost: the median of its recent times, else interpolated in node count
+        between the modes timed (None: none timed)."""
+        times = self.knowledge.round_s.get(self.plan.name(mode))
+        if times:
+            return float(np.median(times))
+        timed = sorted((self.plan.nodes(m), float(np.median(self.knowledge.round_s[name])))
+                       for m in range(len(self.plan.modes))
+                       if (name := self.plan.name(m)) in self.knowledge.round_s
+                       and self.knowledge.round_s[name])
+        if not timed:
+            return None
+        nodes, seconds = zip(*timed)
+        if len(timed) == 1:
+            return seconds[0]
+        return float(np.interp(self.plan.nodes(mode), nodes, seconds))
+
+    def expected_rates(self) -> list[float | None]:
+        """Per mode, expected tokens per row per second (None: unknown)."""
+        rates = []
+        for mode in range(len(self.plan.modes)):
+            al, seconds = self.acceptance_length(mode), self.round_seconds(mode)
+            rates.append(None if al is None or not seconds else al / seconds)
+        return rates
+
+    def _best(self) -> int:
+        rates = self.expected_rates()
+        plain = rates[0]
+        known = [m for m in range(1, len(rates)) if rates[m] is not None]
+        if not known:
+            return self.probe
+        best = max(known, key=lambda m: rates[m])
+        if plain is not None and rates[best] < MARGIN * plain:
+            return 0
+        return best
+
+    def next_mode(self) -> int:
+        """The mode of the next segment: what is unknown first (the probe's acceptance, then
+        the costs of plain decoding and of the probe), then the best, with the probe every
+        `probe_every` target forwards."""
+        if self.acceptance_length(self.probe) is None:
+            return self.probe
+        for mode in (0, self.probe):
+            if not self.knowledge.round_s.get(self.plan.name(mode)):
+                return mode
+        if self.best != self.probe and self.since_probe >= self.knowledge.probe_every:
+            return self.probe
+        return self.best
+
+    def segment_rounds(self, mode: int) -> int:
+        """Target forwards the next segment of `mode` may run."""
+        if mode == 0:
+            return PLAIN_WIDTH
+        return PROBE_ROUNDS if mode == self.probe and self.best != self.probe else SPEC_ROUNDS
+
+    def observe(self, mode: int, seconds: float, forwards: int, accepted: np.ndarray,
+                row_rounds: int, counts: np.ndarray | None = None) -> None:
+        """A segment of `mode` ran `forwards` target forwards in `seconds`: its rows' rounds
+        accepted `accepted` draft tokens in all (`row_rounds` row-rounds); a probe adds its
+        per-column counts (`calibration.round_counts` summed over rows and rounds)."""
+        if forwards <= 0:
+            return
+        informed = bool(self.knowledge.round_s.get(self.plan.name(0)))
+        name = self.plan.name(mode)
+        times = self.knowledge.round_s.setdefault(name, [])
+        times.append(seconds / forwards)
+        del times[:-TIMINGS_KEPT]
+        decay = 0.5 ** (forwards / HALF_LIFE)
+        for known in self.knowledge.rounds:
+            self.knowledge.rounds[known] *= decay
+            self.knowledge.accepted[known] *= decay
+        if mode:
+            self._learn(name, float(accepted), row_rounds)
+        if counts is not None:
+            for m in range(1, self.probe):
+                self._learn(self.plan.name(m), float(counts[self.plan.count_column(m)]),
+                            row_rounds)
+        if mode == self.probe:
+            before, self.best = self.best, self._best()
+            if informed:  # a choice made with every mode costed, confirmed or overturned
+                self.knowledge.probe_every = MIN_PROBE_EVERY if self.best != before else min(
+                    2 * self.knowledge.probe_every, MAX_PROBE_EVERY)
+            self.since_probe = 0
+        else:
+            self.best = self._best()
+            self.since_probe += forwards
+
+    def _learn(self, name: str, accepted: float, row_rounds: int) -> None:
+        self.knowledge.accepted[name] = self.knowledge.accepted.get(name, 0.0) + accepted
+        self.knowledge.rounds[name] = self.knowledge.rounds.get(name, 0.0) + row_rounds
 
 
 SWITCH_ENV = "EAGLEJAX_AUTOTUNE_CACHE"
-CHOICES_FILE = "autotune.json"
-_CHOICES: dict[tuple, AutoChoice] = {}
+KNOWLEDGE_FILE = "autotune.json"
+_KNOWN: dict[tuple, Knowledge] = {}
 
 
-def _disk_key(target: Target, draft: "Draft", batch: int, prompt_bucket: int,
-              new_bucket: int) -> str:
-    """What a choice depends on: the machine and software that timed it, the two models'
-    contents and the request's shape."""
+def _disk_key(target: Target, draft: "Draft", batch: int, plan: AutoPlan) -> str:
+    """What the knowledge depends on: the machine and software that measured it, the two
+    models' contents, the batch size and the modes."""
     device = jax.devices()[0]
     kernels = native.kernels_allowed() and few_row_matmul.available() \
         and cache_attention.available()
@@ -168,65 +272,47 @@ def _disk_key(target: Target, draft: "Draft", batch: int, prompt_bucket: int,
         "device": [device.platform, device.device_kind, hardware.cpu_model(),
                    hardware.cpu_cores(), jax.device_count()],
         "versions": [__version__, jax.__version__], "native": kernels,
-        "candidates": CANDIDATES,
+        "modes": [plan.name(m) for m in range(len(plan.modes))],
         "target": target_fingerprint(target), "draft": draft_fingerprint(draft),
-        "shape": [batch, prompt_bucket, new_bucket]}, sort_keys=True)
+        "batch": batch}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def _read_choices() -> dict[str, dict | None]:
+def _read_disk() -> dict:
     try:
-        stored = json.loads((cache_root() / CHOICES_FILE).read_text())
+        stored = json.loads((cache_root() / KNOWLEDGE_FILE).read_text())
     except (OSError, ValueError):
-        return {}  # none yet, or unreadable: choose again (and rewrite it)
+        return {}  # none yet, or unreadable: start afresh (and rewrite it)
     return stored if isinstance(stored, dict) else {}
 
 
-def _from_disk(entry: object) -> AutoChoice:
-    """A stored choice (None: plain decoding); KeyError, TypeError, ValueError or InputError
-    for a malformed entry."""
-    if entry is None:
-        return AutoChoice(None, 1.0)
-    return AutoChoice(_config(int(entry["top_k"]), int(entry["depth"]), entry),
-                      float(entry["expected_speedup"]))
+def recall(target: Target, draft: "Draft", batch: int, plan: AutoPlan) -> Knowledge:
+    """What earlier calls learnt for this target, head and batch size (in this process, else
+    on disk), or nothing yet; a malformed disk entry counts as nothing."""
+    key = (id(target), id(draft), draft.source, batch, plan)
+    if key not in _KNOWN:
+        knowledge = Knowledge()
+        if switched_on(SWITCH_ENV):
+            try:
+                knowledge = Knowledge.from_json(
+                    _read_disk().get(_disk_key(target, draft, batch, plan)))
+            except (KeyError, TypeError, ValueError):
+                pass
+        _KNOWN[key] = knowledge
+    return Knowledge.from_json(json.loads(json.dumps(_KNOWN[key].to_json())))  # a copy
 
 
-def _to_disk(auto: AutoChoice) -> dict | None:
-    spec = auto.choice
-    return None if spec is None else {
-        "top_k": spec.top_k, "depth": spec.depth, "total_tokens": spec.total_tokens,
-        "lookup": spec.lookup, "expected_speedup": auto.expected_speedup}
-
-
-def cached_choice(target: Target, draft: "Draft", encoded: list[list[int]],
-                  max_new_tokens: int) -> AutoChoice:
-    """`choose_tree`, once per target, head, batch size and (bucketed) lengths on this
-    machine (see the module docstring)."""
-
-    shape = (len(encoded), bucket(max(len(ids) for ids in encoded), 16),
-             bucket(max_new_tokens, 16))
-    key = (id(target), id(draft), draft.source, *shape)
-    if key in _CHOICES:
-        return _CHOICES[key]
-    persist = switched_on(SWITCH_ENV)
-    disk_key = _disk_key(target, draft, *shape) if persist else None
-    stored = _read_choices() if persist else {}
-    if disk_key in stored:
-        try:
-            auto = _from_disk(stored[disk_key])
-        except (KeyError, TypeError, ValueError, InputError):
-            pass  # a malformed entry: choose again
-        else:
-            _CHOICES[key] = auto
-            return auto
-    auto = choose_tree(target, draft, encoded, max_new_tokens)
-    _CHOICES[key] = auto
-    if persist:
-        stored = _read_choices()  # another process may have added choices meanwhile
-        stored[disk_key] = _to_disk(auto)
-        try:
-            cache_root().mkdir(parents=True, exist_ok=True)
-            write_atomically(cache_root() / CHOICES_FILE, json.dumps(stored, indent=1))
-        except OSError:
-            pass  # a read-only cache folder: the choice lives in this process only
-    return auto
+def remember(target: Target, draft: "Draft", batch: int, plan: AutoPlan,
+             knowledge: Knowledge) -> None:
+    """Keep `knowledge` for the next call (in this process, and on disk unless switched off;
+    a read-only cache folder keeps it in memory only)."""
+    _KNOWN[(id(target), id(draft), draft.source, batch, plan)] = knowledge
+    if not switched_on(SWITCH_ENV):
+        return
+    stored = _read_disk()  # another process may have added entries meanwhile
+    stored[_disk_key(target, draft, batch, plan)] = knowledge.to_json()
+    try:
+        cache_root().mkdir(parents=True, exist_ok=True)
+        write_atomically(cache_root() / KNOWLEDGE_FILE, json.dumps(stored, indent=1))
+    except OSError:
+        pass

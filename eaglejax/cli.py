@@ -68,7 +68,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                        help="speculate with a static tree of child-rank paths, "
                             "e.g. '[[0],[1],[0,0]]'")
     shape.add_argument("--auto-tree", action="store_true",
-                       help="time the target and pick the dynamic tree size (speculative='auto')")
+                       help="switch between plain decoding and a few dynamic trees while "
+                            "decoding, from the acceptance and round times it measures "
+                            "(speculative='auto')")
     parser.add_argument("--lookup", type=int, default=None, metavar="N",
                         help="add a branch of N tokens copied from the context (prompt lookup) "
                              "to the chain or tree given by --num-draft-tokens, --tree or "
@@ -202,7 +204,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-draft", action="store_true",
                      help="decode plainly even where eaglejax ships a head for --model (by "
                           "default a built-in model with a shipped head speculates with it "
-                          "whenever `auto` finds that faster on this machine)")
+                          "`auto`, which speculates while that is faster on this machine)")
     _add_mesh_args(gen)
 
     bench = commands.add_parser("bench", help="decoding speed on MT-bench first turns")
@@ -354,7 +356,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     mesh = _mesh(args)
     default_head = None if args.draft or args.no_draft else shipped_head(args.model)
-    if default_head is not None:  # auto times one machine; several processes take the preset
+    if default_head is not None:  # auto measures one machine; several processes take the preset
         args.draft = str(default_head)
         speculative = "auto" if jax.process_count() == 1 else None
     target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype,

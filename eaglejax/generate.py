@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from eaglejax import validation
-from eaglejax.autotune import cached_choice
+from eaglejax.decoding.adaptive import adaptive_decode, describe_mix
 from eaglejax.decoding.batch import decode
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
@@ -43,8 +43,9 @@ class GenerationMetrics:
     token (plain decoding would be 1.0; AL - 1 is the mean of accepted draft tokens),
     per-position acceptance (share of rounds whose accepted path
     reached draft depth d = 1..K) and the conditional rate at each depth. `speculative`
-    names the shape that ran when a draft head was given (`speculative="auto"` may have
-    chosen plain decoding).
+    names the shape that ran when a draft head was given; with `speculative="auto"` the
+    modes and their shares of the target forwards (`auto: plain 80%, tree ... 20%`), and
+    the acceptance counts its speculative rounds only.
     """
 
     prompt_tokens: int
@@ -94,24 +95,12 @@ def _cached_target(name: str) -> Target:
     return load_target(name)
 
 
-def _resolve_spec(speculative: SpecConfig | str | None, target: Target, draft: "Draft",
-                  encoded: list[list[int]],
-                  max_new_tokens: int) -> tuple[SpecConfig | None, str]:
-    """The speculation shape to run (None: plain decoding, which `auto` found faster) and
-    how to name it in the metrics."""
-    if speculative is None:
-        spec = SpecConfig.default_for(draft.config.parallel, jax.default_backend(), len(encoded))
-        return spec, spec.describe()
+def _resolve_spec(speculative: SpecConfig | None, draft: "Draft",
+                  batch: int) -> SpecConfig:
+    """The fixed speculation shape to run: `speculative`, else the device's preset."""
     if isinstance(speculative, SpecConfig):
-        return speculative, speculative.describe()
-    if jax.process_count() > 1:
-        raise InputError("speculative='auto' times this machine alone, and the processes of "
-                         "a multi-process run must agree on one shape: pass a SpecConfig")
-    auto = cached_choice(target, draft, encoded, max_new_tokens)
-    if auto.choice is None:
-        return None, "plain (auto: faster than speculating here)"
-    expected = f"auto: expected {auto.expected_speedup:.2f}x plain"
-    return auto.choice, f"{auto.choice.describe()} ({expected})"
+        return speculative
+    return SpecConfig.default_for(draft.config.parallel, jax.default_backend(), batch)
 
 
 def _target_source(target: object, draft: object) -> Target | str:
@@ -160,10 +149,10 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     Generation stops at an EOS id (unless `ignore_eos`), a stop string (excluded from
     `.text`), or `max_new_tokens`. With a `draft` head (see `eaglejax.load_draft`) decoding
     is speculative, configured by `speculative`: a `SpecConfig` (chain, dynamic tree or
-    static tree), "auto" (time the target at a few tree sizes and pick the fastest expected
-    tokens/s, plain decoding included, see `eaglejax.autotune`) or None (the preset for
-    this device and batch size, `SpecConfig.preset`). Greedy output is identical to plain
-    decoding.
+    static tree), "auto" (switch between plain decoding and a few trees while decoding,
+    from the acceptance counted and the round times measured as it goes, see
+    `eaglejax.autotune`) or None (the preset for this device and batch size,
+    `SpecConfig.preset`). Greedy output is identical to plain decoding.
     """
     _check_speculation(draft, speculative)
     source = _target_source(target, draft)
@@ -191,15 +180,24 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
         if n + max_new_tokens > limit:
             raise InputError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} "
                              f"that exceeds the model's context of {limit} tokens")
-    spec, shape = None, None
-    if draft is not None:
-        spec, shape = _resolve_spec(speculative, target, draft, encoded, max_new_tokens)
-        if spec is not None and spec.is_parallel and not draft.config.parallel:
-            raise ConfigError(f"{spec.describe()} needs a P-EAGLE head (one with a mask "
-                              f"token); {draft.source} drafts one token per forward: use "
-                              f"SpecConfig.chain or a tree")
-        draft = draft if spec is not None else None
-    run = decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria, spec)
+    shape = None
+    if draft is not None and speculative == "auto":
+        if jax.process_count() > 1:
+            raise InputError("speculative='auto' times this machine alone, and the processes "
+                             "of a multi-process run must agree on one shape: pass a SpecConfig")
+        adaptive = adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens,
+                                   criteria)
+        run, shape = adaptive.run, describe_mix(adaptive.forwards_by_mode)
+    else:
+        spec = None
+        if draft is not None:
+            spec = _resolve_spec(speculative, draft, batch)
+            shape = spec.describe()
+            if spec.is_parallel and not draft.config.parallel:
+                raise ConfigError(f"{spec.describe()} needs a P-EAGLE head (one with a mask "
+                                  f"token); {draft.source} drafts one token per forward: use "
+                                  f"SpecConfig.chain or a tree")
+        run = decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria, spec)
     tokens, counts, finish, forwards = fetch(
         (run.state.out.tokens, run.state.out.counts, run.state.out.finish, run.state.forwards))
     hist = None if draft is None else fetch(run.state.accept_hist)

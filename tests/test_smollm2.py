@@ -90,8 +90,8 @@ def test_stop_string_cuts_text_and_tokens(smollm2):
 
 
 def test_cli_generate_json(tmp_path):
-    """Plain (`--no-draft`), the default (the shipped head where `auto` finds it faster on
-    this machine, else plain: the same tokens either way) and an explicit tree."""
+    """Plain (`--no-draft`), the default (the shipped head with `auto`, which speculates
+    where that is faster as it decodes: the same tokens either way) and an explicit tree."""
     env = {**os.environ, "EAGLEJAX_CACHE": str(tmp_path / "cache"),
            "EAGLEJAX_AUTOTUNE_CACHE": "1"}
     command = [sys.executable, "-m", "eaglejax.cli", "generate", "Name a color.",
@@ -109,10 +109,8 @@ def test_cli_generate_json(tmp_path):
     (chosen,) = json.loads(default.stdout)
     assert chosen["token_ids"] == result["token_ids"]
     shape = chosen["metrics"]["speculative"]
-    assert shape == "plain (auto: faster than speculating here)" or (
-        shape.startswith("tree top_k=4 depth=4") and "(auto: expected " in shape
-        and chosen["metrics"]["acceptance_length"] >= 1.0), shape
-    assert (tmp_path / "cache" / "autotune.json").is_file()  # the next call will not calibrate
+    assert shape.startswith("auto: ") and "%" in shape, shape  # the modes it ran, by share
+    assert (tmp_path / "cache" / "autotune.json").is_file()  # what it learnt, for the next call
     tree = subprocess.run(
         [sys.executable, "-m", "eaglejax.cli", "generate", "Name a color.", "--max-new-tokens",
          "8", "--json", "--draft", "random", "--tree", "3,2,6"],
@@ -163,18 +161,19 @@ def test_bench_speculative_reports_side_by_side(smollm2):
     assert sampled["acceptance_length"] >= 1.0 and sampled["spec_decode_tokens_per_s"] > 0
 
 
-def test_bench_reports_auto_rows_that_ran_plainly(smollm2):
-    """speculative="auto" may decode some rows plainly (here all: a random head never pays):
-    they count as AL 1 with no draft position reached, beside a shape that speculated."""
+def test_bench_reports_what_auto_ran(smollm2):
+    """speculative="auto" beside a fixed shape: each row names the modes it ran; rows that
+    ran no speculative round (with a random head `auto` soon decodes plainly) count as AL 1,
+    a round per decode step."""
     from eaglejax.bench import compare_speculative
     from eaglejax.datasets import mt_bench_questions
     from eaglejax.draft.draft import new_eagle3_draft
 
     questions = mt_bench_questions()[:2]
     chain, auto = compare_speculative(smollm2, new_eagle3_draft(smollm2, seed=2), questions,
-                                      [eaglejax.SpecConfig.chain(2), "auto"], max_new_tokens=6)
+                                      [eaglejax.SpecConfig.chain(2), "auto"], max_new_tokens=12)
     assert chain["speculative_shapes"] == {"chain K=2": 2}
-    assert auto["speculative_shapes"] == {"plain (auto: faster than speculating here)": 2}
-    assert auto["acceptance_length"] == 1.0 and auto["acceptance_by_position"] == []
-    assert set(auto["acceptance_length_by_category"].values()) == {1.0}
+    assert sum(auto["speculative_shapes"].values()) == 2
+    assert all(name.startswith("auto: ") for name in auto["speculative_shapes"])
+    assert 1.0 <= auto["acceptance_length"] < 1.5  # a random head: the lookup branch at most
     assert auto["identical_tokens"] and chain["identical_tokens"]

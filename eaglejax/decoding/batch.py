@@ -53,16 +53,48 @@ class Timed(NamedTuple):
     run_s: float
 
 
-def compile_then_run(fn, *args, **kwargs) -> Timed:
+def compile_once(fn, *args, **kwargs) -> float:
     """Compile jitted `fn` for these arguments ahead of time (a lookup when this process
-    already did; maybe a persistent cache load), then run it: compiling and running are
-    timed apart. The call reuses the program `lower().compile()` built."""
+    already did; maybe a persistent cache load); the seconds it took. A call with the same
+    arguments reuses the program."""
     start = time.perf_counter()
     with compilation_cache.caching_every_program():
         fn.lower(*args, **kwargs).compile()
-    compiled = time.perf_counter()
+    return time.perf_counter() - start
+
+
+def compile_then_run(fn, *args, **kwargs) -> Timed:
+    """`compile_once`, then run: compiling and running are timed apart."""
+    compile_s = compile_once(fn, *args, **kwargs)
+    start = time.perf_counter()
     result = jax.block_until_ready(fn(*args, **kwargs))
-    return Timed(result, compiled - start, time.perf_counter() - compiled)
+    return Timed(result, compile_s, time.perf_counter() - start)
+
+
+class Inputs(NamedTuple):
+    """A batch's device inputs: right-padded prompts [B,P], their lengths [B], per-row PRNG
+    keys, the sampling parameters and the new-token limit (replicated over a target's mesh)."""
+
+    prompt: jax.Array
+    prompt_lengths: jax.Array
+    row_keys: jax.Array
+    sampling: SamplingParams
+    max_new: jax.Array
+
+
+def batch_inputs(target: Target, encoded: list[list[int]], seeds: list[int],
+                 sampling: SamplingParams, max_new_tokens: int) -> Inputs:
+    """`Inputs` for token-id prompts (prompt length bucketed to a multiple of 16)."""
+    lengths = [len(ids) for ids in encoded]
+    prompt = np.zeros((len(encoded), bucket(max(lengths), 16)), np.int32)
+    for i, ids in enumerate(encoded):
+        prompt[i, :len(ids)] = ids
+    inputs = Inputs(jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32),
+                    jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.uint32)), sampling,
+                    jnp.int32(max_new_tokens))
+    if target.mesh is not None:  # every process passes the same inputs, replicated
+        inputs = Inputs(*replicate(tuple(inputs), target.mesh))
+    return inputs
 
 
 def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seeds: list[int],
@@ -71,26 +103,16 @@ def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seed
     """Prefill and decode validated token-id prompts in one compiled batch; with
     `calibration_sizes`, greedily with `spec`'s largest tree, counting what each smaller
     size would have accepted (`decoding.calibration`)."""
-    batch = len(encoded)
     lengths = [len(ids) for ids in encoded]
-    prompt_len = bucket(max(lengths), 16)
     max_tokens = bucket(max_new_tokens, 16)
     capacity = cache_capacity(max(lengths), max_new_tokens, spec.num_nodes if spec else 0)
-    prompt = np.zeros((batch, prompt_len), np.int32)
-    for i, ids in enumerate(encoded):
-        prompt[i, :len(ids)] = ids
-    row_keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.uint32))
     greedy = bool(sampling.temperature == 0)
     if spec is not None:
         spec.check_sampling(greedy)
-    max_new = jnp.int32(max_new_tokens)
     common = dict(stop=criteria, attn_impl=target.attn_impl)
     args = (target.params, target.config)
-    prompt, prompt_lengths = jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32)
-    if target.mesh is not None:  # every process passes the same inputs, replicated
-
-        prompt, prompt_lengths, row_keys, sampling, max_new = replicate(
-            (prompt, prompt_lengths, row_keys, sampling, max_new), target.mesh)
+    prompt, prompt_lengths, row_keys, sampling, max_new = batch_inputs(
+        target, encoded, seeds, sampling, max_new_tokens)
     with mesh_context(target.mesh):
         return _decode_compiled(target, draft, args, prompt, prompt_lengths, row_keys, sampling,
                                 max_new, capacity, max_tokens, greedy, spec, calibration_sizes,

@@ -11,8 +11,9 @@ also answers for "size s with the branch in place of its weakest nodes" (`lookup
 where the whole n-gram matched, that tree is the s - n best nodes plus the copied tokens
 hung under the deepest of those nodes already holding their prefix; every node of it has a
 twin with the same path in the grafted largest tree, so its acceptance is exact too.
-`calibration_loop` is the greedy speculative loop with these counters beside its state;
-the loop that decodes (`speculative.spec_loop`) carries none of them.
+`calibration_loop` is the speculative loop with these counters beside its state: `auto`
+runs it as its probe (`decoding.adaptive`); the loop that decodes a fixed shape
+(`speculative.spec_loop`) carries none of them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from eaglejax.config import ModelConfig
 from eaglejax.decoding.acceptance import greedy_accepted_nodes
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
-from eaglejax.decoding.speculative import Round, SpecState, verified_round
+from eaglejax.decoding.speculative import Round, SpecState, goes_on, verified_round
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.decoding.tree import Tree
 from eaglejax.draft.config import DraftConfig
@@ -90,21 +91,24 @@ def round_counts(done: Round, spec: SpecConfig, sizes: tuple[int, ...]) -> jax.A
     return done.running[:, None] * jnp.concatenate(counts, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "stop",
-                                             "attn_impl", "sizes"),
+@functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "greedy",
+                                             "stop", "attn_impl", "sizes"),
                    donate_argnames=("state",))
 def calibration_loop(params: Params, config: ModelConfig, draft_params: Params,
                      draft_config: DraftConfig, d2t: jax.Array, state: SpecState,
-                     sampling: SamplingParams, max_new_tokens: jax.Array, *, spec: SpecConfig,
-                     stop: StopCriteria, sizes: tuple[int, ...],
+                     sampling: SamplingParams, max_new_tokens: jax.Array,
+                     until: jax.Array | None = None, *, spec: SpecConfig, stop: StopCriteria,
+                     sizes: tuple[int, ...], greedy: bool = True,
                      attn_impl: AttentionImpl = "auto") -> tuple[SpecState, jax.Array]:
-    """Greedy speculative decoding with the largest dynamic tree `spec` (a lookup branch, if
-    any, grafted) until every row finishes, and the summed `round_counts` [B,S*(1+L)]."""
+    """Speculative decoding with the largest dynamic tree `spec` (a lookup branch, if any,
+    grafted) until every row finishes (or the state has run `until` target forwards), and
+    the summed `round_counts` [B,S*(1+L)]: exact for greedy rounds; for sampled ones, what
+    each smaller tree would have accepted had the target's choice been its argmax."""
     if spec.method != "tree" or spec.lookup_replaces:
         raise ValueError(f"calibration counts need a dynamic tree whose lookup branch (if any) "
                          f"is grafted, not {spec.describe()}")
     play = verified_round(params, config, draft_params, draft_config, d2t, sampling,
-                          max_new_tokens, spec=spec, greedy=True, stop=stop,
+                          max_new_tokens, spec=spec, greedy=greedy, stop=stop,
                           attn_impl=attn_impl)
 
     def step(carry: tuple[SpecState, jax.Array]) -> tuple[SpecState, jax.Array]:
@@ -114,5 +118,4 @@ def calibration_loop(params: Params, config: ModelConfig, draft_params: Params,
 
     batch = state.last_token.shape[0]
     counts = jnp.zeros((batch, len(sizes) * (1 + spec.lookup)), jnp.int32)
-    return jax.lax.while_loop(lambda carry: jnp.any(carry[0].out.running), step,
-                              (state, counts))
+    return jax.lax.while_loop(lambda carry: goes_on(carry[0], until), step, (state, counts))

@@ -74,12 +74,12 @@ class Round(NamedTuple):
     running: jax.Array  # [B] rows that were still generating
 
 
-def _features(out: ForwardOutput | Prefilled, draft_config: DraftConfig) -> jax.Array:
+def target_features(out: ForwardOutput | Prefilled, draft_config: DraftConfig) -> jax.Array:
     """The target features the head consumes: taps (EAGLE-3) or final normed hidden (EAGLE-1)."""
     return out.taps if draft_config.tap_layers else out.hidden
 
 
-def _catch_up(draft_params: Params, draft_config: DraftConfig, target_params: Params,
+def catch_up(draft_params: Params, draft_config: DraftConfig, target_params: Params,
               cache: kv_cache.KVCache, tokens: jax.Array, features: jax.Array,
               n_accepted: jax.Array, attn_impl: AttentionImpl, slots: int | None = None):
     """Run the head over a block of new positions starting at each row's cache length, keep
@@ -173,7 +173,7 @@ def prefill_state(params: Params, config: ModelConfig, draft_params: Params,
                                       d.head_dim, compute_dtype(params), heads_axis=None)
     draft_cache, draft_logits, draft_hidden = _draft_prefill(
         draft_params, draft_config, params, draft_cache, shifted,
-        _features(prefilled, draft_config), prompt_lengths, attn_impl, prefill_chunk)
+        target_features(prefilled, draft_config), prompt_lengths, attn_impl, prefill_chunk)
     if spec.is_parallel:  # the mask slots' proposals too
         draft_logits = draft_logits[:, None]
         if spec.draft_depth > 1:
@@ -215,13 +215,22 @@ def _commit_path(cache: kv_cache.KVCache, k_new: tuple[jax.Array, ...],
                    donate_argnames=("state",))
 def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
               draft_config: DraftConfig, d2t: jax.Array, state: SpecState,
-              sampling: SamplingParams, max_new_tokens: jax.Array, *, spec: SpecConfig,
-              greedy: bool, stop: StopCriteria, attn_impl: AttentionImpl = "auto") -> SpecState:
-    """Speculate (chain, dynamic tree or static tree, per `spec`) until every row finishes
-    (`round_step` is one round)."""
+              sampling: SamplingParams, max_new_tokens: jax.Array,
+              until: jax.Array | None = None, *, spec: SpecConfig, greedy: bool,
+              stop: StopCriteria, attn_impl: AttentionImpl = "auto") -> SpecState:
+    """Speculate (chain, dynamic tree or static tree, per `spec`) until every row finishes,
+    or (given `until`) until the state has run `until` target forwards (`round_step` is one
+    round)."""
     step = round_step(params, config, draft_params, draft_config, d2t, sampling, max_new_tokens,
                       spec=spec, greedy=greedy, stop=stop, attn_impl=attn_impl)
-    return jax.lax.while_loop(lambda s: jnp.any(s.out.running), step, state)
+    return jax.lax.while_loop(lambda s: goes_on(s, until), step, state)
+
+
+def goes_on(state: SpecState, until: jax.Array | None) -> jax.Array:
+    """Whether a loop runs another round: a row is running and (given `until`) the state has
+    run fewer than `until` target forwards."""
+    running = jnp.any(state.out.running)
+    return running if until is None else running & (state.forwards < until)
 
 
 def round_step(*args, **kwargs) -> Callable[[SpecState], SpecState]:
@@ -273,13 +282,13 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params,
         for j in range(depth + 1):
             out = record(out, emitted[:, j], j <= n_accepted, stop, max_new_tokens)
         advance = jnp.where(running, n_accepted + 1, 0)
-        features = _features(verified, draft_config)
+        features = target_features(verified, draft_config)
         target_cache = verified.cache
         if not in_place:
             target_cache = _commit_path(target_cache, verified.k_new, verified.v_new, path)
             features = jnp.take_along_axis(features, path[:, :, None], axis=1)
         target_cache = target_cache._replace(lengths=s.target_cache.lengths + advance)
-        draft_cache, draft_logits, draft_hidden = _catch_up(
+        draft_cache, draft_logits, draft_hidden = catch_up(
             draft_params, draft_config, params, s.draft_cache, emitted, features,
             jnp.maximum(advance, 1), attn_impl, parallel_slots)
         # Rows that were already done keep their committed draft length.

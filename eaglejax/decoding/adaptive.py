@@ -1,0 +1,131 @@
+"""`speculative="auto"` decoding: segments of plain steps or speculative rounds, each mode
+chosen from what the segments before it measured (`eaglejax.autotune`).
+
+Every mode is one compiled program over the same speculative state (prefilled once for the
+probe's shape: its cache, history and lookup context are the largest any mode needs), run
+until a target-forward budget or every row's end: the probe counts what each candidate
+would have accepted (`decoding.calibration.calibration_loop`), the other trees decode as
+fixed shapes do (`speculative.spec_loop`), and plain segments keep the head caught up
+(`decoding.plain_segment`). Between segments the host reads a few counters and times the
+segment; no token leaves the device. Greedy output is the plain output; sampled output
+follows the target's distribution exactly whatever the modes, since each round is exact
+given what came before it (the tokens themselves depend on the modes chosen, and with
+them on the batch).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eaglejax.autotune import PLAIN_WIDTH, AutoPlan, AutoPolicy, recall, remember
+from eaglejax.decoding.batch import DecodeRun, batch_inputs, cache_capacity, compile_once
+from eaglejax.decoding.buckets import bucket
+from eaglejax.decoding.calibration import calibration_loop
+from eaglejax.decoding.plain_segment import plain_segment
+from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.decoding.speculative import spec_loop, spec_prefill
+from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.sharding.mesh import mesh_context
+from eaglejax.target import Target
+
+if TYPE_CHECKING:
+    from eaglejax.draft.draft import Draft
+
+
+class AdaptiveRun(NamedTuple):
+    """A finished `auto` decode: the run (as `decoding.batch.decode` gives) and the target
+    forwards each mode ran, by mode name, in the order first used."""
+
+    run: DecodeRun
+    forwards_by_mode: dict[str, int]
+
+
+def describe_mix(forwards_by_mode: dict[str, int]) -> str:
+    """E.g. "auto: tree top_k=4 ... 81%, plain 19%" (shares of target forwards)."""
+    total = sum(forwards_by_mode.values()) or 1
+    parts = sorted(forwards_by_mode.items(), key=lambda item: -item[1])
+    return "auto: " + ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in parts if n)
+
+
+def adaptive_decode(target: Target, draft: "Draft", encoded: list[list[int]],
+                    seeds: list[int], sampling: SamplingParams, max_new_tokens: int,
+                    criteria: StopCriteria, policy: AutoPolicy | None = None) -> AdaptiveRun:
+    """Prefill and decode validated token-id prompts in one batch, switching modes between
+    segments as `policy` chooses (by default the device's plan, starting from what earlier
+    calls learnt; see the module docstring); what it learnt is kept for the next call."""
+    batch = len(encoded)
+    if policy is None:
+        plan = AutoPlan.for_device(jax.default_backend())
+        policy = AutoPolicy(plan, recall(target, draft, batch, plan))
+    with mesh_context(target.mesh):
+        run = _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens,
+                               criteria, policy)
+    remember(target, draft, batch, policy.plan, policy.knowledge)
+    return run
+
+
+def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria,
+                     policy) -> AdaptiveRun:
+    plan = policy.plan
+    greedy = bool(sampling.temperature == 0)
+    probe = plan.probe
+    capacity = cache_capacity(max(len(ids) for ids in encoded), max_new_tokens,
+                              probe.num_nodes)
+    prompt, prompt_lengths, row_keys, sampling, max_new = batch_inputs(
+        target, encoded, seeds, sampling, max_new_tokens)
+    common = dict(stop=criteria, attn_impl=target.attn_impl)
+    models = (target.params, target.config, draft.params, draft.config)
+    prefill_args = (*models, prompt, prompt_lengths, row_keys, sampling, max_new)
+    prefill_static = dict(capacity=capacity, max_tokens=bucket(max_new_tokens, 16), spec=probe,
+                          greedy=greedy, **common)
+    compile_s = compile_once(spec_prefill, *prefill_args, **prefill_static)
+    start = time.perf_counter()
+    state = jax.block_until_ready(spec_prefill(*prefill_args, **prefill_static))
+    prefill_s = time.perf_counter() - start
+
+    def segment(mode: int, state, until: jax.Array):
+        """The program of `mode`, its arguments and static arguments."""
+        spec = plan.modes[mode]
+        if spec is None:
+            return plain_segment, (*models, state, sampling, max_new, until), dict(
+                width=PLAIN_WIDTH, lookup_context=bool(probe.lookup),
+                greedy=greedy, **common)
+        args = (*models, draft.d2t, state, sampling, max_new, until)
+        if mode == policy.probe:
+            return calibration_loop, args, dict(spec=spec, sizes=plan.sizes, greedy=greedy,
+                                                **common)
+        return spec_loop, args, dict(spec=spec, greedy=greedy, **common)
+
+    compiled: set[int] = set()
+    forwards_by_mode: dict[str, int] = {}
+    decode_s, forwards, running = 0.0, 0, True
+    hist = np.zeros(state.accept_hist.shape, np.int64)
+    while running:
+        mode = policy.next_mode()
+        until = jnp.int32(forwards + policy.segment_rounds(mode))
+        fn, args, static = segment(mode, state, until)
+        if mode not in compiled:
+            compile_s += compile_once(fn, *args, **static)
+            compiled.add(mode)
+        start = time.perf_counter()
+        result = fn(*args, **static)
+        state, counts = result if mode == policy.probe else (result, None)
+        now_forwards, running, new_hist = jax.device_get(
+            (state.forwards, jnp.any(state.out.running), state.accept_hist))
+        if counts is not None:
+            counts = jax.device_get(counts.sum(axis=0))
+        seconds = time.perf_counter() - start
+        decode_s += seconds
+        ran, rounds = int(now_forwards) - forwards, new_hist - hist
+        forwards, hist = int(now_forwards), new_hist
+        name = plan.name(mode)
+        forwards_by_mode[name] = forwards_by_mode.get(name, 0) + ran
+        policy.observe(mode, seconds, ran, (rounds * np.arange(rounds.shape[1])).sum(),
+                       int(rounds.sum()), counts)
+    return AdaptiveRun(DecodeRun(state, compile_s, prefill_s, decode_s), forwards_by_mode)
+

@@ -1,0 +1,76 @@
+"""Plain decoding inside the speculative state: `auto` (`decoding.adaptive`) decodes plainly
+for a while without losing its draft head.
+
+A segment runs up to `width` plain target steps (one token per running row each, exactly as
+`decoding.plain`), keeping every step's token and target feature; then the head catches up
+over the whole block in one forward, as after a speculative round that accepted `width`
+tokens. The state that comes out is a speculative state like any round's, so the next
+segment may speculate again with any tree: what plain decoding costs beyond its own steps is
+one head forward per segment.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from eaglejax.config import ModelConfig
+from eaglejax.decoding import lookup
+from eaglejax.decoding.output import record, row_step_keys
+from eaglejax.decoding.sampling import SamplingParams, sample_tokens
+from eaglejax.decoding.speculative import SpecState, catch_up, target_features
+from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.draft.config import DraftConfig
+from eaglejax.models.attention import AttentionImpl
+from eaglejax.models.llama import Params, compute_dtype, forward, lm_head
+
+
+@functools.partial(jax.jit, static_argnames=("config", "draft_config", "width", "lookup_context",
+                                             "greedy", "stop", "attn_impl"),
+                   donate_argnames=("state",))
+def plain_segment(params: Params, config: ModelConfig, draft_params: Params,
+                  draft_config: DraftConfig, state: SpecState, sampling: SamplingParams,
+                  max_new_tokens: jax.Array, until: jax.Array, *, width: int, lookup_context: bool, greedy: bool,
+                  stop: StopCriteria, attn_impl: AttentionImpl = "auto") -> SpecState:
+    """Up to `width` plain steps (fewer when every row finishes or the state has run `until`
+    target forwards), then the head's catch-up over the new tokens; `lookup_context`: the state carries the context a lookup branch
+    searches (written as a round would)."""
+    batch = state.last_token.shape[0]
+    features = config.hidden_size * max(len(draft_config.tap_layers), 1)
+    started = state.out.running
+
+    def step(carry):
+        i, cache, last, out, tokens, feats, steps = carry
+        running = out.running
+        verified = forward(params, config, last[:, None], cache.lengths[:, None], cache,
+                           tap_layers=draft_config.tap_layers, attn_impl=attn_impl)
+        token = sample_tokens(lm_head(params, verified.hidden[:, 0]), sampling,
+                              row_step_keys(state.row_keys, out.counts), greedy)
+        cache = verified.cache._replace(lengths=cache.lengths + running.astype(jnp.int32))
+        feats = feats.at[:, i].set(target_features(verified, draft_config)[:, 0])
+        return (i + 1, cache, jnp.where(running, token, last),
+                record(out, token, running, stop, max_new_tokens), tokens.at[:, i].set(token),
+                feats, steps + running.astype(jnp.int32))
+
+    carry = (jnp.int32(0), state.target_cache, state.last_token, state.out,
+             jnp.zeros((batch, width), jnp.int32),
+             jnp.zeros((batch, width, features), compute_dtype(params)),
+             jnp.zeros((batch,), jnp.int32))
+    i, cache, last, out, tokens, feats, steps = jax.lax.while_loop(
+        lambda c: (c[0] < width) & (state.forwards + c[0] < until) & jnp.any(c[3].running),
+        step, carry)
+    # Draft position t consumes token t+1 and the target feature of position t: the block's
+    # tokens x_{n+1}.. beside the features of x_n.. (what a round that accepted them passes).
+    draft_cache, draft_logits, draft_hidden = catch_up(
+        draft_params, draft_config, params, state.draft_cache, tokens, feats,
+        jnp.maximum(steps, 1), attn_impl)
+    draft_cache = draft_cache._replace(
+        lengths=jnp.where(started, draft_cache.lengths, state.draft_cache.lengths))
+    context = state.context
+    if lookup_context:
+        context = lookup.write_context(context, tokens, state.target_cache.lengths + 1)
+    return state._replace(target_cache=cache, draft_cache=draft_cache, last_token=last,
+                          draft_logits=draft_logits, draft_hidden=draft_hidden, out=out,
+                          forwards=state.forwards + i, context=context)

@@ -1,0 +1,276 @@
+"""`speculative="auto"`: the policy that picks each segment's mode (`eaglejax.autotune`), and
+the adaptive loop that runs it (`eaglejax.decoding.adaptive`): greedy output identical to
+plain decoding whatever the switches, sampling exact, what it learns kept for later calls."""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eaglejax.autotune import (
+    HALF_LIFE,
+    MARGIN,
+    MAX_PROBE_EVERY,
+    MIN_PROBE_EVERY,
+    PRIOR_ROUNDS,
+    AutoPlan,
+    AutoPolicy,
+    Knowledge,
+)
+
+PLAN = AutoPlan.for_device("cpu")
+PLAIN, SMALL, LARGE, PROBE = range(4)
+
+
+def test_the_cpu_plan():
+    """Plain decoding, two trees with a 4-token lookup branch in place of their weakest
+    nodes, and the probe: the largest tree (12) with the branch grafted, 16 nodes."""
+    assert PLAN.modes[0] is None
+    assert [PLAN.nodes(m) for m in range(4)] == [1, 6, 8, 16]
+    assert all(spec.lookup_replaces for spec in PLAN.modes[1:3])
+    assert not PLAN.probe.lookup_replaces and PLAN.probe.total_tokens == 12
+    assert PLAN.sizes == (6, 8, 12)
+    # the probe's counters: block 4 (branch of 4 tokens), sizes 6 and 8
+    assert [PLAN.count_column(m) for m in range(4)] == [None, 12, 13, None]
+
+
+def _counts(al_small: float, al_large: float, rounds: int) -> np.ndarray:
+    counts = np.zeros(len(PLAN.sizes) * 5)
+    counts[PLAN.count_column(SMALL)] = (al_small - 1) * rounds
+    counts[PLAN.count_column(LARGE)] = (al_large - 1) * rounds
+    return counts
+
+
+def _learnt(plain_s: float, probe_s: float, al_small=2.0, al_large=2.5, al_probe=3.0):
+    """A fresh policy after one probe segment (4 rounds) and one plain segment (16 steps)."""
+    policy = AutoPolicy(PLAN, Knowledge())
+    assert policy.next_mode() == PROBE  # nothing known: the probe measures acceptance
+    policy.observe(PROBE, 4 * probe_s, 4, (al_probe - 1) * 4, 4, _counts(al_small, al_large, 4))
+    assert policy.next_mode() == PLAIN  # then what a plain step costs
+    policy.observe(PLAIN, 16 * plain_s, 16, 0, 0)
+    return policy
+
+
+def test_costs_are_interpolated_in_node_count_and_the_best_rate_wins():
+    policy = _learnt(plain_s=0.05, probe_s=0.075)
+    assert policy.acceptance_length(SMALL) == pytest.approx(2.0)
+    assert policy.acceptance_length(PROBE) == pytest.approx(3.0)
+    # untimed trees: between plain (1 node, 50 ms) and the probe (16 nodes, 75 ms)
+    assert policy.round_seconds(LARGE) == pytest.approx(0.05 + 7 / 15 * 0.025)
+    rates = policy.expected_rates()
+    assert rates[PLAIN] == pytest.approx(20.0)
+    assert rates[LARGE] == pytest.approx(2.5 / (0.05 + 7 / 15 * 0.025))  # 40.5: the best
+    assert rates[PROBE] == pytest.approx(40.0)
+    assert policy.next_mode() == LARGE
+    policy.observe(LARGE, 4 * 0.09, 4, 4 * 1.5, 4)  # slower than interpolated, AL as counted
+    assert policy.round_seconds(LARGE) == pytest.approx(0.09)
+    assert policy.next_mode() == PROBE  # 2.5 / 0.09 = 27.8 < 40: the probe tree now wins
+
+
+def test_plain_wins_unless_speculation_beats_it_by_the_margin():
+    policy = _learnt(plain_s=0.01, probe_s=0.075)  # a cheap step: every tree loses
+    assert policy.next_mode() == PLAIN
+    # the probe's rate exactly MARGIN / 1.01 of plain's: still plain
+    policy = _learnt(plain_s=0.025, probe_s=0.075, al_small=1.0, al_large=1.0,
+                     al_probe=3.0 * MARGIN / 1.01)
+    assert policy.next_mode() == PLAIN
+    policy = _learnt(plain_s=0.025, probe_s=0.075, al_small=1.0, al_large=1.0,
+                     al_probe=3.0 * MARGIN * 1.01)
+    assert policy.next_mode() == PROBE
+
+
+def test_the_probe_interval_doubles_while_the_choice_holds_and_resets_when_it_changes():
+    policy = _learnt(plain_s=0.01, probe_s=0.075)
+    assert policy.knowledge.probe_every == MIN_PROBE_EVERY  # the first probe changed nothing
+    intervals = []
+    for _ in range(6):
+        while policy.next_mode() == PLAIN:
+            policy.observe(PLAIN, 16 * 0.01, 16, 0, 0)
+        intervals.append(policy.since_probe)
+        policy.observe(PROBE, 0.075, 1, 2, 1, _counts(2.0, 2.5, 1))  # plain still best
+    assert intervals == [min(MIN_PROBE_EVERY * 2 ** i, MAX_PROBE_EVERY) for i in range(6)]
+    assert policy.knowledge.probe_every == min(MIN_PROBE_EVERY * 2 ** 6, MAX_PROBE_EVERY)
+    # text turns predictable: the probe accepts 8 tokens a round, the choice changes
+    policy.observe(PROBE, 0.075, 1, 8, 1, _counts(6.0, 7.0, 1))
+    assert policy.next_mode() != PLAIN and policy.knowledge.probe_every == MIN_PROBE_EVERY
+
+
+def test_acceptance_is_a_decayed_mean_and_a_prior_weighs_little():
+    policy = AutoPolicy(PLAN, Knowledge())
+    policy.observe(SMALL, 0.2, 4, 0, 16)  # 4 rounds of 4 rows accepting nothing
+    policy.observe(SMALL, 0.2, 4, 64, 16)  # then 4 each: the older weigh 2^(-4 / HALF_LIFE)
+    older = 0.5 ** (4 / HALF_LIFE)
+    assert policy.acceptance_length(SMALL) == pytest.approx(1 + 64 / (16 + 16 * older))
+    inherited = AutoPolicy(PLAN, Knowledge.from_json(policy.knowledge.to_json()))
+    name = PLAN.name(SMALL)
+    assert inherited.knowledge.rounds[name] == pytest.approx(PRIOR_ROUNDS)
+    assert inherited.acceptance_length(SMALL) == pytest.approx(policy.acceptance_length(SMALL))
+    inherited.observe(SMALL, 0.2, 4, 0, 16)  # the new request's own rounds soon dominate
+    assert inherited.acceptance_length(SMALL) < 1.5
+    for _ in range(4):
+        policy.observe(PLAIN, 0.1, HALF_LIFE, 0, 0)  # 4 half-lives of plain steps
+    assert policy.knowledge.rounds[PLAN.name(SMALL)] == pytest.approx((16 + 16 * older) / 16)
+
+
+@pytest.mark.parametrize("stored", [None, [], {"accepted": {}}, {
+    "accepted": {"x": -1.0}, "rounds": {}, "round_s": {}, "probe_every": 32}, {
+    "accepted": {}, "rounds": {}, "round_s": {"plain": ["fast"]}, "probe_every": 32}, {
+    "accepted": {}, "rounds": {}, "round_s": {}, "probe_every": 0}])
+def test_malformed_knowledge_is_refused(stored):
+    with pytest.raises((ValueError, KeyError, TypeError)):
+        Knowledge.from_json(stored)
+
+
+def test_the_mix_names_modes_by_their_share_of_forwards():
+    from eaglejax.decoding.adaptive import describe_mix
+
+    assert describe_mix({"plain": 30, PLAN.name(PROBE): 10}) == \
+        f"auto: plain 75%, {PLAN.name(PROBE)} 25%"
+    assert describe_mix({"plain": 7}) == "auto: plain 100%"
+
+
+# The adaptive loop itself runs in fresh interpreters: inside the full suite, XLA:CPU (jax
+# 0.10.2) once segfaulted compiling the probe's loop on the tiny model after the earlier
+# tests' compiles (see test_tree_decoding), while the same code passes in a fresh process.
+CHECKS = ["switching", "auto", "sampling"]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_adaptive_loop_in_a_fresh_process(check, tmp_path):
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, str(here / "test_auto.py"), check, str(tmp_path)],
+                          cwd=here, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"{check} ok" in proc.stdout
+
+
+class Scripted(AutoPolicy):
+    """Runs `script` [(mode, target forwards)] round and round, learning as `auto` does."""
+
+    def __init__(self, plan: AutoPlan, script: list[tuple[int, int]]):
+        super().__init__(plan, Knowledge())
+        self.script, self.now = itertools.cycle(script), None
+
+    def next_mode(self) -> int:
+        self.now = next(self.script)
+        return self.now[0]
+
+    def segment_rounds(self, mode: int) -> int:
+        return self.now[1]
+
+
+# every mode after every other, budgets that cut segments short and long
+SCRIPT = [(PROBE, 1), (PLAIN, 3), (SMALL, 2), (PLAIN, 1), (LARGE, 1), (PROBE, 2), (SMALL, 1),
+          (PLAIN, 16), (LARGE, 3)]
+
+
+def _prompts(seed, n):
+    rs = np.random.RandomState(seed)
+    return [rs.randint(0, 97, size=rs.randint(2, 40)).tolist() for _ in range(n)]
+
+
+def _decode(target, draft, prompts, policy, max_new, **sampling):
+    from eaglejax.decoding.adaptive import adaptive_decode
+    from eaglejax.decoding.sampling import SamplingParams
+    from eaglejax.prompting import stop_criteria
+
+    params = SamplingParams.make(sampling.get("temperature", 0.0), 0, sampling.get("top_p", 1.0))
+    run = adaptive_decode(target, draft, prompts, sampling.get("seeds", [0] * len(prompts)),
+                          params, max_new, stop_criteria(target, [], False), policy)
+    out = run.run.state.out
+    counts = np.asarray(out.counts)
+    return [np.asarray(out.tokens)[i, :counts[i]].tolist() for i in range(len(prompts))], run
+
+
+def check_switching(target):
+    """Greedy, with every switch between modes: the plain tokens, cut at EOS where plain
+    decoding cuts (inside a plain segment or a round), the other rows going on."""
+    import eaglejax
+    from spec_helpers import self_draft
+
+    prompts = _prompts(4, 4)
+    free = eaglejax.generate(prompts, target=target, max_new_tokens=48, ignore_eos=True)
+    eos = free[1].token_ids[9]
+    target = eaglejax.Target(target.config, target.params, None, target.source, (eos,))
+    plain = eaglejax.generate(prompts, target=target, max_new_tokens=48)
+    assert plain[1].finish_reason == "eos" and plain[0].finish_reason == "length"
+    tokens, run = _decode(target, self_draft(target), prompts, Scripted(PLAN, SCRIPT), 48)
+    assert tokens == [p.token_ids for p in plain]
+    assert set(run.forwards_by_mode) == {PLAN.name(m) for m in range(4)}
+
+
+def check_auto(target, cache_dir):
+    """The default policy: plain tokens with a head that drafts well and one that never
+    does; the modes named in the metrics; what it learnt kept on disk for a new process,
+    and a damaged file is learnt anew."""
+    import eaglejax
+    from eaglejax import autotune
+    from spec_helpers import random_eagle3, self_draft
+
+    os.environ.update(EAGLEJAX_AUTOTUNE_CACHE="1", EAGLEJAX_CACHE=str(cache_dir))
+    prompts = _prompts(5, 2)
+    plain = eaglejax.generate(prompts, target=target, max_new_tokens=40, ignore_eos=True)
+    good, useless = self_draft(target), random_eagle3(target, seed=3)
+    for draft in (good, useless):
+        out = eaglejax.generate(prompts, target=target, draft=draft, speculative="auto",
+                                max_new_tokens=40, ignore_eos=True)
+        assert [o.token_ids for o in out] == [p.token_ids for p in plain]
+        assert out[0].metrics.speculative.startswith("auto: ")
+    plan = AutoPlan.for_device("cpu")
+    learnt = autotune.recall(target, good, 2, plan)
+    # the self-draft's probe accepts deep paths; the random head's trees nearly nothing
+    assert AutoPolicy(plan, learnt).acceptance_length(PROBE) > 2.0
+    assert AutoPolicy(plan, autotune.recall(target, useless, 2, plan)).acceptance_length(
+        SMALL) < 1.6  # its lookup branch may still copy a little from the repeating text
+    stored = json.loads((cache_dir / autotune.KNOWLEDGE_FILE).read_text())
+    assert len(stored) == 2 and all(set(v) == set(learnt.to_json()) for v in stored.values())
+    autotune._KNOWN.clear()  # as a new process
+    again = autotune.recall(target, good, 2, plan)
+    assert again.round_s == learnt.round_s and again.probe_every == learnt.probe_every
+    (cache_dir / autotune.KNOWLEDGE_FILE).write_text("{not json")
+    autotune._KNOWN.clear()
+    assert autotune.recall(target, good, 2, plan) == Knowledge()
+    eaglejax.generate(prompts, target=target, draft=good, speculative="auto",
+                      max_new_tokens=8, ignore_eos=True)
+    assert len(json.loads((cache_dir / autotune.KNOWLEDGE_FILE).read_text())) == 1
+
+
+def check_sampling(target):
+    """Sampled tokens follow the target's exact law while the modes switch under them."""
+    from spec_helpers import random_eagle3, self_draft
+    from test_speculative_sampling import N, PROMPT, assert_follows, exact_marginals, sharpened
+
+    from eaglejax.decoding.sampling import SamplingParams
+
+    target = sharpened(target, 4.0)
+    target = type(target)(target.config, target.params, None, target.source, ())
+    exact = exact_marginals(target, SamplingParams.make(0.7, 0, 0.9), 3)
+    for draft, script in ((self_draft(target), [(PROBE, 1), (PLAIN, 1), (LARGE, 1)]),
+                          (random_eagle3(target, draft_vocab=60), [(PLAIN, 1), (SMALL, 1)])):
+        tokens, _ = _decode(target, draft, [PROMPT] * N, Scripted(PLAN, script), 3,
+                            temperature=0.7, top_p=0.9, seeds=list(range(N)))
+        assert_follows(np.array(tokens), exact)
+
+
+if __name__ == "__main__":  # the fresh-process half of test_adaptive_loop_in_a_fresh_process
+    import eaglejax
+    from conftest import make_hf_model
+    from spec_helpers import make_selfdraftable
+
+    check, directory = sys.argv[1], Path(sys.argv[2])
+    model = make_hf_model("llama", directory, seed=11, num_hidden_layers=2)
+    make_selfdraftable(model)
+    model.save_pretrained(directory)
+    fresh_target = eaglejax.load_target(directory)
+    if check == "switching":
+        check_switching(fresh_target)
+    elif check == "auto":
+        check_auto(fresh_target, directory / "eaglejax-cache")
+    else:
+        check_sampling(fresh_target)
+    print(f"{check} ok")
