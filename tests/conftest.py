@@ -8,6 +8,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `auto` choices; the caches' own tests turn them on with a temporary folder.
 os.environ.setdefault("EAGLEJAX_COMPILATION_CACHE", "0")
 os.environ.setdefault("EAGLEJAX_AUTOTUNE_CACHE", "0")
+# The suite compiles thousands of programs that each run for milliseconds: LLVM's optimising
+# passes were ~20% of its CPU time (BENCHMARKS.md, CI time). Code generated without them
+# computes the same operations (tolerances are noise units, see tolerances.py); a level the
+# caller's XLA_FLAGS names is kept. Subprocesses the tests start inherit it.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_backend_optimization_level=0").strip()
 
 import pytest  # noqa: E402
 

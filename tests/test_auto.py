@@ -241,20 +241,20 @@ def check_auto(target, cache_dir):
 
 
 def check_sampling(target):
-    """Sampled tokens follow the target's exact law while the modes switch under them."""
-    from spec_helpers import random_eagle3, self_draft
+    """Sampled tokens follow the target's exact law while the modes switch under them (a
+    head that drafts well, so rounds accept and reject; the rejection paths of each shape
+    are tested in test_speculative_sampling)."""
+    from spec_helpers import self_draft
     from test_speculative_sampling import N, PROMPT, assert_follows, exact_marginals, sharpened
 
     from eaglejax.decoding.sampling import SamplingParams
 
     target = sharpened(target, 4.0)
     target = type(target)(target.config, target.params, None, target.source, ())
-    exact = exact_marginals(target, SamplingParams.make(0.7, 0, 0.9), 3)
-    for draft, script in ((self_draft(target), [(PROBE, 1), (PLAIN, 1), (LARGE, 1)]),
-                          (random_eagle3(target, draft_vocab=60), [(PLAIN, 1), (SMALL, 1)])):
-        tokens, _ = _decode(target, draft, [PROMPT] * N, Scripted(PLAN, script), 3,
-                            temperature=0.7, top_p=0.9, seeds=list(range(N)))
-        assert_follows(np.array(tokens), exact)
+    tokens, _ = _decode(target, self_draft(target), [PROMPT] * N,
+                        Scripted(PLAN, [(PROBE, 1), (PLAIN, 1), (SMALL, 1)]), 3,
+                        temperature=0.7, top_p=0.9, seeds=list(range(N)))
+    assert_follows(np.array(tokens), exact_marginals(target, SamplingParams.make(0.7, 0, 0.9), 3))
 
 
 if __name__ == "__main__":  # the fresh-process half of test_adaptive_loop_in_a_fresh_process

@@ -123,7 +123,8 @@ def test_two_processes_decode_like_one(tmp_path):
     assert sorted(served) == [f"r{i}" for i in range(5)]
 
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+    env = dict(os.environ, XLA_FLAGS=flags,
                JAX_PLATFORMS="cpu")
     procs = []
     for rank in range(2):

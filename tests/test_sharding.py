@@ -80,7 +80,8 @@ def test_cli_refuses_bad_mesh_flags(flags, match, capsys, monkeypatch):
 def test_meshes_decode_like_one_device(tmp_path):
     """tp=2, dp=2, tp=2 x dp=2 and tp=4 over 2 KV heads (widened), plus 3 KV heads on tp=2
     (attention replicated): plain, chain, dynamic and static trees, greedy and sampled."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags,
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(HERE / "test_sharding.py"), str(tmp_path)],
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=1200)

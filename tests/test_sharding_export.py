@@ -50,7 +50,8 @@ FIXED = {
 
 @pytest.mark.slow
 def test_loops_export_and_collectives_in_8_device_process():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags,
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(HERE / "test_sharding_export.py")], cwd=HERE,
                           env=env, capture_output=True, text=True, timeout=900)

@@ -17,7 +17,8 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.mark.slow
 def test_data_parallel_training_on_a_mesh(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags,
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(HERE / "test_training_mesh.py"), str(tmp_path)],
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=1200)

@@ -32,11 +32,12 @@ from eaglejax.models.llama import Params, compute_dtype, forward, lm_head
                    donate_argnames=("state",))
 def plain_segment(params: Params, config: ModelConfig, draft_params: Params,
                   draft_config: DraftConfig, state: SpecState, sampling: SamplingParams,
-                  max_new_tokens: jax.Array, until: jax.Array, *, width: int, lookup_context: bool, greedy: bool,
-                  stop: StopCriteria, attn_impl: AttentionImpl = "auto") -> SpecState:
+                  max_new_tokens: jax.Array, until: jax.Array, *, width: int,
+                  lookup_context: bool, greedy: bool, stop: StopCriteria,
+                  attn_impl: AttentionImpl = "auto") -> SpecState:
     """Up to `width` plain steps (fewer when every row finishes or the state has run `until`
-    target forwards), then the head's catch-up over the new tokens; `lookup_context`: the state carries the context a lookup branch
-    searches (written as a round would)."""
+    target forwards), then the head's catch-up over the new tokens; `lookup_context`: the
+    state carries the context a lookup branch searches (written as a round would)."""
     batch = state.last_token.shape[0]
     features = config.hidden_size * max(len(draft_config.tap_layers), 1)
     started = state.out.running
