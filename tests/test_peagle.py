@@ -254,7 +254,7 @@ def test_the_loop_drafts_what_parallel_logits_proposes(target, tmp_path, attn_im
 
     from eaglejax import SpecConfig
     from eaglejax.decoding.sampling import SamplingParams
-    from eaglejax.decoding.speculative import _catch_up, spec_prefill
+    from eaglejax.decoding.speculative import catch_up, spec_prefill
     from eaglejax.decoding.stopping import StopCriteria
     from eaglejax.draft.head import to_target_logits
 
@@ -277,7 +277,7 @@ def test_the_loop_drafts_what_parallel_logits_proposes(target, tmp_path, attn_im
     # a round whose 5-row block (positions 11..15) kept 3 rows: the other 2 are garbage
     kept = 3
     garbage = np.r_[1, 1, 1, 9, 9][None, :, None]
-    cache, logits, _ = _catch_up(draft.params, draft.config, target.params, state.draft_cache,
+    cache, logits, _ = catch_up(draft.params, draft.config, target.params, state.draft_cache,
                                  jnp.asarray(s[:, 12:17], jnp.int32),
                                  jnp.asarray(taps[:, 11:16] * garbage), jnp.asarray([kept]),
                                  attn_impl, slots=K - 1)
