@@ -132,6 +132,7 @@ def test_the_mix_names_modes_by_their_share_of_forwards():
     assert describe_mix({"plain": 30, PLAN.name(PROBE): 10}) == \
         f"auto: plain 75%, {PLAN.name(PROBE)} 25%"
     assert describe_mix({"plain": 7}) == "auto: plain 100%"
+    assert describe_mix({}) == "auto: no decode step"  # max_new_tokens=1: the prefill's token
 
 
 # The adaptive loop itself runs in fresh interpreters: inside the full suite, XLA:CPU (jax
@@ -221,6 +222,10 @@ def check_auto(target, cache_dir):
                                 max_new_tokens=40, ignore_eos=True)
         assert [o.token_ids for o in out] == [p.token_ids for p in plain]
         assert out[0].metrics.speculative.startswith("auto: ")
+    (one,) = eaglejax.generate(prompts[:1], target=target, draft=good, speculative="auto",
+                               max_new_tokens=1, ignore_eos=True)
+    assert one.token_ids == plain[0].token_ids[:1]
+    assert one.metrics.speculative == "auto: no decode step"
     plan = AutoPlan.for_device("cpu")
     learnt = autotune.recall(target, good, 2, plan)
     # the self-draft's probe accepts deep paths; the random head's trees nearly nothing
@@ -228,7 +233,7 @@ def check_auto(target, cache_dir):
     assert AutoPolicy(plan, autotune.recall(target, useless, 2, plan)).acceptance_length(
         SMALL) < 1.6  # its lookup branch may still copy a little from the repeating text
     stored = json.loads((cache_dir / autotune.KNOWLEDGE_FILE).read_text())
-    assert len(stored) == 2 and all(set(v) == set(learnt.to_json()) for v in stored.values())
+    assert len(stored) == 3 and all(set(v) == set(learnt.to_json()) for v in stored.values())
     autotune._KNOWN.clear()  # as a new process
     again = autotune.recall(target, good, 2, plan)
     assert again.round_s == learnt.round_s and again.probe_every == learnt.probe_every

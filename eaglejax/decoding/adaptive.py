@@ -47,7 +47,9 @@ class AdaptiveRun(NamedTuple):
 
 def describe_mix(forwards_by_mode: dict[str, int]) -> str:
     """E.g. "auto: tree top_k=4 ... 81%, plain 19%" (shares of target forwards)."""
-    total = sum(forwards_by_mode.values()) or 1
+    total = sum(forwards_by_mode.values())
+    if not total:
+        return "auto: no decode step"
     parts = sorted(forwards_by_mode.items(), key=lambda item: -item[1])
     return "auto: " + ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in parts if n)
 
@@ -103,7 +105,8 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
 
     compiled: set[int] = set()
     forwards_by_mode: dict[str, int] = {}
-    decode_s, forwards, running = 0.0, 0, True
+    decode_s, forwards = 0.0, 0
+    running = bool(jax.device_get(jnp.any(state.out.running)))  # max_new_tokens=1: done
     hist = np.zeros(state.accept_hist.shape, np.int64)
     while running:
         mode = policy.next_mode()
