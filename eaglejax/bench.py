@@ -15,7 +15,11 @@ from eaglejax.datasets import Question
 from eaglejax.decoding.batch import cache_capacity
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.generate import generate
+from eaglejax.autotune import AutoPlan
+from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.hardware import machine_report, memory_floor_ms
+from eaglejax.prompting import encode_prompts
+from eaglejax.round_split import round_split
 from eaglejax.target import Target
 from eaglejax.timing import single_forward_ms
 
@@ -149,6 +153,31 @@ def compare_drafts(target: Target, runs: Sequence[tuple[Any, SpecConfig | str | 
     return [_speculative_report(header, floor_ms, draft, questions, totals["plain"],
                                 totals[f"spec {i}"], sampling is None)
             for i, (draft, _) in enumerate(runs)]
+
+
+def shapes_to_profile(draft, speculative: SpecConfig | str | None) -> list[SpecConfig]:
+    """The shapes `speculative` may run: itself, the device preset for None, every
+    speculative mode of the plan for "auto"."""
+    platform = jax.default_backend()
+    if speculative == "auto":
+        return [spec for spec in AutoPlan.for_device(platform).modes if spec is not None]
+    if speculative is None:
+        return [SpecConfig.default_for(draft.config.parallel, platform)]
+    return [speculative]
+
+
+def profile_rounds(target: Target, draft, prompt: str | list[int],
+                   speculative: SpecConfig | str | None, *, chat: bool = True,
+                   sampling: Mapping[str, Any] | None = None, rounds: int = 32,
+                   repeats: int = 5) -> list[dict[str, Any]]:
+    """`round_split` of each shape `speculative` may run (`shapes_to_profile`) on one
+    prompt (text or token ids)."""
+    params = SamplingParams.make(sampling["temperature"], sampling["top_k"], sampling["top_p"]
+                                 ) if sampling else None
+    [ids] = encode_prompts([prompt], target, chat)
+    return [round_split(target, draft, spec, ids, sampling=params, rounds=rounds,
+                        repeats=repeats)
+            for spec in shapes_to_profile(draft, speculative)]
 
 
 def _speculative_report(header: dict[str, Any], floor_ms: float, draft,

@@ -14,7 +14,7 @@ from typing import Sequence
 import jax
 
 from eaglejax import compilation_cache, generate, load_target, roofline, validation
-from eaglejax.bench import bench_plain, bench_speculative
+from eaglejax.bench import bench_plain, bench_speculative, profile_rounds
 from eaglejax.datasets import interleave_categories, mt_bench_questions
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.draft import load_draft
@@ -24,6 +24,7 @@ from eaglejax.draft.shipped import shipped_head
 from eaglejax.errors import EaglejaxError, InputError
 from eaglejax.loading.builtin import builtin_model
 from eaglejax.loading.hf_export import export_hf
+from eaglejax.round_split import describe_split
 from eaglejax.sharding import make_mesh
 from eaglejax.sharding.distributed import initialize
 from eaglejax.training.pipeline import mt_bench_prompts, prepare_rows
@@ -219,6 +220,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="take the questions round-robin over the 8 categories")
     bench.add_argument("--stop-at-eos", action="store_true",
                        help="stop rows at EOS (default: always decode max-new-tokens)")
+    bench.add_argument("--profile", action="store_true",
+                       help="with a draft head, also split a speculative round into draft, "
+                            "verify forward, accept + commit, head catch-up and the rest, in "
+                            "ms and plain steps (timed in the compiled loop on the first "
+                            "prompt; with auto, for each shape it can choose)")
     bench.add_argument("--roofline", default=None, metavar="DEVICE",
                        help="instead, predict Llama-3.1-8B + EAGLE-3 decode speed on DEVICE "
                             f"({', '.join(roofline.DEVICES)}) from XLA's cost analysis of "
@@ -419,11 +425,19 @@ def _bench(args: argparse.Namespace) -> None:
         report = bench_plain(target, questions, **common)
     else:
         report = bench_speculative(target, draft, questions, speculative=speculative, **common)
+        if args.profile:
+            report["round_split"] = profile_rounds(target, draft, questions[0].prompt, speculative,
+                                                   chat=args.chat, sampling=sampling)
     if args.json:
         print(json.dumps(report, indent=2))
         return
     for key, value in report.items():
-        print(f"{key:>26}: {value:.3f}" if isinstance(value, float) else f"{key:>26}: {value}")
+        if key == "round_split":
+            for split in value:
+                print(describe_split(split))
+        else:
+            print(f"{key:>26}: {value:.3f}" if isinstance(value, float)
+                  else f"{key:>26}: {value}")
 
 
 def _convert(args: argparse.Namespace) -> None:

@@ -65,6 +65,12 @@ class SpecState(NamedTuple):
     context: jax.Array  # [B,C] x_0..x_n per row when spec.lookup, else [B,0]
 
 
+# A round's phases in order; `spec_loop(..., through=phase)` stops each round after it (the
+# rounds of "loop" only split keys and count), for timing what each phase costs
+# (`eaglejax.round_split`). "accept" includes the commit and the output's recording.
+PHASES = ("loop", "draft", "verify", "accept", "catch_up")
+
+
 class Round(NamedTuple):
     """What one round drafted and what the target made of it (for counters kept outside the
     loop state, e.g. `decoding.calibration`)."""
@@ -211,18 +217,21 @@ def _commit_path(cache: kv_cache.KVCache, k_new: tuple[jax.Array, ...],
 
 
 @functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "greedy",
-                                             "stop", "attn_impl"),
+                                             "stop", "attn_impl", "through"),
                    donate_argnames=("state",))
 def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
               draft_config: DraftConfig, d2t: jax.Array, state: SpecState,
               sampling: SamplingParams, max_new_tokens: jax.Array,
               until: jax.Array | None = None, *, spec: SpecConfig, greedy: bool,
-              stop: StopCriteria, attn_impl: AttentionImpl = "auto") -> SpecState:
+              stop: StopCriteria, attn_impl: AttentionImpl = "auto",
+              through: str = "catch_up") -> SpecState:
     """Speculate (chain, dynamic tree or static tree, per `spec`) until every row finishes,
     or (given `until`) until the state has run `until` target forwards (`round_step` is one
-    round)."""
+    round). `through` (one of `PHASES`) other than "catch_up" runs truncated rounds, for
+    timing only."""
     step = round_step(params, config, draft_params, draft_config, d2t, sampling, max_new_tokens,
-                      spec=spec, greedy=greedy, stop=stop, attn_impl=attn_impl)
+                      spec=spec, greedy=greedy, stop=stop, attn_impl=attn_impl,
+                      through=through)
     return jax.lax.while_loop(lambda s: goes_on(s, until), step, state)
 
 
@@ -243,12 +252,17 @@ def round_step(*args, **kwargs) -> Callable[[SpecState], SpecState]:
 def verified_round(params: Params, config: ModelConfig, draft_params: Params,
                    draft_config: DraftConfig, d2t: jax.Array, sampling: SamplingParams,
                    max_new_tokens: jax.Array, *, spec: SpecConfig, greedy: bool,
-                   stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto"
-                   ) -> Callable[[SpecState], tuple[SpecState, Round]]:
+                   stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto",
+                   through: str = "catch_up"
+                   ) -> Callable[[SpecState], tuple[SpecState, Round | None]]:
     """One speculative round as a function SpecState -> (SpecState, Round), traced inside a
     loop: draft (`drafting.draft_round`), verify in one target forward (`acceptance.verify`:
     greedy matching, or lossless speculative sampling when not `greedy`), commit, catch up.
-    """
+    With `through` before "catch_up" (see `PHASES`), a truncated round for timing: it stops
+    after that phase, counts a forward and returns no Round; the state keeps what the
+    remaining phases would have changed (as far as the phase run changes it)."""
+    if through not in PHASES:
+        raise ValueError(f"through={through!r}: expected one of {PHASES}")
     depth = spec.max_depth
     head = Head(draft_params, draft_config, params,
                 to_target_ids(jnp.arange(draft_config.draft_vocab_size), d2t), attn_impl)
@@ -262,15 +276,22 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params,
         # A row's randomness depends only on its seed and how many tokens it has.
         keys = jax.vmap(lambda key: jax.random.split(key, depth + 1))(
             row_step_keys(s.row_keys, s.out.counts))
+        if through == "loop":
+            return _counted(s, keys), None
         root = Root(s.last_token, s.draft_logits, s.draft_hidden, s.draft_cache)
         drafted = draft_round(head, root, spec, greedy, sampling, keys, config.vocab_size,
                               s.context, s.target_cache.lengths)
         tree = drafted.tree
+        if through == "draft":
+            return _counted(s, drafted), None
         positions = s.target_cache.lengths[:, None] + tree.depths
         verified = forward(params, config, tree.tokens, positions, s.target_cache,
                            mask=tree.mask, tap_layers=draft_config.tap_layers,
                            attn_impl=attn_impl)
         logits = lm_head(params, verified.hidden)
+        if through == "verify":  # the K/V rows written, the cache's lengths unchanged
+            return _counted(s._replace(target_cache=verified.cache), logits,
+                            target_features(verified, draft_config)), None
         path, n_accepted, bonus = verify(tree, logits, drafted.probs, spec, greedy, sampling,
                                          keys[:, depth])
         # Emitted this round: the accepted draft tokens, then the bonus; one at a time so
@@ -288,6 +309,10 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params,
             target_cache = _commit_path(target_cache, verified.k_new, verified.v_new, path)
             features = jnp.take_along_axis(features, path[:, :, None], axis=1)
         target_cache = target_cache._replace(lengths=s.target_cache.lengths + advance)
+        if through == "accept":
+            return _counted(s._replace(target_cache=target_cache, out=out,
+                                       last_token=jnp.where(running, bonus, s.last_token)),
+                            features, emitted), None
         draft_cache, draft_logits, draft_hidden = catch_up(
             draft_params, draft_config, params, s.draft_cache, emitted, features,
             jnp.maximum(advance, 1), attn_impl, parallel_slots)
@@ -304,3 +329,12 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params,
         return state, Round(drafted, logits, running)
 
     return step
+
+
+def _counted(state: SpecState, *results) -> SpecState:
+    """`state` after a truncated round: one more forward counted, and made to depend on the
+    phase's `results` (a reduction the compiler cannot drop) so the work that produced them
+    is kept; no value changes (unless a result is NaN)."""
+    total = sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(results))
+    return state._replace(forwards=state.forwards + 1,
+                          last_token=jnp.where(jnp.isnan(total), 0, state.last_token))

@@ -1,0 +1,106 @@
+"""Where a speculative round's time goes, measured in the compiled loop itself.
+
+The speculative loop runs a fixed number of rounds five times: whole, and truncated after
+each phase (`decoding.speculative.PHASES`: loop bookkeeping only, + drafting, + the verify
+forward, + acceptance and commit); the differences between neighbours are the phases'
+costs. The plain loop runs as many steps beside them, interleaved, so every phase is also
+given in plain steps. Truncation changes what XLA can fuse across a phase's border, so a
+phase's figure is its marginal cost in this loop, not a kernel's time in isolation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eaglejax.decoding import plain
+from eaglejax.decoding.batch import batch_inputs, cache_capacity
+from eaglejax.decoding.buckets import bucket
+from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.decoding.speculative import PHASES, spec_loop, spec_prefill
+from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.sharding.mesh import mesh_context
+from eaglejax.target import Target
+
+if TYPE_CHECKING:
+    from eaglejax.draft.draft import Draft
+
+# What each phase's figure covers (the keys of `round_split`'s "phases_ms").
+PHASE_NAMES = {"loop": "other", "draft": "draft", "verify": "verify",
+               "accept": "accept_commit", "catch_up": "catch_up"}
+
+
+def _timed_runs(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds per forward of each run (a call returning its final state), after one
+    warm-up call each (compiling); repeats interleaved, the order rotating."""
+    for run in runs.values():
+        jax.block_until_ready(run())
+    names, times = list(runs), {name: [] for name in runs}
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            start = time.perf_counter()
+            state = jax.block_until_ready(runs[name]())
+            times[name].append((time.perf_counter() - start) / max(int(state.forwards), 1))
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def round_split(target: Target, draft: "Draft", spec: SpecConfig, prompt: list[int], *,
+                rounds: int = 32, repeats: int = 5, sampling: SamplingParams | None = None
+                ) -> dict[str, Any]:
+    """Time `rounds` speculative rounds of `spec` on token-id `prompt` (batch 1), whole and
+    truncated after each phase, beside `rounds` plain steps: the round's cost per phase in
+    ms and in plain steps. Greedy unless `sampling` (temperature > 0) is given."""
+    sampling = sampling or SamplingParams.make()
+    greedy = bool(sampling.temperature == 0)
+    spec.check_sampling(greedy)
+    max_new = rounds * (spec.max_depth + 1) + 1
+    capacity = cache_capacity(len(prompt), max_new, spec.num_nodes)
+    inputs = batch_inputs(target, [prompt], [0], sampling, max_new)
+    common = dict(stop=StopCriteria(), attn_impl=target.attn_impl)
+    sized = dict(capacity=capacity, max_tokens=bucket(max_new, 16), greedy=greedy, **common)
+    args = (target.params, target.config)
+    heads = (draft.params, draft.config)
+    with mesh_context(target.mesh):
+        spec_state = spec_prefill(*args, *heads, *inputs, spec=spec, **sized)
+        plain_inputs = inputs._replace(max_new=jnp.int32(rounds + 1))
+        plain_state = plain.prefill(*args, *plain_inputs, **sized)
+        copy = lambda state: jax.tree.map(jnp.copy, state)  # noqa: E731  (loops donate it)
+        runs = {"plain": lambda: plain.decode_loop(*args, copy(plain_state), sampling,
+                                                   plain_inputs.max_new, greedy=greedy,
+                                                   **common)}
+        for phase in PHASES:
+            runs[phase] = lambda phase=phase: spec_loop(
+                *args, *heads, draft.d2t, copy(spec_state), sampling, inputs.max_new,
+                jnp.int32(rounds), spec=spec, greedy=greedy, through=phase, **common)
+        seconds = _timed_runs(runs, repeats)
+    plain_ms = 1e3 * seconds["plain"]
+    through_ms = [1e3 * seconds[phase] for phase in PHASES]
+    phases_ms = {PHASE_NAMES[PHASES[0]]: through_ms[0]}
+    for phase, before, after in zip(PHASES[1:], through_ms, through_ms[1:]):
+        phases_ms[PHASE_NAMES[phase]] = after - before
+    round_ms = through_ms[-1]
+    return {
+        "speculative": spec.describe(), "prompt_tokens": len(prompt), "rounds": rounds,
+        "repeats": repeats, "plain_step_ms": plain_ms, "round_ms": round_ms,
+        "round_in_plain_steps": round_ms / plain_ms,
+        "phases_ms": phases_ms,
+        "phases_in_plain_steps": {name: ms / plain_ms for name, ms in phases_ms.items()},
+        "outside_verify_in_plain_steps": (round_ms - phases_ms["verify"]) / plain_ms,
+    }
+
+
+def describe_split(split: dict[str, Any]) -> str:
+    """One line per phase of a `round_split` result, for people."""
+    lines = [f"round split of {split['speculative']} ({split['rounds']} rounds, median of "
+             f"{split['repeats']}): round {split['round_ms']:.2f} ms = "
+             f"{split['round_in_plain_steps']:.2f} plain steps of {split['plain_step_ms']:.2f} "
+             f"ms"]
+    for name, ms in split["phases_ms"].items():
+        lines.append(f"{name:>26}: {ms:7.2f} ms  {split['phases_in_plain_steps'][name]:5.2f} "
+                     f"plain steps")
+    return "\n".join(lines)

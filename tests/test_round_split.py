@@ -1,0 +1,74 @@
+"""The round split (`eaglejax.round_split`): truncated loops keep each phase's work, and the
+split is reported for a real compiled loop."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from spec_helpers import random_eagle3
+
+from eaglejax.autotune import AutoPlan
+from eaglejax.bench import profile_rounds, shapes_to_profile
+from eaglejax.decoding.batch import batch_inputs
+from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.decoding.speculative import PHASES, spec_loop, spec_prefill
+from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.round_split import PHASE_NAMES, describe_split
+
+SPEC = SpecConfig.tree(top_k=3, depth=3, total_tokens=6).with_lookup(2, 2)
+PROMPT = [5, 9, 17, 5, 9, 23, 40, 2, 8, 5, 9]
+
+
+def _products(hlo: str) -> int:
+    """Matrix products and native kernels in a compiled program's text."""
+    return len(re.findall(r"= \S+ (?:dot|custom-call)\(", hlo))
+
+
+def test_each_truncated_loop_keeps_the_work_of_its_phases(target_of):
+    """A truncated round must not let the compiler drop the phase it stops after: every
+    further phase adds products (head steps, the verify forward, the catch-up's head
+    forward; acceptance and commit add gathers but no product, so they only must not
+    remove any)."""
+    target = target_of("llama")
+    draft = random_eagle3(target, draft_vocab=60)
+    sampling = SamplingParams.make()
+    inputs = batch_inputs(target, [PROMPT], [0], sampling, 32)
+    common = dict(spec=SPEC, greedy=True, stop=StopCriteria(), attn_impl=target.attn_impl)
+    args = (target.params, target.config, draft.params, draft.config)
+    state = spec_prefill(*args, *inputs, capacity=128, max_tokens=32, **common)
+    counts = [_products(spec_loop.lower(*args, draft.d2t, state, sampling, inputs.max_new,
+                                        jnp.int32(4), through=phase, **common)
+                        .compile().as_text())
+              for phase in PHASES]
+    loop, drafted, verified, accepted, whole = counts
+    assert loop < drafted < verified <= accepted < whole, dict(zip(PHASES, counts))
+    with pytest.raises(ValueError, match="through='commit'"):
+        spec_loop.lower(*args, draft.d2t, state, sampling, inputs.max_new, jnp.int32(4),
+                        through="commit", **common)
+
+
+def test_bench_profiles_every_shape_it_may_run(target_of):
+    target = target_of("llama")
+    draft = random_eagle3(target, draft_vocab=60)
+    plan = AutoPlan.for_device(jax.default_backend())
+    assert shapes_to_profile(draft, "auto") == [m for m in plan.modes if m is not None]
+    assert shapes_to_profile(draft, None) == [SpecConfig.default_for(False, "cpu")]
+    [split] = profile_rounds(target, draft, PROMPT, SPEC, rounds=3, repeats=1)
+    assert split["speculative"] == SPEC.describe() and split["rounds"] == 3
+    _check_split(split)
+    assert describe_split(split).count("plain steps") == len(PHASES) + 1
+
+
+def _check_split(split: dict) -> None:
+    assert list(split["phases_ms"]) == [PHASE_NAMES[p] for p in PHASES]
+    assert split["plain_step_ms"] > 0 and split["round_ms"] > 0
+    # bit identity is the property: the same two floats divided again
+    for name, ms in split["phases_ms"].items():
+        assert split["phases_in_plain_steps"][name] == ms / split["plain_step_ms"]
+    verify = split["phases_ms"]["verify"]
+    assert split["outside_verify_in_plain_steps"] == ((split["round_ms"] - verify)
+                                                     / split["plain_step_ms"])
