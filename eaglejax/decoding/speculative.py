@@ -332,9 +332,12 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params,
 
 
 def _counted(state: SpecState, *results) -> SpecState:
-    """`state` after a truncated round: one more forward counted, and made to depend on the
-    phase's `results` (a reduction the compiler cannot drop) so the work that produced them
-    is kept; no value changes (unless a result is NaN)."""
+    """`state` after a truncated round: one more forward counted, and the next round's
+    inputs made to depend on the phase's `results` (a reduction the compiler cannot see
+    through), so the work that produced them is kept and never hoisted out of the loop as
+    invariant; no value changes (unless a result is NaN)."""
     total = sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(results))
-    return state._replace(forwards=state.forwards + 1,
-                          last_token=jnp.where(jnp.isnan(total), 0, state.last_token))
+    keep = lambda x: jnp.where(jnp.isnan(total), jnp.zeros_like(x), x)  # noqa: E731
+    return state._replace(forwards=state.forwards + 1, last_token=keep(state.last_token),
+                          draft_logits=keep(state.draft_logits),
+                          draft_hidden=keep(state.draft_hidden))
