@@ -8,11 +8,28 @@
 // output element runs over k in the same order whatever M is, so a row's result does not
 // depend on the other rows in the block (a verify block reproduces the single-token step).
 // Work is split over XLA's intra-op thread pool in chunks of w rows (parallel_tasks.h).
+//
+// bfloat16 weights on a CPU with AMX (Intel Sapphire Rapids and later) go through the tile
+// unit instead: x is split exactly into three bfloat16 parts (x = hi + mid + lo), each part
+// times the stored weights is an exact product, and the tile unit sums them in float32, so
+// the result is a float32 product as on the vector path (another summation order). The
+// AVX-512 path needs M fused multiply-adds per weight element, which exceeds what two cores
+// compute while the weights stream in once M passes about 6; the tile unit keeps a verify
+// block of 16 rows at the speed of the weight stream.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define EAGLEJAX_AMX 1
+#endif
 
 #include "parallel_tasks.h"
 #include "simd.h"
@@ -130,6 +147,152 @@ void run_chunk(const Job<W>& job, int64_t chunk) {
   for (; n0 < end; ++n0) columns<1, W>(job.x, job.w, job.y, job.M, job.K, job.N, n0);
 }
 
+#if EAGLEJAX_AMX
+constexpr int64_t kTileN = 16;  // w rows per tile (rows of the A and C tiles)
+constexpr int64_t kTileK = 32;  // bfloat16 values per tile row (64 bytes)
+constexpr int64_t kParts = 3;   // x = hi + mid + lo in bfloat16
+
+// Linux hands the tile registers to a process only on request (once per process).
+bool amx_permitted() {
+  static const bool permitted =
+      syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile used is 16 rows of 64 bytes: tmm0 a block of w (16 rows x 32 k), tmm1-3 the
+// packed x parts (16 k pairs x 16 columns), tmm4-6 the float32 sums (16 rows x 16 columns).
+TileConfig tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  return config;
+}
+
+// Round to the nearest bfloat16, ties to even (finite values).
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// x [M,K] as the B tiles of its parts: column c = part * M + m of tile c / 16, each k pair
+// one 32-bit word as the tile unit reads it; tile (k block kb, column tile j) is 16 pairs
+// x 16 columns at packed + (kb * column_tiles + j) * 512. Each part is exact: hi rounds x
+// to 8 significant bits, mid the remainder, lo holds what is left (at most 8 bits).
+std::vector<uint16_t> pack_parts(const float* x, int64_t M, int64_t K, int64_t column_tiles) {
+  std::vector<uint16_t> packed(K / kTileK * column_tiles * 512, 0);
+  uint32_t* words = reinterpret_cast<uint32_t*>(packed.data());
+  std::vector<float> rest(K);
+  std::vector<uint32_t> pairs(K / 2);
+  for (int64_t m = 0; m < M; ++m) {
+    std::memcpy(rest.data(), x + m * K, K * sizeof(float));
+    for (int64_t part = 0; part < kParts; ++part) {
+      for (int64_t k = 0; k < K; k += 2) {
+        const uint16_t low = to_bf16(rest[k]), high = to_bf16(rest[k + 1]);
+        rest[k] -= scalar(low);
+        rest[k + 1] -= scalar(high);
+        pairs[k / 2] = uint32_t{low} | uint32_t{high} << 16;
+      }
+      const int64_t c = part * M + m;
+      uint32_t* column = words + (c / 16) * 256 + c % 16;
+      for (int64_t kp = 0; kp < K / 2; ++kp) {
+        column[(kp / 16) * column_tiles * 256 + (kp % 16) * 16] = pairs[kp];
+      }
+    }
+  }
+  return packed;
+}
+
+// Output columns n0..n0+15 of every row.
+template <int kColumnTiles>
+void amx_block(const uint16_t* w, const uint16_t* packed, float* y, int64_t M, int64_t K,
+               int64_t N, int64_t n0) {
+  alignas(64) float sums[kColumnTiles][16][16];
+  _tile_zero(4);
+  if (kColumnTiles > 1) _tile_zero(5);
+  if (kColumnTiles > 2) _tile_zero(6);
+  for (int64_t kb = 0; kb < K / kTileK; ++kb) {
+    const uint16_t* b = packed + kb * kColumnTiles * 512;
+    _tile_loadd(0, w + n0 * K + kb * kTileK, K * sizeof(uint16_t));
+    for (int64_t r = 0; r < kTileN; ++r) {  // the next block's rows, one k block ahead
+      __builtin_prefetch(w + (n0 + kTileN + r) * K + kb * kTileK);
+    }
+    _tile_loadd(1, b, 64);
+    _tile_dpbf16ps(4, 0, 1);
+    if (kColumnTiles > 1) {
+      _tile_loadd(2, b + 512, 64);
+      _tile_dpbf16ps(5, 0, 2);
+    }
+    if (kColumnTiles > 2) {
+      _tile_loadd(3, b + 1024, 64);
+      _tile_dpbf16ps(6, 0, 3);
+    }
+  }
+  _tile_stored(4, sums[0], 64);
+  if (kColumnTiles > 1) _tile_stored(5, sums[kColumnTiles > 1 ? 1 : 0], 64);
+  if (kColumnTiles > 2) _tile_stored(6, sums[kColumnTiles > 2 ? 2 : 0], 64);
+  const auto at = [&](int64_t r, int64_t c) { return sums[c / 16][r][c % 16]; };
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t r = 0; r < kTileN; ++r) {
+      y[m * N + n0 + r] = (at(r, m) + at(r, M + m)) + at(r, 2 * M + m);
+    }
+  }
+}
+
+struct AmxJob {
+  const uint16_t* w;
+  float* y;
+  int64_t M, K, N, column_tiles;
+  std::vector<uint16_t> packed;
+};
+
+void amx_chunk(const AmxJob& job, int64_t chunk) {
+  static const TileConfig config = tile_config();
+  _tile_loadconfig(&config);
+  const int64_t end = std::min(job.N, (chunk + 1) * kChunk);
+  for (int64_t n0 = chunk * kChunk; n0 < end; n0 += kTileN) {
+    const uint16_t* b = job.packed.data();
+    switch (job.column_tiles) {
+      case 1: amx_block<1>(job.w, b, job.y, job.M, job.K, job.N, n0); break;
+      case 2: amx_block<2>(job.w, b, job.y, job.M, job.K, job.N, n0); break;
+      default: amx_block<3>(job.w, b, job.y, job.M, job.K, job.N, n0); break;
+    }
+  }
+  _tile_release();
+}
+
+// Whether the tile unit takes this product: whole tiles of w (K a multiple of 32, N of 16)
+// and at most 16 rows of x (three parts each in at most three column tiles).
+bool amx_applies(int64_t M, int64_t K, int64_t N) {
+  return K % kTileK == 0 && N % kTileN == 0 && M <= 16 && amx_permitted();
+}
+
+void amx_matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, int64_t M,
+                int64_t K, int64_t N) {
+  auto job = std::make_shared<AmxJob>();
+  job->w = w;
+  job->y = y;
+  job->M = M;
+  job->K = K;
+  job->N = N;
+  job->column_tiles = (kParts * M + 15) / 16;
+  job->packed = pack_parts(x, M, K, job->column_tiles);
+  parallel_tasks(pool, (N + kChunk - 1) / kChunk, [job] {
+    return [job](int64_t chunk) { amx_chunk(*job, chunk); };
+  });
+}
+#endif
+
 template <typename W, typename WBuffer>
 ffi::Error few_row_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuffer w,
                           ffi::ResultBuffer<ffi::F32> y) {
@@ -137,6 +300,15 @@ ffi::Error few_row_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuffer
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("few_row_matmul: expected x [M,K] and w [N,K]");
   }
+#if EAGLEJAX_AMX
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (amx_applies(xd[0], xd[1], wd[0])) {
+      amx_matmul(pool, x.typed_data(), reinterpret_cast<const uint16_t*>(w.untyped_data()),
+                 y->typed_data(), xd[0], xd[1], wd[0]);
+      return ffi::Error::Success();
+    }
+  }
+#endif
   auto job = std::make_shared<Job<W>>();
   job->x = x.typed_data();
   job->w = reinterpret_cast<const W*>(w.untyped_data());
