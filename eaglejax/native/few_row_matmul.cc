@@ -167,11 +167,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every tile used is 16 rows of 64 bytes: tmm0 a block of w (16 rows x 32 k), tmm1-3 the
-// packed x parts (16 k pairs x 16 columns), tmm4-6 the float32 sums (16 rows x 16 columns).
+// Every tile is 16 rows of 64 bytes: tmm0-1 blocks of w (16 rows x 32 k), tmm2-4 the
+// packed x parts (16 k pairs x 16 columns), tmm5-7 the float32 sums (16 rows x 16 columns).
 TileConfig tile_config() {
   TileConfig config;
-  for (int t = 0; t < 7; ++t) {
+  for (int t = 0; t < 8; ++t) {
     config.rows[t] = 16;
     config.bytes_per_row[t] = 64;
   }
@@ -186,61 +186,74 @@ inline uint16_t to_bf16(float f) {
 }
 
 // x [M,K] as the B tiles of its parts: column c = part * M + m of tile c / 16, each k pair
-// one 32-bit word as the tile unit reads it; tile (k block kb, column tile j) is 16 pairs
-// x 16 columns at packed + (kb * column_tiles + j) * 512. Each part is exact: hi rounds x
-// to 8 significant bits, mid the remainder, lo holds what is left (at most 8 bits).
-std::vector<uint16_t> pack_parts(const float* x, int64_t M, int64_t K, int64_t column_tiles) {
-  std::vector<uint16_t> packed(K / kTileK * column_tiles * 512, 0);
-  uint32_t* words = reinterpret_cast<uint32_t*>(packed.data());
+// one 32-bit word (two bfloat16 values) as the tile unit reads it; tile (k block kb,
+// column tile j) is 16 pairs x 16 columns at word (kb * column_tiles + j) * 256. Each part
+// is exact: hi rounds x to 8 significant bits, mid the remainder, lo holds what is left.
+std::vector<uint32_t> pack_parts(const float* x, int64_t M, int64_t K, int64_t column_tiles) {
+  std::vector<uint32_t> packed(K / kTileK * column_tiles * 256, 0);
   std::vector<float> rest(K);
+  std::vector<uint16_t> values(K);  // one part of one row
   std::vector<uint32_t> pairs(K / 2);
   for (int64_t m = 0; m < M; ++m) {
     std::memcpy(rest.data(), x + m * K, K * sizeof(float));
     for (int64_t part = 0; part < kParts; ++part) {
-      for (int64_t k = 0; k < K; k += 2) {
-        const uint16_t low = to_bf16(rest[k]), high = to_bf16(rest[k + 1]);
-        rest[k] -= scalar(low);
-        rest[k + 1] -= scalar(high);
-        pairs[k / 2] = uint32_t{low} | uint32_t{high} << 16;
+      for (int64_t k = 0; k < K; ++k) {
+        values[k] = to_bf16(rest[k]);
+        rest[k] -= scalar(values[k]);
       }
+      std::memcpy(pairs.data(), values.data(), K * sizeof(uint16_t));
       const int64_t c = part * M + m;
-      uint32_t* column = words + (c / 16) * 256 + c % 16;
-      for (int64_t kp = 0; kp < K / 2; ++kp) {
-        column[(kp / 16) * column_tiles * 256 + (kp % 16) * 16] = pairs[kp];
+      uint32_t* column = packed.data() + (c / 16) * 256 + c % 16;
+      for (int64_t kb = 0; kb < K / kTileK; ++kb) {
+        uint32_t* tile = column + kb * column_tiles * 256;
+        const uint32_t* block = pairs.data() + kb * 16;
+        for (int kk = 0; kk < 16; ++kk) tile[kk * 16] = block[kk];
       }
     }
   }
   return packed;
 }
 
+// One k block of the sums: w rows into tile A (a literal: the intrinsics name registers),
+// the parts' tiles into 2..4, products added to 5..7. Two A tiles alternate so the next
+// block's weights load while the previous block's products still read theirs.
+#define EAGLEJAX_AMX_STEP(A, rows, b)             \
+  do {                                            \
+    _tile_loadd(A, rows, K * sizeof(uint16_t));   \
+    _tile_loadd(2, b, 64);                        \
+    _tile_dpbf16ps(5, A, 2);                      \
+    if (kColumnTiles > 1) {                       \
+      _tile_loadd(3, (b) + 256, 64);              \
+      _tile_dpbf16ps(6, A, 3);                    \
+    }                                             \
+    if (kColumnTiles > 2) {                       \
+      _tile_loadd(4, (b) + 512, 64);              \
+      _tile_dpbf16ps(7, A, 4);                    \
+    }                                             \
+  } while (0)
+
 // Output columns n0..n0+15 of every row.
 template <int kColumnTiles>
-void amx_block(const uint16_t* w, const uint16_t* packed, float* y, int64_t M, int64_t K,
+void amx_block(const uint16_t* w, const uint32_t* packed, float* y, int64_t M, int64_t K,
                int64_t N, int64_t n0) {
   alignas(64) float sums[kColumnTiles][16][16];
-  _tile_zero(4);
-  if (kColumnTiles > 1) _tile_zero(5);
-  if (kColumnTiles > 2) _tile_zero(6);
-  for (int64_t kb = 0; kb < K / kTileK; ++kb) {
-    const uint16_t* b = packed + kb * kColumnTiles * 512;
-    _tile_loadd(0, w + n0 * K + kb * kTileK, K * sizeof(uint16_t));
-    for (int64_t r = 0; r < kTileN; ++r) {  // the next block's rows, one k block ahead
-      __builtin_prefetch(w + (n0 + kTileN + r) * K + kb * kTileK);
+  _tile_zero(5);
+  if (kColumnTiles > 1) _tile_zero(6);
+  if (kColumnTiles > 2) _tile_zero(7);
+  const uint16_t* rows = w + n0 * K;
+  const int64_t blocks = K / kTileK, stride = kColumnTiles * 256;
+  int64_t kb = 0;
+  for (; kb + 2 <= blocks; kb += 2) {
+    for (int64_t r = 0; r < kTileN; ++r) {  // the next block's rows, two k blocks ahead
+      __builtin_prefetch(rows + (kTileN + r) * K + kb * kTileK);
     }
-    _tile_loadd(1, b, 64);
-    _tile_dpbf16ps(4, 0, 1);
-    if (kColumnTiles > 1) {
-      _tile_loadd(2, b + 512, 64);
-      _tile_dpbf16ps(5, 0, 2);
-    }
-    if (kColumnTiles > 2) {
-      _tile_loadd(3, b + 1024, 64);
-      _tile_dpbf16ps(6, 0, 3);
-    }
+    EAGLEJAX_AMX_STEP(0, rows + kb * kTileK, packed + kb * stride);
+    EAGLEJAX_AMX_STEP(1, rows + (kb + 1) * kTileK, packed + (kb + 1) * stride);
   }
-  _tile_stored(4, sums[0], 64);
-  if (kColumnTiles > 1) _tile_stored(5, sums[kColumnTiles > 1 ? 1 : 0], 64);
-  if (kColumnTiles > 2) _tile_stored(6, sums[kColumnTiles > 2 ? 2 : 0], 64);
+  if (kb < blocks) EAGLEJAX_AMX_STEP(0, rows + kb * kTileK, packed + kb * stride);
+  _tile_stored(5, sums[0], 64);
+  if (kColumnTiles > 1) _tile_stored(6, sums[kColumnTiles > 1 ? 1 : 0], 64);
+  if (kColumnTiles > 2) _tile_stored(7, sums[kColumnTiles > 2 ? 2 : 0], 64);
   const auto at = [&](int64_t r, int64_t c) { return sums[c / 16][r][c % 16]; };
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t r = 0; r < kTileN; ++r) {
@@ -253,7 +266,7 @@ struct AmxJob {
   const uint16_t* w;
   float* y;
   int64_t M, K, N, column_tiles;
-  std::vector<uint16_t> packed;
+  std::vector<uint32_t> packed;
 };
 
 void amx_chunk(const AmxJob& job, int64_t chunk) {
@@ -261,7 +274,7 @@ void amx_chunk(const AmxJob& job, int64_t chunk) {
   _tile_loadconfig(&config);
   const int64_t end = std::min(job.N, (chunk + 1) * kChunk);
   for (int64_t n0 = chunk * kChunk; n0 < end; n0 += kTileN) {
-    const uint16_t* b = job.packed.data();
+    const uint32_t* b = job.packed.data();
     switch (job.column_tiles) {
       case 1: amx_block<1>(job.w, b, job.y, job.M, job.K, job.N, n0); break;
       case 2: amx_block<2>(job.w, b, job.y, job.M, job.K, job.N, n0); break;
