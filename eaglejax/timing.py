@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eaglejax.decoding.sampling import argmax_last
 from eaglejax.models import kv_cache
 from eaglejax.models.llama import forward, lm_head
 from eaglejax.target import Target
@@ -42,7 +43,7 @@ def single_forward_ms(target: Target, context: int, capacity: int, batch: int = 
         out = forward(params, config, block, cache.lengths[:, None] + offsets, cache,
                       attn_impl=target.attn_impl)
         cache = out.cache  # rows staged, lengths unchanged: every step sees the same context
-        return jnp.argmax(lm_head(params, out.hidden), -1)[:, -1].astype(jnp.int32), cache
+        return argmax_last(lm_head(params, out.hidden))[:, -1], cache
 
     cache = kv_cache.init_cache(config.num_layers, batch, capacity, config.num_kv_heads,
                                 config.head_dim, target.dtype)

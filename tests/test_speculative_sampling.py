@@ -2,11 +2,12 @@
 statistically against the exact target distribution of the first generated tokens."""
 
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import eaglejax
-from eaglejax.decoding.sampling import SamplingParams, target_log_probs
+from eaglejax.decoding.sampling import SamplingParams, argmax_last, target_log_probs
 from spec_helpers import random_eagle3, self_draft
 
 N = 3000
@@ -145,3 +146,18 @@ def test_parallel_drafts_keep_sampling_exact(which, shape, selfdraft_target):
         assert (al > 1.8) if which == "uniform" else (al < 1.5), al
     assert_follows(np.array([r.token_ids for r in out]),
                    exact_marginals(selfdraft_target, SamplingParams.make(1.0, 0, 0.95), 3))
+
+
+def test_argmax_last_is_jnp_argmax():
+    """The greedy token everywhere (plain steps, verification, drafting): the first maximum,
+    ties and infinities included, and the first NaN where a row has one, as jnp.argmax."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((7, 3, 300)).astype(np.float32)
+    x[0, 0, [4, 17, 250]] = 9.0  # a tie: the first wins
+    x[1, 1] = -np.inf  # every entry -inf
+    x[2, 2, 40] = np.inf
+    x[3, 0, [8, 90]] = np.nan
+    x[4] = np.round(x[4])  # many ties
+    np.testing.assert_array_equal(np.asarray(argmax_last(jnp.asarray(x))),
+                                  np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert argmax_last(jnp.asarray(x)).dtype == jnp.int32

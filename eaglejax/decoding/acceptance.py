@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from eaglejax.decoding.sampling import SamplingParams, target_log_probs
+from eaglejax.decoding.sampling import SamplingParams, argmax_last, target_log_probs
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.tree import Tree
 
@@ -56,7 +56,7 @@ def _path_to(tree: Tree, node: jax.Array, max_depth: int) -> jax.Array:
 def greedy_accepted_nodes(tree: Tree, target_logits: jax.Array, max_depth: int) -> jax.Array:
     """[B,N]: nodes whose token and every ancestor's token is the target's argmax at the
     parent (the root counts as accepted)."""
-    target_next = jnp.argmax(target_logits, axis=-1)
+    target_next = argmax_last(target_logits)
     up = jnp.maximum(tree.parents, 0)
     accepted = (tree.tokens == jnp.take_along_axis(target_next, up, axis=1)).at[:, 0].set(True)
     for _ in range(max_depth):
@@ -71,7 +71,7 @@ def tree_greedy_accept(tree: Tree, target_logits: jax.Array,
     A node is accepted when its token is the target's argmax at its parent and its parent
     is accepted. Returns (path [B,D+1] from the root to the deepest accepted node, its
     depth a [B] = accepted draft tokens, the target's argmax there as bonus token [B])."""
-    target_next = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B,N]
+    target_next = argmax_last(target_logits)  # [B,N]
     accepted = greedy_accepted_nodes(tree, target_logits, max_depth)
     # Siblings hold distinct tokens, so at most one accepted node per depth.
     best = jnp.argmax(jnp.where(accepted, tree.depths, -1), axis=1)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.decoding import lookup
-from eaglejax.decoding.sampling import SamplingParams, draft_sample
+from eaglejax.decoding.sampling import SamplingParams, argmax_last, draft_sample
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.tree import (
     StaticShape,
@@ -85,7 +85,7 @@ def draft_chain(head: Head, root: Root, k: int, greedy: bool, sampling: Sampling
 
     def propose(logits: jax.Array, key: jax.Array):
         if greedy:
-            return head.draft_ids[jnp.argmax(logits, axis=-1)].astype(jnp.int32), None
+            return head.draft_ids[argmax_last(logits)].astype(jnp.int32), None
         return draft_sample(logits, sampling, key, head.draft_ids, vocab)
 
     token, probs = propose(root.logits, keys[:, 0])
@@ -107,7 +107,7 @@ def draft_parallel(head: Head, root: Root, greedy: bool, sampling: SamplingParam
     made (argmax, or sampled with their distributions [B,K,V] returned for the min(1, p/q)
     rule: a slot's distribution does not depend on the tokens drafted before it)."""
     if greedy:
-        return head.draft_ids[jnp.argmax(root.logits, axis=-1)].astype(jnp.int32), None
+        return head.draft_ids[argmax_last(root.logits)].astype(jnp.int32), None
     drawn = [draft_sample(root.logits[:, i], sampling, keys[:, i], head.draft_ids, vocab)
              for i in range(root.logits.shape[1])]
     return (jnp.stack([token for token, _ in drawn], axis=1),

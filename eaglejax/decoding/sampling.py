@@ -32,6 +32,16 @@ def _per_row(value: jax.Array, like: jax.Array) -> jax.Array:
     return value if value.ndim == 0 else value.reshape(value.shape + (1,) * (like.ndim - 1))
 
 
+def argmax_last(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` as int32 (the first maximum; the first NaN where there is
+    one), computed as a max and a min over the last axis: XLA:CPU runs those vectorized,
+    where argmax's paired reduction is not (12 x 49,152 logits: 0.65 vs 1.8 ms)."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    hit = (x == top) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
 def target_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """Log-probabilities [B, ..., V] after temperature, top-k and top-p (removed tokens:
     -inf); a row at temperature 0 gets the one-hot distribution of its argmax, so the
@@ -48,7 +58,7 @@ def target_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     truncating = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1)
     kept = jax.lax.cond(truncating, lambda s: _truncate(s, params), lambda s: s, scaled)
     log_probs = jax.nn.log_softmax(kept, axis=-1)
-    argmax = jnp.argmax(logits, axis=-1)[..., None] == jnp.arange(logits.shape[-1])
+    argmax = argmax_last(logits)[..., None] == jnp.arange(logits.shape[-1])
     return jnp.where(greedy, jnp.where(argmax, 0.0, -jnp.inf), log_probs)
 
 
@@ -96,7 +106,7 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, keys: jax.Array,
                   greedy: bool) -> jax.Array:
     """One token per row from logits [B,V]; keys [B] are per-row PRNG keys."""
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax_last(logits)
     log_probs = target_log_probs(logits, params)
     return jax.vmap(jax.random.categorical)(keys, log_probs).astype(jnp.int32)
 
