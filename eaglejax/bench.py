@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eaglejax.autotune import AutoPlan
 from eaglejax.datasets import Question
 from eaglejax.decoding.batch import cache_capacity
+from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.generate import generate
-from eaglejax.autotune import AutoPlan
-from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.hardware import machine_report, memory_floor_ms
 from eaglejax.prompting import encode_prompts
 from eaglejax.round_split import round_split

@@ -426,8 +426,9 @@ def _bench(args: argparse.Namespace) -> None:
     else:
         report = bench_speculative(target, draft, questions, speculative=speculative, **common)
         if args.profile:
-            report["round_split"] = profile_rounds(target, draft, questions[0].prompt, speculative,
-                                                   chat=args.chat, sampling=sampling)
+            report["round_split"] = profile_rounds(target, draft, questions[0].prompt,
+                                                   speculative, chat=args.chat,
+                                                   sampling=sampling)
     if args.json:
         print(json.dumps(report, indent=2))
         return
