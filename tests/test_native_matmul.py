@@ -98,6 +98,26 @@ def test_rows_do_not_depend_on_the_block(dtype):
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_nan_or_infinity_reaches_only_its_own_row(dtype):
+    """Non-finite inputs stay what they are (bfloat16 parts of a NaN whose payload is all
+    ones would carry into the sign; inf minus its bfloat16 part is NaN): a NaN makes its row
+    NaN, an infinity makes it infinite with the weights' signs, and the other rows are the
+    same bits as without them."""
+    x, w = _operands(6, 576, 96, seed=4)
+    w = jnp.asarray(w, dtype)
+    product = jax.jit(linear)
+    clean = np.asarray(product(jnp.asarray(x), w))
+    x[1, 7] = np.frombuffer(np.uint32(0xFFFFFFFF).tobytes(), np.float32)[0]  # NaN, all ones
+    x[4, 100] = np.inf
+    got = np.asarray(product(jnp.asarray(x), w))
+    assert np.isnan(got[1]).all()
+    np.testing.assert_array_equal(got[4], np.inf * np.sign(np.asarray(w, np.float32)[:, 100]))
+    keep = [0, 2, 3, 5]
+    np.testing.assert_array_equal(got[keep], clean[keep])  # bit identity: rows independent
+
+
+@needs_compiler
 def test_batched_shapes_and_gradient():
     x, w = _operands(6, 64, 40, seed=2)
     x3 = jnp.asarray(x.reshape(2, 3, 64))

@@ -13,11 +13,12 @@
 // unit instead: x is split exactly into three bfloat16 parts (x = hi + mid + lo), each part
 // times the stored weights is an exact product, and the tile unit sums them in float32, so
 // the result is a float32 product as on the vector path (another summation order). The
-// AVX-512 path needs M fused multiply-adds per weight element, which exceeds what two cores
-// compute while the weights stream in once M passes about 6; the tile unit keeps a verify
-// block of 16 rows at the speed of the weight stream.
+// AVX-512 path needs M fused multiply-adds per weight element, more than two cores compute
+// while the weights stream in once M passes about 8; the tile unit does them faster (the
+// measured gain and its limits are in BENCHMARKS.md).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -178,10 +179,12 @@ TileConfig tile_config() {
   return config;
 }
 
-// Round to the nearest bfloat16, ties to even (finite values).
+// Round to the nearest bfloat16, ties to even; a NaN stays a NaN (rounding its payload
+// could carry into the sign and give 0).
 inline uint16_t to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
+  if (f != f) return static_cast<uint16_t>((bits >> 16) | 0x40u);
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
@@ -197,9 +200,9 @@ std::vector<uint32_t> pack_parts(const float* x, int64_t M, int64_t K, int64_t c
   for (int64_t m = 0; m < M; ++m) {
     std::memcpy(rest.data(), x + m * K, K * sizeof(float));
     for (int64_t part = 0; part < kParts; ++part) {
-      for (int64_t k = 0; k < K; ++k) {
+      for (int64_t k = 0; k < K; ++k) {  // an infinity is all in hi (inf - inf is NaN)
         values[k] = to_bf16(rest[k]);
-        rest[k] -= scalar(values[k]);
+        rest[k] = std::isinf(rest[k]) ? 0.0f : rest[k] - scalar(values[k]);
       }
       std::memcpy(pairs.data(), values.data(), K * sizeof(uint16_t));
       const int64_t c = part * M + m;
@@ -244,7 +247,7 @@ void amx_block(const uint16_t* w, const uint32_t* packed, float* y, int64_t M, i
   const int64_t blocks = K / kTileK, stride = kColumnTiles * 256;
   int64_t kb = 0;
   for (; kb + 2 <= blocks; kb += 2) {
-    for (int64_t r = 0; r < kTileN; ++r) {  // the next block's rows, two k blocks ahead
+    for (int64_t r = 0; r < kTileN; ++r) {  // the next 16 rows' weights at these k
       __builtin_prefetch(rows + (kTileN + r) * K + kb * kTileK);
     }
     EAGLEJAX_AMX_STEP(0, rows + kb * kTileK, packed + kb * stride);
