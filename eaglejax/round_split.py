@@ -1,7 +1,7 @@
 """Where a speculative round's time goes, measured in the compiled loop itself.
 
-The speculative loop runs a fixed number of rounds five times: whole, and truncated after
-each phase (`decoding.speculative.PHASES`: loop bookkeeping only, + drafting, + the verify
+The speculative loop is compiled five ways, each running a fixed number of rounds: whole,
+and truncated after each phase (`decoding.speculative.PHASES`: loop bookkeeping only, + drafting, + the verify
 forward, + acceptance and commit); the differences between neighbours are the phases'
 costs. The plain loop runs as many steps beside them, interleaved, so every phase is also
 given in plain steps. Truncation changes what XLA can fuse across a phase's border, so a
