@@ -226,7 +226,13 @@ class AutoPolicy:
             return PLAIN_WIDTH
         return PROBE_ROUNDS if mode == self.probe and self.best != self.probe else SPEC_ROUNDS
 
-    def observe(self, mode: int, seconds: float, forwards: int, accepted: np.ndarray,
+    def use_acceptance(self, accepted: dict[str, float], rounds: dict[str, float]) -> None:
+        """Take what is known of acceptance from elsewhere (the serving engine: its live
+        requests'), and choose again."""
+        self.knowledge.accepted, self.knowledge.rounds = dict(accepted), dict(rounds)
+        self.best = self._best()
+
+    def observe(self, mode: int, seconds: float, forwards: int, accepted: float,
                 row_rounds: int, counts: np.ndarray | None = None) -> None:
         """A segment of `mode` ran `forwards` target forwards in `seconds`: its rows' rounds
         accepted `accepted` draft tokens in all (`row_rounds` row-rounds); a probe adds its
@@ -234,20 +240,10 @@ class AutoPolicy:
         if forwards <= 0:
             return
         informed = bool(self.knowledge.round_s.get(self.plan.name(0)))
-        name = self.plan.name(mode)
-        times = self.knowledge.round_s.setdefault(name, [])
+        times = self.knowledge.round_s.setdefault(self.plan.name(mode), [])
         times.append(seconds / forwards)
         del times[:-TIMINGS_KEPT]
-        decay = 0.5 ** (forwards / HALF_LIFE)
-        for known in self.knowledge.rounds:
-            self.knowledge.rounds[known] *= decay
-            self.knowledge.accepted[known] *= decay
-        if mode:
-            self._learn(name, float(accepted), row_rounds)
-        if counts is not None:
-            for m in range(1, self.probe):
-                self._learn(self.plan.name(m), float(counts[self.plan.count_column(m)]),
-                            row_rounds)
+        learn(self.knowledge, self.plan, mode, forwards, accepted, row_rounds, counts)
         if mode == self.probe:
             before, self.best = self.best, self._best()
             if informed:  # a choice made with every mode costed, confirmed or overturned
@@ -258,9 +254,25 @@ class AutoPolicy:
             self.best = self._best()
             self.since_probe += forwards
 
-    def _learn(self, name: str, accepted: float, row_rounds: int) -> None:
-        self.knowledge.accepted[name] = self.knowledge.accepted.get(name, 0.0) + accepted
-        self.knowledge.rounds[name] = self.knowledge.rounds.get(name, 0.0) + row_rounds
+
+def learn(knowledge: Knowledge, plan: AutoPlan, mode: int, forwards: int, accepted: float,
+          row_rounds: int, counts: np.ndarray | None = None) -> None:
+    """Decay `knowledge`'s acceptance by `forwards` target forwards, then add a segment's:
+    `accepted` draft tokens in `row_rounds` row-rounds of `mode` (nothing for plain
+    decoding), and a probe's per-column `counts` for each candidate tree."""
+    decay = 0.5 ** (forwards / HALF_LIFE)
+    for known in knowledge.rounds:
+        knowledge.rounds[known] *= decay
+        knowledge.accepted[known] *= decay
+    if row_rounds <= 0:
+        return
+    learnt = [(mode, float(accepted))] if mode else []
+    if counts is not None:
+        learnt += [(m, float(counts[plan.count_column(m)])) for m in range(1, len(plan.modes) - 1)]
+    for m, tokens in learnt:
+        name = plan.name(m)
+        knowledge.accepted[name] = knowledge.accepted.get(name, 0.0) + tokens
+        knowledge.rounds[name] = knowledge.rounds.get(name, 0.0) + row_rounds
 
 
 SWITCH_ENV = "EAGLEJAX_AUTOTUNE_CACHE"

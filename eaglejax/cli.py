@@ -557,10 +557,7 @@ def _serve(args: argparse.Namespace) -> None:
     validation.integer("--capacity", args.capacity, 2)
     if args.draft not in (None, "random"):
         validation.existing_path("--draft", args.draft, directory=True)
-    speculative = _speculation(args)
-    if speculative == "auto":
-        raise InputError("--auto-tree does not apply to serve: name a shape (--tree, "
-                         "--num-draft-tokens, ...) or none for the device's preset")
+    speculative = _speculation(args)  # None: auto where one process serves (the engine's)
     _set_compilation_cache(args.no_compilation_cache)
     # Imported here: the server stack (FastAPI, uvicorn) adds seconds to every other command.
     from eaglejax.serving.engine import Engine

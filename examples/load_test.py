@@ -2,7 +2,7 @@
 batches of `eaglejax.generate()` and against `transformers serve`, side by side in one run.
 
     python examples/load_test.py [--concurrency 1 4 16 32] [--max-tokens 64]
-        [--draft checkpoints/smollm2-135m-instruct-eagle3] [--shape tree:4,4,6]
+        [--draft checkpoints/smollm2-135m-instruct-eagle3] [--shape auto | tree:4,4,6]
         [--runs plain speculative static transformers] [--json OUT]
 
 MT-bench first turns (categories interleaved), chat template, greedy, `--max-tokens` new
@@ -167,8 +167,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--draft", default="checkpoints/smollm2-135m-instruct-eagle3")
-    parser.add_argument("--shape", default="tree:4,4,6",
-                        help="the speculative server's shape: tree:K,D,N or chain:K")
+    parser.add_argument("--shape", default="auto",
+                        help="the speculative server's shape: auto (default: the mode per "
+                             "engine step), tree:K,D,N or chain:K")
     parser.add_argument("--capacity", type=int, default=1024)
     parser.add_argument("--runs", nargs="+", default=["plain", "speculative", "static"],
                         choices=["plain", "speculative", "static", "transformers"])
@@ -183,7 +184,8 @@ def main() -> None:
     count = max(8, 2 * most)
     prompts = [questions[i % len(questions)].prompt for i in range(count)]
     kind, _, numbers = args.shape.partition(":")
-    shape_flag = {"tree": ["--tree", numbers], "chain": ["--num-draft-tokens", numbers]}[kind]
+    shape_flag = {"auto": [], "tree": ["--tree", numbers],
+                  "chain": ["--num-draft-tokens", numbers]}[kind]
     serve = [sys.executable, "-m", "eaglejax.cli", "serve", "--model", MODEL,
              "--num-slots", str(most), "--capacity", str(args.capacity)]
     servers = {}
@@ -216,9 +218,10 @@ def main() -> None:
     if "static" in args.runs:
         target = eaglejax.load_target(MODEL)
         draft = eaglejax.load_draft(args.draft, target=target)
-        k, d, n = (int(x) for x in numbers.split(",")) if kind == "tree" else (0, 0, 0)
-        spec = eaglejax.SpecConfig.tree(k, d, n) if kind == "tree" else \
-            eaglejax.SpecConfig.chain(int(numbers))
+        if kind == "tree":
+            spec = eaglejax.SpecConfig.tree(*(int(x) for x in numbers.split(",")))
+        else:
+            spec = "auto" if kind == "auto" else eaglejax.SpecConfig.chain(int(numbers))
         for name, (head, shape) in {"static plain": (None, None),
                                     f"static {args.shape}": (draft, spec)}.items():
             for c in args.concurrency:

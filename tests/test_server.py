@@ -423,7 +423,6 @@ def test_serve_command_warms_up_serves_and_stops(hf_family, target, tmp_path):
 
 def test_serve_flags_are_checked_before_loading(capsys):
     for flags, message in [(["--no-chat"], "--no-chat"), (["--json"], "--json"),
-                           (["--port", "70000"], "--port"), (["--num-slots", "0"], "--num-slots"),
-                           (["--auto-tree", "--draft", "random"], "--auto-tree")]:
+                           (["--port", "70000"], "--port"), (["--num-slots", "0"], "--num-slots")]:
         assert main(["serve", "--model", "no-such-model", *flags]) == 2
         assert message in capsys.readouterr().err

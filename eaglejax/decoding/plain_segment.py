@@ -12,16 +12,17 @@ one head forward per segment.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from eaglejax.config import ModelConfig
 from eaglejax.decoding import lookup
-from eaglejax.decoding.output import record, row_step_keys
+from eaglejax.decoding.output import Output, record, row_step_keys
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
 from eaglejax.decoding.speculative import SpecState, catch_up, target_features
-from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.decoding.stopping import StopCriteria, StopTable
 from eaglejax.draft.config import DraftConfig
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import Params, compute_dtype, forward, lm_head
@@ -38,9 +39,22 @@ def plain_segment(params: Params, config: ModelConfig, draft_params: Params,
     """Up to `width` plain steps (fewer when every row finishes or the state has run `until`
     target forwards), then the head's catch-up over the new tokens; `lookup_context`: the
     state carries the context a lookup branch searches (written as a round would)."""
+    return plain_steps(params, config, draft_params, draft_config, state, sampling,
+                       max_new_tokens, lambda i, out: state.forwards + i < until, width=width,
+                       lookup_context=lookup_context, greedy=greedy, stop=stop,
+                       attn_impl=attn_impl)
+
+
+def plain_steps(params: Params, config: ModelConfig, draft_params: Params,
+                draft_config: DraftConfig, state: SpecState, sampling: SamplingParams,
+                max_new_tokens: jax.Array, more: Callable[[jax.Array, Output], jax.Array], *,
+                width: int, lookup_context: bool, greedy: bool,
+                stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto") -> SpecState:
+    """`plain_segment` traced in a caller's program: up to `width` steps while a row runs and
+    `more(steps so far, output)`, then the catch-up (rows that took no step keep their
+    head state)."""
     batch = state.last_token.shape[0]
     features = config.hidden_size * max(len(draft_config.tap_layers), 1)
-    started = state.out.running
 
     def step(carry):
         i, cache, last, out, tokens, feats, steps = carry
@@ -60,18 +74,21 @@ def plain_segment(params: Params, config: ModelConfig, draft_params: Params,
              jnp.zeros((batch, width, features), compute_dtype(params)),
              jnp.zeros((batch,), jnp.int32))
     i, cache, last, out, tokens, feats, steps = jax.lax.while_loop(
-        lambda c: (c[0] < width) & (state.forwards + c[0] < until) & jnp.any(c[3].running),
-        step, carry)
+        lambda c: (c[0] < width) & jnp.any(c[3].running) & more(c[0], c[3]), step, carry)
     # Draft position t consumes token t+1 and the target feature of position t: the block's
     # tokens x_{n+1}.. beside the features of x_n.. (what a round that accepted them passes).
     draft_cache, draft_logits, draft_hidden = catch_up(
         draft_params, draft_config, params, state.draft_cache, tokens, feats,
         jnp.maximum(steps, 1), attn_impl)
+    stepped = steps > 0
+    keep = lambda new, old: jnp.where(  # noqa: E731
+        stepped.reshape(-1, *(1,) * (new.ndim - 1)), new, old)
     draft_cache = draft_cache._replace(
-        lengths=jnp.where(started, draft_cache.lengths, state.draft_cache.lengths))
+        lengths=keep(draft_cache.lengths, state.draft_cache.lengths))
     context = state.context
     if lookup_context:
         context = lookup.write_context(context, tokens, state.target_cache.lengths + 1)
     return state._replace(target_cache=cache, draft_cache=draft_cache, last_token=last,
-                          draft_logits=draft_logits, draft_hidden=draft_hidden, out=out,
+                          draft_logits=keep(draft_logits, state.draft_logits),
+                          draft_hidden=keep(draft_hidden, state.draft_hidden), out=out,
                           forwards=state.forwards + i, context=context)

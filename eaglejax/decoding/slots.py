@@ -6,7 +6,8 @@ of rounds (so the host can stream tokens); the host prefills a queued request in
 slot (`fill_plain` / `fill_spec`, one program per prompt-length bucket) and goes on, without
 recompiling. The loop runs only the first `rows` slots (a power of two covering the live
 ones, which the host keeps low), so a lightly loaded batch costs what a small one does.
-Plain and speculative batches alike; each row's sampling settings, seed, token limit and
+Plain and speculative batches alike, and the modes of `auto` over one speculative batch
+(`advance_plain_segment`, `advance_probe`, `advance_spec`); each row's sampling settings, seed, token limit and
 stop rules are data (`SamplingParams` of [S] arrays, `StopTable`), so a row's tokens
 depend only on its own request, never on its slot or its neighbours.
 """
@@ -21,6 +22,9 @@ import jax.numpy as jnp
 
 from eaglejax.config import ModelConfig
 from eaglejax.decoding import plain, speculative
+from eaglejax.decoding.calibration import round_counts
+from eaglejax.decoding.output import Output
+from eaglejax.decoding.plain_segment import plain_steps
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import FINISH_LENGTH, StopTable
@@ -74,23 +78,36 @@ def fill_spec(params: Params, config: ModelConfig, draft_params: Params,
     return _put_rows(state, row._replace(forwards=state.forwards), slot)
 
 
+def _first_rows(state: State, rows: int) -> State:
+    """The first `rows` slots of `state` (all of it, uncopied, when that is every slot)."""
+    if rows == state.out.finish.shape[0]:
+        return state
+    return jax.tree.map(lambda x: x[:rows], state._replace(forwards=None))._replace(
+        forwards=state.forwards)
+
+
+def _put_back(state: State, part: State, rows: int) -> State:
+    return part if rows == state.out.finish.shape[0] else _put_rows(state, part, 0)
+
+
 def _until_a_row_ends(step: Callable[[State], State], state: State, max_rounds: jax.Array,
                       rows: int) -> State:
     """Run `step` on the first `rows` slots (the rest hold no request) until a row that was
     running finishes, none runs, or `max_rounds` ran."""
-    whole = rows == state.out.finish.shape[0]  # no slicing (nor its copies) then
-    part = state if whole else jax.tree.map(lambda x: x[:rows], state._replace(
-        forwards=None))._replace(forwards=state.forwards)
-    started = part.out.running
+    part = _first_rows(state, rows)
+    more = _while_none_ended(part.out.running, max_rounds)
 
-    def keep_going(carry: tuple[State, jax.Array]) -> jax.Array:
-        s, n = carry
-        running = s.out.running
-        return (n < max_rounds) & jnp.any(running) & ~jnp.any(started & ~running)
+    part, _ = jax.lax.while_loop(lambda c: more(c[1], c[0].out),
+                                 lambda c: (step(c[0]), c[1] + 1), (part, jnp.int32(0)))
+    return _put_back(state, part, rows)
 
-    part, _ = jax.lax.while_loop(keep_going, lambda c: (step(c[0]), c[1] + 1),
-                                 (part, jnp.int32(0)))
-    return part if whole else _put_rows(state, part, 0)
+
+def _while_none_ended(started: jax.Array, max_rounds: jax.Array
+                      ) -> Callable[[jax.Array, Output], jax.Array]:
+    """(rounds run, output) -> whether to go on: fewer than `max_rounds`, a row running and
+    none of the `started` rows finished."""
+    return lambda n, out: (n < max_rounds) & jnp.any(out.running) & ~jnp.any(
+        started & ~out.running)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "greedy", "attn_impl", "rows"),
@@ -131,3 +148,56 @@ def release(state: State, slot: jax.Array) -> State:
     """Mark `slot`'s row finished, so the loop stops spending work on it."""
     out = state.out
     return state._replace(out=out._replace(finish=out.finish.at[slot].set(FINISH_LENGTH)))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "draft_config", "width", "lookup_context",
+                                             "greedy", "attn_impl", "rows"),
+                   donate_argnames=("state",))
+def advance_plain_segment(params: Params, config: ModelConfig, draft_params: Params,
+                          draft_config: DraftConfig, state: speculative.SpecState,
+                          sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable,
+                          max_rounds: jax.Array, *, width: int, lookup_context: bool,
+                          greedy: bool, rows: int, attn_impl: AttentionImpl = "auto"
+                          ) -> speculative.SpecState:
+    """Plain steps in a speculative batch (`decoding.plain_segment`: at most `width`, then
+    the head catches up), until a running row finishes or `max_rounds` steps ran."""
+    sampling, max_new_tokens, stop = jax.tree.map(lambda x: x[:rows],
+                                                  (sampling, max_new_tokens, stop))
+    part = _first_rows(state, rows)
+    part = plain_steps(params, config, draft_params, draft_config, part, sampling,
+                       max_new_tokens, _while_none_ended(part.out.running, max_rounds),
+                       width=width, lookup_context=lookup_context, greedy=greedy, stop=stop,
+                       attn_impl=attn_impl)
+    return _put_back(state, part, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "sizes",
+                                             "greedy", "attn_impl", "rows"),
+                   donate_argnames=("state",))
+def advance_probe(params: Params, config: ModelConfig, draft_params: Params,
+                  draft_config: DraftConfig, d2t: jax.Array, state: speculative.SpecState,
+                  sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable,
+                  max_rounds: jax.Array, *, spec: SpecConfig, sizes: tuple[int, ...],
+                  greedy: bool, rows: int, attn_impl: AttentionImpl = "auto"
+                  ) -> tuple[speculative.SpecState, jax.Array]:
+    """`advance_spec` with the largest tree `spec`, also counting per slot what each smaller
+    tree would have accepted (`decoding.calibration.round_counts`, summed: [S,C], zero for
+    the slots past `rows`)."""
+    sampling, max_new_tokens, stop = jax.tree.map(lambda x: x[:rows],
+                                                  (sampling, max_new_tokens, stop))
+    play = speculative.verified_round(params, config, draft_params, draft_config, d2t, sampling,
+                                      max_new_tokens, spec=spec, greedy=greedy, stop=stop,
+                                      attn_impl=attn_impl)
+
+    def step(carry):
+        s, counts, n = carry
+        s, done = play(s)
+        return s, counts + round_counts(done, spec, sizes), n + 1
+
+    part = _first_rows(state, rows)
+    more = _while_none_ended(part.out.running, max_rounds)
+    counts = jnp.zeros((rows, len(sizes) * (1 + spec.lookup)), jnp.int32)
+    part, counts, _ = jax.lax.while_loop(lambda c: more(c[2], c[0].out), step,
+                                         (part, counts, jnp.int32(0)))
+    slots = state.out.finish.shape[0]
+    return _put_back(state, part, rows), jnp.pad(counts, ((0, slots - rows), (0, 0)))

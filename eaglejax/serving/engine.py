@@ -3,16 +3,19 @@
 The engine owns one running batch (`decoding.slots`): each `step()` prefills queued
 requests into free slots, runs the compiled loop for at most `rounds_per_call` rounds
 (it comes back early when a row finishes) and reports every request's new tokens, so
-callers can stream them. Plain or speculative decoding (any `SpecConfig`); sampling
-settings, seeds, token limits and stop rules are per request and never recompile. A
-request's tokens are the ones `eaglejax.generate()` gives it alone (greedy: exactly; sampled:
-the same seed draws the same tokens up to float rounding between batch shapes).
+callers can stream them. Plain or speculative decoding (any `SpecConfig`, or "auto", the
+default with a head in one process: each step's mode chosen by `serving.shape_policy`);
+sampling settings, seeds, token limits and stop rules are per request and never recompile.
+A request's tokens are the ones `eaglejax.generate()` gives it alone (greedy: exactly;
+sampled under a fixed shape: the same seed draws the same tokens up to float rounding
+between batch shapes; under "auto" the draws depend on the modes that ran, each exact).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
@@ -23,7 +26,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from eaglejax import validation
+from eaglejax.autotune import PLAIN_WIDTH, AutoPlan
 from eaglejax.decoding import plain, slots, speculative
+from eaglejax.decoding.batch import compile_once
 from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
@@ -37,6 +42,7 @@ from eaglejax.decoding.stopping import (
 from eaglejax.errors import ConfigError, InputError
 from eaglejax.sharding.distributed import fetch
 from eaglejax.sharding.mesh import mesh_context
+from eaglejax.serving.shape_policy import ShapePolicy
 from eaglejax.sharding.placement import replicate
 from eaglejax.target import Target
 
@@ -101,10 +107,12 @@ class _Live:
 
 class Engine:
     """Decode queued requests over `num_slots` rows of `capacity` tokens each (prompt plus
-    reply). Not thread-safe: one thread submits, cancels and steps."""
+    reply). `speculative`: a `SpecConfig`, "auto", or None (with a draft head: "auto" in one
+    process, the device's preset in several). Not thread-safe: one thread submits, cancels
+    and steps."""
 
     def __init__(self, target: Target, draft: "Draft | None" = None, *,
-                 speculative: SpecConfig | None = None, num_slots: int = 8,
+                 speculative: SpecConfig | str | None = None, num_slots: int = 8,
                  capacity: int = 1024, rounds_per_call: int = 16):
         validation.integer("num_slots", num_slots, 1)
         validation.integer("capacity", capacity, 2)
@@ -116,10 +124,22 @@ class Engine:
             raise ConfigError(f"the draft head {draft.source} was loaded for target "
                               f"{draft.target.source}, not {target.source}")
         if speculative is not None and draft is None:
-            raise InputError(f"speculative ({speculative.describe()}) needs a draft head")
-        if draft is not None and speculative is None:
-            speculative = SpecConfig.default_for(draft.config.parallel, jax.default_backend(),
-                                                 num_slots)
+            shape = speculative if isinstance(speculative, str) else speculative.describe()
+            raise InputError(f"speculative ({shape}) needs a draft head")
+        if draft is not None and speculative is None:  # several processes: auto would differ
+            speculative = "auto" if jax.process_count() == 1 else SpecConfig.default_for(
+                draft.config.parallel, jax.default_backend(), num_slots)
+        self.policy: ShapePolicy | None = None
+        if isinstance(speculative, str):
+            if speculative != "auto":
+                raise InputError(f"speculative must be a SpecConfig, 'auto' or None, not "
+                                 f"{speculative!r}")
+            if jax.process_count() > 1:
+                raise InputError("speculative='auto' times this machine alone, and the "
+                                 "processes of a multi-process engine must agree on one "
+                                 "shape: pass a SpecConfig")
+            self.policy = ShapePolicy(target, draft, AutoPlan.for_device(jax.default_backend()))
+            speculative = self.policy.plan.probe  # the state every mode runs on
         if speculative is not None and speculative.is_parallel and not draft.config.parallel:
             raise ConfigError(f"{speculative.describe()} needs a P-EAGLE head; {draft.source} "
                               f"drafts one token per forward")
@@ -137,6 +157,9 @@ class Engine:
         self._max_new = np.zeros(num_slots, np.int32)
         self._stops = [StopCriteria()] * num_slots
         self._stop_table = self._table(self._stops)
+        self._compiled: set[tuple[int | None, int, bool]] = set()  # (mode, rows, greedy)
+        self._plain_steps = np.zeros(num_slots, np.int64)  # auto: target forwards not in
+        # the acceptance histogram (plain segments), per slot
 
     # ------------------------------------------------------------------ public interface
 
@@ -152,6 +175,13 @@ class Engine:
     @property
     def num_queued(self) -> int:
         return len(self.queue)
+
+    @property
+    def speculation(self) -> str | None:
+        """What decodes: None (plain, no head), "auto" or the fixed shape's description."""
+        if self.draft is None:
+            return None
+        return "auto" if self.policy is not None else self.spec.describe()
 
     def submit(self, request: Request) -> None:
         """Queue a request after `check`."""
@@ -201,7 +231,7 @@ class Engine:
             if self._key_of(i) == key:
                 with mesh_context(self.mesh):
                     self.state = slots.release(self.state, self._inputs(np.int32(i)))
-                self.slots[i] = None
+                self._free(i)
                 return
 
     def step(self) -> list[Update]:
@@ -241,7 +271,8 @@ class Engine:
                               SamplingOptions(temperature), ignore_eos=True)
             self.check(request)
             self._fill(rows - 1, request)
-            self._advance(np.int32(0))
+            for mode in range(len(self.policy.plan.modes)) if self.policy else [None]:
+                self._advance(np.int32(0), mode)
             self.cancel(request.key)
 
     # ------------------------------------------------------------------------ internals
@@ -321,29 +352,83 @@ class Engine:
                                              self.state, *args, spec=self.spec, greedy=greedy,
                                              attn_impl=t.attn_impl)
         self.slots[slot] = _Live(request)
+        self._plain_steps[slot] = 0
+        if self.policy is not None:
+            self.policy.admit(request.key)
+
+    def _free(self, slot: int) -> None:
+        if self.policy is not None:
+            self.policy.release(self.slots[slot].request.key)
+        self.slots[slot] = None
 
     def _active_rows(self, live: np.ndarray) -> int:
         """Slots the loop runs: a power of two covering every live one (at most all)."""
         return min(self.num_slots, bucket(int(np.flatnonzero(live).max()) + 1, 1))
 
-    def _advance(self, max_rounds: np.int32) -> None:
+    def _advance(self, max_rounds: np.int32, mode: int | None = None) -> None:
         """Run the loop over the active rows; greedy when every live request is (the
-        cheaper program)."""
+        cheaper program). With `auto`, in the mode the policy chooses (or `mode`, which
+        then teaches the policy nothing: warming up)."""
         live = self._filled()
         greedy = bool(np.all(self._temperature[live] == 0))
-        common = dict(greedy=greedy, rows=self._active_rows(live),
-                      attn_impl=self.target.attn_impl)
-        sampling = SamplingParams(self._temperature, self._top_k, self._top_p)
-        t = self.target
-        args = self._inputs((sampling, self._max_new, self._stop_table, max_rounds))
+        rows = self._active_rows(live)
+        if self.policy is None:
+            self._run(None, max_rounds, greedy, rows)
+            return
+        if mode is not None:
+            self._run(mode, max_rounds, greedy, rows)
+            return
+        keys = [self.slots[i].request.key for i in np.flatnonzero(live)]
+        mode, budget = self.policy.choose(keys, rows)
+        before = fetch((self.state.forwards, self.state.accept_hist, self.state.out.counts))
+        start = time.perf_counter()
+        counts = self._run(mode, np.int32(min(int(max_rounds), budget)), greedy, rows)
+        after = fetch((self.state.forwards, self.state.accept_hist, self.state.out.counts,
+                       counts))
+        seconds = time.perf_counter() - start
+        rounds = after[1] - before[1]  # [S, depth + 1]: this step's rounds by accepted tokens
+        if mode == 0:
+            self._plain_steps += np.where(live, after[2] - before[2], 0)
+        per_request = {self.slots[i].request.key: (
+            float((rounds[i] * np.arange(rounds.shape[1])).sum()), int(rounds[i].sum()),
+            None if after[3] is None else after[3][i]) for i in np.flatnonzero(live)}
+        self.policy.observe(mode, rows, seconds, int(after[0] - before[0]), per_request)
+
+    def _run(self, mode: int | None, max_rounds: np.int32, greedy: bool, rows: int
+             ) -> np.ndarray | None:
+        """One compiled call over the first `rows` slots: the fixed shape (`mode` None), or
+        `auto`'s mode, then compiled ahead the first time (a step's time is its run's); the
+        probe's counts ([S,C]), else None."""
+        fn, args, static = self._program(mode, max_rounds, greedy, rows)
         with mesh_context(self.mesh):
-            if self.spec is None:
-                self.state = slots.advance_plain(t.params, t.config, self.state, *args,
-                                                 **common)
-            else:
-                d = self.draft
-                self.state = slots.advance_spec(t.params, t.config, d.params, d.config, d.d2t,
-                                                self.state, *args, spec=self.spec, **common)
+            if self.policy is not None and (mode, rows, greedy) not in self._compiled:
+                compile_once(fn, *args, **static)
+                self._compiled.add((mode, rows, greedy))
+            result = fn(*args, **static)
+        if fn is slots.advance_probe:
+            self.state, counts = result
+            return counts
+        self.state = result
+        return None
+
+    def _program(self, mode: int | None, max_rounds: np.int32, greedy: bool, rows: int):
+        """The compiled function of a `_run`, its arguments and static arguments."""
+        common = dict(greedy=greedy, rows=rows, attn_impl=self.target.attn_impl)
+        sampling = SamplingParams(self._temperature, self._top_k, self._top_p)
+        t, d = self.target, self.draft
+        args = self._inputs((sampling, self._max_new, self._stop_table, max_rounds))
+        if self.policy is None and self.spec is None:
+            return slots.advance_plain, (t.params, t.config, self.state, *args), common
+        spec = self.spec if mode is None else self.policy.plan.modes[mode]
+        models = (t.params, t.config, d.params, d.config)
+        if spec is None:
+            return slots.advance_plain_segment, (*models, self.state, *args), dict(
+                width=PLAIN_WIDTH, lookup_context=bool(self.spec.lookup), **common)
+        if mode is not None and mode == len(self.policy.plan.modes) - 1:
+            return slots.advance_probe, (*models, d.d2t, self.state, *args), dict(
+                spec=spec, sizes=self.policy.plan.sizes, **common)
+        return slots.advance_spec, (*models, d.d2t, self.state, *args), dict(spec=spec,
+                                                                             **common)
 
     def _inputs(self, tree):
         """Host inputs of a compiled call: device arrays, or global ones replicated on the
@@ -363,7 +448,7 @@ class Engine:
         out = self.state.out
         hist = getattr(self.state, "accept_hist", None)
         tokens, counts, finish, hist = fetch((out.tokens, out.counts, out.finish, hist))
-        rounds = hist.sum(axis=1) if hist is not None else counts - 1
+        rounds = hist.sum(axis=1) + self._plain_steps if hist is not None else counts - 1
         updates = []
         for i, live in enumerate(self.slots):
             if live is None:
@@ -377,7 +462,7 @@ class Engine:
                                   len(request.prompt), int(counts[i]), int(max(rounds[i], 0))))
             live.reported = int(counts[i])
             if ended:
-                self.slots[i] = None
+                self._free(i)
         return updates
 
     def run(self, requests: Sequence[Request] = ()) -> dict[Hashable, Update]:

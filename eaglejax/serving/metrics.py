@@ -7,9 +7,11 @@ import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from eaglejax.serving.engine import Update
+from eaglejax.serving.shape_policy import ShapePolicy
 
 RATE_WINDOW_S = 10.0
 
@@ -17,11 +19,14 @@ RATE_WINDOW_S = 10.0
 class ServingMetrics:
     """Queue depth, running rows, generated tokens (and tokens/s over the last
     RATE_WINDOW_S seconds), acceptance length and time to first token per request, and
-    requests by outcome."""
+    requests by outcome; with `auto` (`policy`), target forwards by mode (the shape mix) and
+    each mode's measured round cost by active rows."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: ShapePolicy | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        if policy is not None:
+            r.register(_ShapeMix(policy))
         self._queued = Gauge("eaglejax_queue_depth", "requests waiting for a slot",
                              registry=r)
         self._running = Gauge("eaglejax_running_rows", "requests decoding in a slot",
@@ -76,3 +81,26 @@ class ServingMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _ShapeMix:
+    """A collector reading `auto`'s statistics at each scrape (the engine thread writes
+    them; copies are taken under the GIL)."""
+
+    def __init__(self, policy: ShapePolicy):
+        self.policy = policy
+
+    def collect(self):
+        forwards = CounterMetricFamily(
+            "eaglejax_target_forwards", "target forwards (decode steps, verification rounds) "
+            "by the mode `auto` ran them in", labels=["mode"])
+        for mode, n in dict(self.policy.forwards_by_mode).items():
+            forwards.add_metric([mode], n)
+        yield forwards
+        cost = GaugeMetricFamily(
+            "eaglejax_round_seconds", "a target forward's measured cost by mode and active "
+            "rows (plain: a step with the head's catch-up spread over it; else a round)",
+            labels=["mode", "rows"])
+        for (mode, rows), seconds in self.policy.round_seconds().items():
+            cost.add_metric([mode, str(rows)], seconds)
+        yield cost

@@ -69,9 +69,8 @@ class _Service:
         self.capacity = engine.capacity
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
-        self.speculative = engine.spec.describe() \
-            if engine.draft is not None and engine.spec is not None else None
-        self.metrics = ServingMetrics()
+        self.speculative = engine.speculation
+        self.metrics = ServingMetrics(engine.policy)
         self.worker = EngineWorker(engine, on_step=self.metrics.observe_step)
         self.created = int(time.time())
 

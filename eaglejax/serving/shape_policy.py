@@ -1,0 +1,134 @@
+"""`auto` in the serving engine: each engine step's mode (plain decoding, a tree, the probe)
+chosen from the live requests' own acceptance and what a round costs at the batch's size.
+
+The modes and the rules are `eaglejax.autotune`'s (`AutoPlan`, `AutoPolicy`): expected
+tokens per second of a mode is the mean acceptance length of the requests it runs over
+the cost of a round, and speculation must beat plain decoding by the margin. What differs:
+
+- Acceptance is kept per request (a decayed mean per mode, as `autotune.learn` keeps it),
+  from the rows of the steps it ran in; a step's choice uses the mean over the requests
+  in the batch, so a code request joining a chat batch pulls the choice its way. A new
+  request starts from what finished requests showed (weighed as `PRIOR_ROUNDS` rounds).
+- Costs are kept per number of active rows: a round of 8 rows verifies 8 trees, and on a
+  CPU that costs more than 8 plain steps return once the batch is large, so the same
+  requests decode plainly at high load and speculate at low load.
+- Rows of one step share its mode: the verify forward's cost is set by the batch's widest
+  tree (rows are padded to it), so a row given a smaller tree or none would save nothing.
+
+What a batch size learnt (costs, the probe interval) is kept on disk as `generate`'s `auto`
+keeps it (`autotune.recall`/`remember`, keyed by the batch size: batch 1 is shared with
+`generate`). Unlike `generate`, one process serving many requests learns each cost once.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from eaglejax.autotune import PRIOR_ROUNDS, AutoPlan, AutoPolicy, Knowledge, learn, recall, \
+    remember
+from eaglejax.target import Target
+
+if TYPE_CHECKING:
+    from eaglejax.draft.draft import Draft
+
+REMEMBER_EVERY_S = 10.0  # at most one write of what was learnt to disk per this interval
+
+
+class ShapePolicy:
+    """Per engine step: `choose` a mode for the live requests and the number of active rows;
+    `observe` what the step did; `admit`/`release` requests as they come and go."""
+
+    def __init__(self, target: Target, draft: "Draft", plan: AutoPlan):
+        self.target, self.draft, self.plan = target, draft, plan
+        self.by_rows: dict[int, AutoPolicy] = {}
+        first = recall(target, draft, 1, plan)  # what generate() or an earlier server learnt
+        self.prior = Knowledge(first.accepted, first.rounds)
+        _limit(self.prior, PRIOR_ROUNDS)
+        self.requests: dict[Hashable, Knowledge] = {}
+        self.forwards_by_mode: collections.Counter[str] = collections.Counter()
+        self._remembered = time.monotonic()
+
+    def admit(self, key: Hashable) -> None:
+        """A new request: its acceptance starts from the prior."""
+        self.requests[key] = Knowledge(dict(self.prior.accepted), dict(self.prior.rounds))
+
+    def release(self, key: Hashable) -> None:
+        """A request ended: what it showed joins the prior of the requests to come."""
+        knowledge = self.requests.pop(key, None)
+        if knowledge is None:
+            return
+        for name, rounds in knowledge.rounds.items():
+            self.prior.rounds[name] = self.prior.rounds.get(name, 0.0) + rounds
+            self.prior.accepted[name] = self.prior.accepted.get(name, 0.0) + \
+                knowledge.accepted[name]
+        _limit(self.prior, PRIOR_ROUNDS)
+        if time.monotonic() - self._remembered >= REMEMBER_EVERY_S:
+            self.remember()
+
+    def policy(self, rows: int) -> AutoPolicy:
+        """The cost model and probe schedule of batches of `rows` active rows."""
+        if rows not in self.by_rows:
+            self.by_rows[rows] = AutoPolicy(self.plan, recall(self.target, self.draft, rows,
+                                                              self.plan))
+        return self.by_rows[rows]
+
+    def choose(self, keys: list[Hashable], rows: int) -> tuple[int, int]:
+        """The mode (index into `plan.modes`) of the next step over the requests `keys` in
+        `rows` active rows, and the target forwards it may run."""
+        policy = self.policy(rows)
+        policy.use_acceptance(*self._mean_acceptance(keys))
+        mode = policy.next_mode()
+        return mode, policy.segment_rounds(mode)
+
+    def _mean_acceptance(self, keys: list[Hashable]) -> tuple[dict[str, float],
+                                                               dict[str, float]]:
+        """Per mode name: the sum over `keys` of each request's mean accepted draft tokens
+        per round, and how many requests have one (their ratio is the mean of means)."""
+        accepted: dict[str, float] = collections.defaultdict(float)
+        counted: dict[str, float] = collections.defaultdict(float)
+        for key in keys:
+            knowledge = self.requests[key]
+            for name, rounds in knowledge.rounds.items():
+                if rounds > 0:
+                    accepted[name] += knowledge.accepted[name] / rounds
+                    counted[name] += 1.0
+        return accepted, counted
+
+    def observe(self, mode: int, rows: int, seconds: float, forwards: int,
+                per_request: dict[Hashable, tuple[float, int, np.ndarray | None]]) -> None:
+        """A step of `mode` over `rows` active rows ran `forwards` target forwards in
+        `seconds`; per request: accepted draft tokens, its row-rounds and (a probe) its
+        per-column counts."""
+        if forwards <= 0:
+            return
+        self.forwards_by_mode[self.plan.name(mode)] += forwards
+        for key, (accepted, row_rounds, counts) in per_request.items():
+            learn(self.requests[key], self.plan, mode, forwards, accepted, row_rounds, counts)
+        policy = self.policy(rows)
+        policy.use_acceptance(*self._mean_acceptance(list(per_request)))
+        policy.observe(mode, seconds, forwards, 0.0, 0)  # its cost; acceptance is per request
+
+    def round_seconds(self) -> dict[tuple[str, int], float]:
+        """(mode name, active rows) -> a round's measured cost (median of the recent ones)."""
+        return {(name, rows): float(np.median(list(times)))  # copies: the engine's
+                for rows, policy in list(self.by_rows.items())  # thread may be writing
+                for name, times in list(policy.knowledge.round_s.items()) if times}
+
+    def remember(self) -> None:
+        """Keep what each batch size learnt for the next server or `generate` call."""
+        for rows, policy in self.by_rows.items():
+            remember(self.target, self.draft, rows, self.plan, policy.knowledge)
+        self._remembered = time.monotonic()
+
+
+def _limit(knowledge: Knowledge, rounds: float) -> None:
+    """Scale each mode's acceptance so it weighs at most `rounds` row-rounds."""
+    for name in knowledge.rounds:
+        scale = min(1.0, rounds / max(knowledge.rounds[name], 1e-9))
+        knowledge.rounds[name] *= scale
+        knowledge.accepted[name] *= scale
