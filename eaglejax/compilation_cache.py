@@ -35,7 +35,9 @@ _ON = ("", "1", "true", "yes", "on")
 _MIN_TIME = "jax_persistent_cache_min_compile_time_secs"
 _MIN_SIZE = "jax_persistent_cache_min_entry_size_bytes"
 
-_lock = threading.Lock()  # guards the state below and the thresholds while compiling
+# Guards the state below and the thresholds while compiling; reentrant: the server's warm-up
+# holds it around compiles that take it again.
+_lock = threading.RLock()
 _disabled = False
 _our_dir: str | None = None  # the folder eaglejax gave JAX, once it has
 

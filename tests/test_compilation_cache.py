@@ -144,3 +144,24 @@ def test_disabling_a_cache_in_use_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match="already in use"):
         compilation_cache.disable()
     assert compilation_cache.enabled()  # the refused call changed nothing
+
+
+def test_compiles_nest():
+    """A compile inside a caching block (the server's warm-up compiling `auto`'s modes) goes
+    on: the lock is reentrant, in the same thread only."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    def nested():
+        with compilation_cache.caching_every_program():
+            with compilation_cache.caching_every_program():
+                jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile()
+            done.set()
+
+    done = threading.Event()
+    worker = threading.Thread(target=nested, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert done.is_set(), "a nested caching_every_program deadlocked"
