@@ -2,7 +2,7 @@
 choose, prompt by prompt: does adapting while decoding pay on each prompt?
 
     python examples/bench_auto.py --draft checkpoints/smollm2-135m-instruct-eagle3 \\
-        [--num-prompts 16] [--max-new-tokens 128] [--json]
+        [--weight-dtype bfloat16] [--num-prompts 16] [--max-new-tokens 128] [--json]
 
 Greedy, batch 1, MT-bench first turns (round-robin over categories). `auto` starts with
 nothing learnt (`EAGLEJAX_AUTOTUNE_CACHE=0`, an empty process) and keeps what it learns from
@@ -39,11 +39,13 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--draft", required=True, help="draft head path")
+    parser.add_argument("--weight-dtype", default=None,
+                        help="the target's weight storage, e.g. bfloat16 (default: as loaded)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    target = eaglejax.load_target(args.model)
+    target = eaglejax.load_target(args.model, weight_dtype=args.weight_dtype)
     draft = eaglejax.load_draft(args.draft, target=target)
     questions = interleave_categories(mt_bench_questions())[:args.num_prompts]
     plan = AutoPlan.for_device(jax.default_backend())
@@ -70,7 +72,8 @@ def main() -> None:
         per_prompt.append(row)
     report = summarize(per_prompt, names)
     report.update(machine=hardware.machine_report(bandwidth=False),
-                  max_new_tokens=args.max_new_tokens, draft=args.draft, prompts=len(questions))
+                  max_new_tokens=args.max_new_tokens, draft=args.draft, prompts=len(questions),
+                  weight_dtype=args.weight_dtype or "as loaded")
     if args.json:
         print(json.dumps(report, indent=2))
         return

@@ -23,7 +23,7 @@ NAMES = [PLAN.name(m) for m in range(4)]
 def policy(monkeypatch):
     monkeypatch.setenv("EAGLEJAX_AUTOTUNE_CACHE", "0")  # nothing read from or kept on disk
     model = SimpleNamespace(source="test")
-    return ShapePolicy(model, model, PLAN)
+    return ShapePolicy(model, model, PLAN, "cpu")
 
 
 def _knows(policy: ShapePolicy, key: str, accepted: dict[int, float]) -> None:
@@ -39,13 +39,22 @@ def _costs(policy: ShapePolicy, rows: int, seconds: dict[int, float]) -> None:
 
 def test_load_decides_between_speculation_and_plain(policy):
     """The same request speculates in a batch of 1, where a round costs 1.6 plain steps, and
-    decodes plainly in a batch of 8, where a round costs 3 (its acceptance, 2.2 tokens a
+    decodes plainly in a batch of 4, where a round costs 3 (its acceptance, 2.2 tokens a
     round, pays for the first and not the second)."""
     _knows(policy, "a", {SMALL: 1.2, LARGE: 1.0, PROBE: 1.3})
     _costs(policy, 1, {PLAIN: 0.020, SMALL: 0.032, LARGE: 0.034, PROBE: 0.040})
-    _costs(policy, 8, {PLAIN: 0.030, SMALL: 0.090, LARGE: 0.095, PROBE: 0.120})
+    _costs(policy, 4, {PLAIN: 0.030, SMALL: 0.090, LARGE: 0.095, PROBE: 0.120})
     assert policy.choose(["a"], 1) == (SMALL, 4)
-    assert policy.choose(["a"], 8) == (PLAIN, 16)
+    assert policy.choose(["a"], 4) == (PLAIN, 16)
+
+
+def test_a_cpu_batch_past_64_verified_tokens_decodes_plainly(policy):
+    _knows(policy, "a", {SMALL: 3.0, LARGE: 3.0, PROBE: 3.0})
+    _costs(policy, 8, {PLAIN: 0.030, SMALL: 0.031, LARGE: 0.032, PROBE: 0.033})
+    assert PLAN.probe.num_nodes == 16 and policy.modes(4) == range(4)
+    assert policy.modes(8) == range(1) and policy.choose(["a"], 8) == (PLAIN, 16)
+    model = SimpleNamespace(source="test")
+    assert ShapePolicy(model, model, PLAN, "gpu").modes(32) == range(4)
 
 
 def test_the_live_requests_acceptance_decides(policy):
@@ -105,7 +114,7 @@ class Scripted(ShapePolicy):
     """Runs `script` [(mode, forwards)] round and round, learning as `auto` does."""
 
     def __init__(self, engine, script):
-        super().__init__(engine.target, engine.draft, engine.policy.plan)
+        super().__init__(engine.target, engine.draft, engine.policy.plan, "cpu")
         self.script = itertools.cycle(script)
 
     def choose(self, keys, rows):

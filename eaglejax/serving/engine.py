@@ -138,7 +138,8 @@ class Engine:
                 raise InputError("speculative='auto' times this machine alone, and the "
                                  "processes of a multi-process engine must agree on one "
                                  "shape: pass a SpecConfig")
-            self.policy = ShapePolicy(target, draft, AutoPlan.for_device(jax.default_backend()))
+            platform = jax.default_backend()
+            self.policy = ShapePolicy(target, draft, AutoPlan.for_device(platform), platform)
             speculative = self.policy.plan.probe  # the state every mode runs on
         if speculative is not None and speculative.is_parallel and not draft.config.parallel:
             raise ConfigError(f"{speculative.describe()} needs a P-EAGLE head; {draft.source} "
@@ -271,7 +272,7 @@ class Engine:
                               SamplingOptions(temperature), ignore_eos=True)
             self.check(request)
             self._fill(rows - 1, request)
-            for mode in range(len(self.policy.plan.modes)) if self.policy else [None]:
+            for mode in self.policy.modes(rows) if self.policy else [None]:
                 self._advance(np.int32(0), mode)
             self.cancel(request.key)
 

@@ -14,6 +14,11 @@ the cost of a round, and speculation must beat plain decoding by the margin. Wha
   requests decode plainly at high load and speculate at low load.
 - Rows of one step share its mode: the verify forward's cost is set by the batch's widest
   tree (rows are padded to it), so a row given a smaller tree or none would save nothing.
+- On a CPU, steps of more than `CPU_VERIFY_ROWS` // (probe nodes) active rows (4 with the
+  16-node probe) decode plainly without trying: their verify blocks are 4x past the 16
+  rows the native kernels take, and each (mode, rows, greedy) program costs compile time
+  and memory maps (a 32-slot server compiling every mode for every row count ran out of
+  them in LLVM).
 
 What a batch size learnt (costs, the probe interval) is kept on disk as `generate`'s `auto`
 keeps it (`autotune.recall`/`remember`, keyed by the batch size: batch 1 is shared with
@@ -37,14 +42,17 @@ if TYPE_CHECKING:
     from eaglejax.draft.draft import Draft
 
 REMEMBER_EVERY_S = 10.0  # at most one write of what was learnt to disk per this interval
+CPU_VERIFY_ROWS = 64  # verified tokens a CPU step may hold (active rows x probe nodes)
 
 
 class ShapePolicy:
     """Per engine step: `choose` a mode for the live requests and the number of active rows;
     `observe` what the step did; `admit`/`release` requests as they come and go."""
 
-    def __init__(self, target: Target, draft: "Draft", plan: AutoPlan):
+    def __init__(self, target: Target, draft: "Draft", plan: AutoPlan, platform: str):
         self.target, self.draft, self.plan = target, draft, plan
+        self.max_speculative_rows = max(1, CPU_VERIFY_ROWS // plan.probe.num_nodes) \
+            if platform == "cpu" else None
         self.by_rows: dict[int, AutoPolicy] = {}
         first = recall(target, draft, 1, plan)  # what generate() or an earlier server learnt
         self.prior = Knowledge(first.accepted, first.rounds)
@@ -77,10 +85,18 @@ class ShapePolicy:
                                                               self.plan))
         return self.by_rows[rows]
 
+    def modes(self, rows: int) -> range:
+        """The modes a step of `rows` active rows may run (plain decoding only past
+        `max_speculative_rows`)."""
+        limit = self.max_speculative_rows
+        return range(1 if limit is not None and rows > limit else len(self.plan.modes))
+
     def choose(self, keys: list[Hashable], rows: int) -> tuple[int, int]:
         """The mode (index into `plan.modes`) of the next step over the requests `keys` in
         `rows` active rows, and the target forwards it may run."""
         policy = self.policy(rows)
+        if len(self.modes(rows)) == 1:
+            return 0, policy.segment_rounds(0)
         policy.use_acceptance(*self._mean_acceptance(keys))
         mode = policy.next_mode()
         return mode, policy.segment_rounds(mode)
