@@ -14,11 +14,13 @@ the cost of a round, and speculation must beat plain decoding by the margin. Wha
   requests decode plainly at high load and speculate at low load.
 - Rows of one step share its mode: the verify forward's cost is set by the batch's widest
   tree (rows are padded to it), so a row given a smaller tree or none would save nothing.
-- On a CPU, steps of more than `CPU_VERIFY_ROWS` // (probe nodes) active rows (4 with the
-  16-node probe) decode plainly without trying: their verify blocks are 4x past the 16
-  rows the native kernels take, and each (mode, rows, greedy) program costs compile time
-  and memory maps (a 32-slot server compiling every mode for every row count ran out of
-  them in LLVM).
+- On a CPU, a step speculates only while its verify block (active rows x probe nodes)
+  fits the native kernels' `few_row_matmul.MAX_ROWS` (16: one row with the 16-node probe);
+  larger steps decode plainly without trying. Past that block XLA's dot verifies at
+  several times the cost per row (the probe's round at 4 rows measured 7.2 plain steps
+  of 4 rows, BENCHMARKS.md), and each (mode, rows, greedy) program costs compile time and
+  memory maps (a 32-slot server compiling every mode for every row count ran out of them
+  in LLVM).
 
 What a batch size learnt (costs, the probe interval) is kept on disk as `generate`'s `auto`
 keeps it (`autotune.recall`/`remember`, keyed by the batch size: batch 1 is shared with
@@ -36,13 +38,13 @@ import numpy as np
 
 from eaglejax.autotune import PRIOR_ROUNDS, AutoPlan, AutoPolicy, Knowledge, learn, recall, \
     remember
+from eaglejax.native import few_row_matmul
 from eaglejax.target import Target
 
 if TYPE_CHECKING:
     from eaglejax.draft.draft import Draft
 
 REMEMBER_EVERY_S = 10.0  # at most one write of what was learnt to disk per this interval
-CPU_VERIFY_ROWS = 64  # verified tokens a CPU step may hold (active rows x probe nodes)
 
 
 class ShapePolicy:
@@ -51,7 +53,7 @@ class ShapePolicy:
 
     def __init__(self, target: Target, draft: "Draft", plan: AutoPlan, platform: str):
         self.target, self.draft, self.plan = target, draft, plan
-        self.max_speculative_rows = max(1, CPU_VERIFY_ROWS // plan.probe.num_nodes) \
+        self.max_speculative_rows = max(1, few_row_matmul.MAX_ROWS // plan.probe.num_nodes) \
             if platform == "cpu" else None
         self.by_rows: dict[int, AutoPolicy] = {}
         first = recall(target, draft, 1, plan)  # what generate() or an earlier server learnt
