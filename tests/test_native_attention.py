@@ -4,6 +4,7 @@ for bit), its gradient and its dispatch (CPU only; exports for GPU/TPU keep the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 
 import pallas_kernels
 from eaglejax import native
+from eaglejax.models import kv_cache
 from eaglejax.models.attention import attention
 from eaglejax.native import build, cache_attention
 from tolerances import FORWARD_UNITS, assert_close_scaled, scaled_error
@@ -102,6 +104,37 @@ def test_a_verify_block_reproduces_the_decode_steps():
         slots = lengths + t
         k_cache = k_cache.at[jnp.arange(2), :, slots].set(k_new[:, t])
         v_cache = v_cache.at[jnp.arange(2), :, slots].set(v_new[:, t])
+
+
+@needs_compiler
+@pytest.mark.parametrize("kernels", [True, False], ids=["native", "xla"])
+def test_a_cache_of_more_rows_is_read_for_the_first_rows(kernels):
+    """A serving batch runs its first B slots over the whole slot cache (no copy of those
+    rows): the same result as the B rows' own cache, bit for bit, on the native path and on
+    the XLA path (which slices); rows past B may hold anything."""
+    q, k_cache, v_cache, lengths, k_new, v_new, mask = _operands(5, 4, 9, 3, 90, 64, seed=2)
+    own = (q[:3], k_cache[:3], v_cache[:3], lengths[:3], k_new[:3], v_new[:3], mask[:3])
+    garbage = k_cache.at[3:].set(jnp.nan), v_cache.at[3:].set(jnp.inf)
+    with contextlib.nullcontext() if kernels else native.xla_only():
+        assert cache_attention.applies(q, k_cache) == kernels
+        want = np.asarray(jax.jit(lambda *a: attention(*a))(*own))  # fresh: traced here
+        got = np.asarray(jax.jit(lambda *a: attention(*a))(own[0], *garbage, *own[3:]))
+    np.testing.assert_array_equal(got, want)
+    assert_close_scaled(got, _oracle(*own), units=FORWARD_UNITS, what="first rows")
+
+
+def test_new_rows_go_to_the_first_rows_of_a_larger_cache():
+    """`write_block` of B rows into a cache of more: those rows get them at their own
+    positions (past the capacity dropped), the other rows keep what they held."""
+    rng = np.random.default_rng(3)
+    buffer = jnp.asarray(rng.standard_normal((5, 3, 20, 16)), jnp.float32)
+    new = jnp.asarray(rng.standard_normal((2, 4, 3, 16)), jnp.float32)
+    start = jnp.asarray([7, 18], jnp.int32)
+    got = np.asarray(jax.jit(kv_cache.write_block)(buffer, new, start))
+    want = np.asarray(buffer).copy()
+    want[0, :, 7:11] = np.swapaxes(np.asarray(new[0]), 0, 1)
+    want[1, :, 18:20] = np.swapaxes(np.asarray(new[1, :2]), 0, 1)
+    np.testing.assert_array_equal(got, want)
 
 
 @needs_compiler

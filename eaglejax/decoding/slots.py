@@ -20,6 +20,7 @@ from typing import Callable, TypeVar
 import jax
 import jax.numpy as jnp
 
+from eaglejax import native
 from eaglejax.config import ModelConfig
 from eaglejax.decoding import plain, speculative
 from eaglejax.decoding.calibration import round_counts
@@ -29,8 +30,10 @@ from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import FINISH_LENGTH, StopTable
 from eaglejax.draft.config import DraftConfig
+from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import Params
+from eaglejax.native import cache_attention
 
 State = TypeVar("State", plain.DecodeState, speculative.SpecState)
 
@@ -79,11 +82,27 @@ def fill_spec(params: Params, config: ModelConfig, draft_params: Params,
 
 
 def _first_rows(state: State, rows: int) -> State:
-    """The first `rows` slots of `state` (all of it, uncopied, when that is every slot)."""
+    """The first `rows` slots of `state` (all of it, uncopied, when that is every slot). The
+    target cache's K/V buffers stay whole where the native CPU attention reads the first
+    rows of a larger cache in place (`models.attention`) and new rows are written into it
+    (`kv_cache.write_block`): copying 8 of 32 slots' caches out and back cost ~120 ms per
+    call on SmolLM2 (BENCHMARKS.md), more than three decode steps of those rows."""
     if rows == state.out.finish.shape[0]:
         return state
-    return jax.tree.map(lambda x: x[:rows], state._replace(forwards=None))._replace(
+    part = jax.tree.map(lambda x: x[:rows], state._replace(forwards=None))._replace(
         forwards=state.forwards)
+    field = "cache" if "cache" in state._fields else "target_cache"
+    whole = getattr(state, field)
+    if not _read_in_place(whole):
+        return part
+    return part._replace(**{field: whole._replace(lengths=getattr(part, field).lengths)})
+
+
+def _read_in_place(cache: kv_cache.KVCache) -> bool:
+    """Whether attention reads this cache's first rows without copying them (on a CPU with
+    the native kernel: float32 caches)."""
+    return (jax.default_backend() == "cpu" and cache.k[0].dtype == jnp.float32
+            and native.kernels_allowed() and cache_attention.available())
 
 
 def _put_back(state: State, part: State, rows: int) -> State:

@@ -9,6 +9,7 @@ the longest row's valid length: their scores never span the whole cache. Few que
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -40,16 +41,22 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_length
               k_new: jax.Array, v_new: jax.Array, mask: jax.Array, *,
               impl: AttentionImpl = "auto") -> jax.Array:
     """Queries q [B,T,Hq,D] over the cached prefix (k/v_cache [B,Hkv,S,D], lengths [B]) plus
-    the new K/V [B,T,Hkv,D] under mask [B,T,T]."""
-    if resolve_impl(impl) == "pallas":
+    the new K/V [B,T,Hkv,D] under mask [B,T,T]. A cache of more rows than q (a serving
+    batch's slots, of which the first B run) is read in place by the native kernel and
+    sliced to B rows for the other paths."""
+    pallas = resolve_impl(impl) == "pallas"
+    if not pallas and cache_attention.applies(q, k_cache):
+        reference = functools.partial(_rows_of_cache, functools.partial(
+            pallas_kernels.tree_attention_reference, kv_layout="bhsd"))
+        return cache_attention.attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
+                                         reference)
+    if k_cache.shape[0] != q.shape[0]:
+        k_cache, v_cache = k_cache[:q.shape[0]], v_cache[:q.shape[0]]
+    if pallas:
         if k_cache.shape[2] == 0:  # prefill has no prefix; the kernels want a (masked) block
             k_cache = v_cache = jnp.zeros((*k_cache.shape[:2], PREFILL_SLOTS, k_cache.shape[3]),
                                           k_cache.dtype)
         return _pallas_over_local_heads(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask)
-    if cache_attention.applies(q, k_cache):
-        reference = functools.partial(pallas_kernels.tree_attention_reference, kv_layout="bhsd")
-        return cache_attention.attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask,
-                                         reference)
     _, t_new, n_q_heads, _ = q.shape
     s_cache = k_cache.shape[2]
     if s_cache > KEY_BLOCK and n_q_heads * t_new * s_cache >= BLOCKED_MIN_SCORES:
@@ -57,6 +64,12 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_length
                                  block=KEY_BLOCK)
     return pallas_kernels.tree_attention_reference(
         q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, kv_layout="bhsd")
+
+
+def _rows_of_cache(reference: Callable[..., jax.Array], q: jax.Array, k_cache: jax.Array,
+                   v_cache: jax.Array, *rest: jax.Array) -> jax.Array:
+    """`reference` over the cache's first B rows (q [B,...])."""
+    return reference(q, k_cache[:q.shape[0]], v_cache[:q.shape[0]], *rest)
 
 
 def _kernel_per_platform(*args: jax.Array) -> jax.Array:

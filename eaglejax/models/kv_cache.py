@@ -49,13 +49,18 @@ def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, he
 
 
 def write_block(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """Write new [B,T,kv,D] into buffer [B,kv,S,D] at slots start[b] .. start[b]+T-1
-    (slots past the capacity are dropped).
+    """Write new [B,T,kv,D] into buffer [B',kv,S,D] at slots start[b] .. start[b]+T-1
+    (slots past the capacity are dropped); a buffer of more rows (B' > B: a serving batch's
+    slots, of which the first B run) keeps its other rows.
 
     One scatter whose heads and head dims are whole windows: XLA:CPU updates the buffer in
     place, and over a mesh each device writes its own rows and heads (with the heads as an
     index array, the partitioner gathered every head's new rows onto every device)."""
     t_new = new.shape[1]
+    extra = buffer.shape[0] - new.shape[0]
+    if extra:  # the other rows write past the capacity: dropped
+        new = jnp.pad(new, [(0, extra)] + [(0, 0)] * (new.ndim - 1))
+        start = jnp.pad(start, (0, extra), constant_values=buffer.shape[2])
 
     def one_row(buf: jax.Array, rows: jax.Array, first: jax.Array) -> jax.Array:
         slots = first + jnp.arange(t_new)

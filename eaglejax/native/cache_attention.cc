@@ -11,7 +11,7 @@
 // queries (a verify block reproduces the single-token step). Tasks are spread over XLA's intra-op
 // thread pool (parallel_tasks.h).
 //
-// q [B,T,Hq,D], k_cache/v_cache [B,Hkv,S,D], lengths [B] int32, k_new/v_new [B,T,Hkv,D],
+// q [B,T,Hq,D], k_cache/v_cache [B',Hkv,S,D] (B' >= B: rows past B are not read), lengths [B] int32, k_new/v_new [B,T,Hkv,D],
 // mask [B,T,T] uint8 (query t sees new token j iff mask[b,t,j]); out [B,T,Hq,D]. A query
 // that sees nothing gets zeros. D must be a multiple of the vector width.
 
@@ -160,11 +160,11 @@ ffi::Error cache_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::U8> mask,
                            ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k_cache.dimensions(), nd = k_new.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || kd[0] != qd[0] ||
+  if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || kd[0] < qd[0] ||
       kd[3] != qd[3] || nd[0] != qd[0] || nd[1] != qd[1] || nd[2] != kd[1] ||
       qd[3] % kLanes != 0 || qd[3] > kMaxD || qd[2] % kd[1] != 0) {
     return ffi::Error::InvalidArgument(
-        "cache_attention: expected q [B,T,Hq,D], caches [B,Hkv,S,D], new [B,T,Hkv,D] "
+        "cache_attention: expected q [B,T,Hq,D], caches [B',Hkv,S,D] (B' >= B), new [B,T,Hkv,D] "
         "with D a multiple of the vector width up to 256 and Hq a multiple of Hkv");
   }
   auto job = std::make_shared<Job>();
