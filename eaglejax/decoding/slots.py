@@ -220,3 +220,19 @@ def advance_probe(params: Params, config: ModelConfig, draft_params: Params,
                                          (part, counts, jnp.int32(0)))
     slots = state.out.finish.shape[0]
     return _put_back(state, part, rows), jnp.pad(counts, ((0, slots - rows), (0, 0)))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "greedy", "attn_impl", "rows"),
+                   donate_argnames=("state",))
+def advance_target(params: Params, config: ModelConfig, state: speculative.SpecState,
+                   sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable,
+                   max_rounds: jax.Array, *, greedy: bool, rows: int,
+                   attn_impl: AttentionImpl = "auto") -> speculative.SpecState:
+    """`advance_plain` in a speculative batch: the target alone, the head left behind (its
+    rows may not speculate again; `serving.engine` lets them decode plainly to the end)."""
+    decoding = plain.DecodeState(state.target_cache, state.last_token, state.out,
+                                 state.row_keys, state.forwards)
+    done = advance_plain(params, config, decoding, sampling, max_new_tokens, stop, max_rounds,
+                         greedy=greedy, rows=rows, attn_impl=attn_impl)
+    return state._replace(target_cache=done.cache, last_token=done.last_token, out=done.out,
+                          forwards=done.forwards)

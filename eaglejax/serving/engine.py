@@ -49,6 +49,9 @@ from eaglejax.target import Target
 if TYPE_CHECKING:
     from eaglejax.draft.draft import Draft
 
+# `auto`'s mode for steps that leave the head behind (more rows than may speculate, or a row
+# whose head was left behind): the target's plain steps alone, at plain decoding's cost.
+TARGET_ONLY = -1
 MIN_PROMPT_BUCKET = 16
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit on stop strings
 MAX_STOP_TOKENS = 16  # longer stop sequences end replies on the host side only
@@ -159,6 +162,7 @@ class Engine:
         self._stops = [StopCriteria()] * num_slots
         self._stop_table = self._table(self._stops)
         self._compiled: set[tuple[int | None, int, bool]] = set()  # (mode, rows, greedy)
+        self._stale = np.zeros(num_slots, bool)  # auto: the slot's head was left behind
         self._plain_steps = np.zeros(num_slots, np.int64)  # auto: target forwards not in
         # the acceptance histogram (plain segments), per slot
 
@@ -272,11 +276,20 @@ class Engine:
                               SamplingOptions(temperature), ignore_eos=True)
             self.check(request)
             self._fill(rows - 1, request)
-            for mode in self.policy.modes(rows) if self.policy else [None]:
+            for mode in self._modes_to_warm(rows):
                 self._advance(np.int32(0), mode)
             self.cancel(request.key)
 
     # ------------------------------------------------------------------------ internals
+
+    def _modes_to_warm(self, rows: int) -> list[int | None]:
+        """The programs a step of `rows` active rows may run: the fixed shape (None), or
+        `auto`'s modes there, and where rows may be left behind, the target alone."""
+        if self.policy is None:
+            return [None]
+        modes = self.policy.modes(rows)
+        warm = list(modes) if len(modes) > 1 else []
+        return warm + ([TARGET_ONLY] if self.policy.max_speculative_rows is not None else [])
 
     def _empty_state(self) -> plain.DecodeState | speculative.SpecState:
         """A batch of free slots (all finished), shaped as a prefill of `num_slots` rows."""
@@ -353,7 +366,7 @@ class Engine:
                                              self.state, *args, spec=self.spec, greedy=greedy,
                                              attn_impl=t.attn_impl)
         self.slots[slot] = _Live(request)
-        self._plain_steps[slot] = 0
+        self._plain_steps[slot], self._stale[slot] = 0, False
         if self.policy is not None:
             self.policy.admit(request.key)
 
@@ -380,7 +393,11 @@ class Engine:
             self._run(mode, max_rounds, greedy, rows)
             return
         keys = [self.slots[i].request.key for i in np.flatnonzero(live)]
-        mode, budget = self.policy.choose(keys, rows)
+        if len(self.policy.modes(rows)) == 1 or np.any(self._stale & live):
+            mode, budget = TARGET_ONLY, PLAIN_WIDTH  # no speculation: not even the head's
+            self._stale |= live  # catch-up (these rows decode plainly to their end)
+        else:
+            mode, budget = self.policy.choose(keys, rows)
         before = fetch((self.state.forwards, self.state.accept_hist, self.state.out.counts))
         start = time.perf_counter()
         counts = self._run(mode, np.int32(min(int(max_rounds), budget)), greedy, rows)
@@ -388,8 +405,11 @@ class Engine:
                        counts))
         seconds = time.perf_counter() - start
         rounds = after[1] - before[1]  # [S, depth + 1]: this step's rounds by accepted tokens
-        if mode == 0:
+        if mode in (0, TARGET_ONLY):
             self._plain_steps += np.where(live, after[2] - before[2], 0)
+        if mode == TARGET_ONLY:
+            self.policy.forwards_by_mode["plain"] += int(after[0] - before[0])
+            return
         per_request = {self.slots[i].request.key: (
             float((rounds[i] * np.arange(rounds.shape[1])).sum()), int(rounds[i].sum()),
             None if after[3] is None else after[3][i]) for i in np.flatnonzero(live)}
@@ -420,6 +440,8 @@ class Engine:
         args = self._inputs((sampling, self._max_new, self._stop_table, max_rounds))
         if self.policy is None and self.spec is None:
             return slots.advance_plain, (t.params, t.config, self.state, *args), common
+        if mode == TARGET_ONLY:
+            return slots.advance_target, (t.params, t.config, self.state, *args), common
         spec = self.spec if mode is None else self.policy.plan.modes[mode]
         models = (t.params, t.config, d.params, d.config)
         if spec is None:

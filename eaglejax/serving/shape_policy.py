@@ -16,7 +16,8 @@ the cost of a round, and speculation must beat plain decoding by the margin. Wha
   tree (rows are padded to it), so a row given a smaller tree or none would save nothing.
 - On a CPU, a step speculates only while its verify block (active rows x probe nodes)
   fits the native kernels' `few_row_matmul.MAX_ROWS` (16: one row with the 16-node probe);
-  larger steps decode plainly without trying. Past that block XLA's dot verifies at
+  larger steps run the target alone (`Engine`: not even the head's catch-up), and the
+  requests in them decode plainly to their end. Past that block XLA's dot verifies at
   several times the cost per row (the probe's round at 4 rows measured 7.2 plain steps
   of 4 rows, BENCHMARKS.md), and each (mode, rows, greedy) program costs compile time and
   memory maps (a 32-slot server compiling every mode for every row count ran out of them
