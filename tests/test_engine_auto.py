@@ -146,13 +146,13 @@ def check_engine(target):
     plain = [eaglejax.generate([p], target=target, max_new_tokens=n, ignore_eos=True)[0].token_ids
              for p, n in zip(prompts, limits)]
     draft = self_draft(target)
-    shared = Engine(target, draft, num_slots=3, capacity=96, rounds_per_call=8)
+    shared = Engine(target, draft, num_slots=2, capacity=96, rounds_per_call=8)
     got = shared.run([Request(i, p, n, ignore_eos=True) for i, (p, n) in
                       enumerate(zip(prompts, limits))])  # rows that share a step: target alone
     assert [got[i].token_ids for i in range(len(plain))] == plain
     assert shared._stale.any() and set(shared.policy.forwards_by_mode) >= {"plain"}
     for scripted in (True, False):
-        engine = Engine(target, draft, num_slots=3, capacity=96, rounds_per_call=8)
+        engine = Engine(target, draft, num_slots=2, capacity=96, rounds_per_call=8)
         assert engine.speculation == "auto"
         if scripted:
             engine.policy = Scripted(engine, [(PROBE, 1), (PLAIN, 3), (SMALL, 2), (PLAIN, 1),
