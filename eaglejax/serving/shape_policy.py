@@ -23,6 +23,12 @@ the cost of a round, and speculation must beat plain decoding by the margin. Wha
   memory maps (a 32-slot server compiling every mode for every row count ran out of them
   in LLVM).
 
+Measured (BENCHMARKS.md, 2-core Intel Xeon, SmolLM2 with its shipped EAGLE-3 head, 32
+slots, MT-bench): as served, the head's acceptance never beat plain decoding by the margin,
+so after its probes `auto` decoded plainly: 0.93-0.97x the plain server with one client,
+within this host's noise of it with 2-32 (the target alone). Pass a `SpecConfig` (`serve
+--tree ...`) to force a shape.
+
 What a batch size learnt (costs, the probe interval) is kept on disk as `generate`'s `auto`
 keeps it (`autotune.recall`/`remember`, keyed by the batch size: batch 1 is shared with
 `generate`). Unlike `generate`, one process serving many requests learns each cost once.
