@@ -40,9 +40,9 @@ from eaglejax.decoding.stopping import (
     StopTable,
 )
 from eaglejax.errors import ConfigError, InputError
+from eaglejax.serving.shape_policy import ShapePolicy
 from eaglejax.sharding.distributed import fetch
 from eaglejax.sharding.mesh import mesh_context
-from eaglejax.serving.shape_policy import ShapePolicy
 from eaglejax.sharding.placement import replicate
 from eaglejax.target import Target
 
