@@ -58,6 +58,11 @@ if TYPE_CHECKING:
 
 SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MARGIN = 1.05  # expected speed over plain decoding below which speculating is not worth it
+# While plain decoding is the choice, a tree never timed whose estimated speed (its cost
+# interpolated in node count) is at least this share of plain's runs once to be timed: the
+# interpolation overcharges small trees (bfloat16 on a 2-core Intel Xeon: tree 4,4,6 ran at
+# 1.06x plain, and `auto`, never timing it, stayed plain at 0.86x, BENCHMARKS.md).
+EXPLORE = 0.9
 LOOKUP, LOOKUP_NGRAM = 4, 3  # every mode's lookup branch
 # On a CPU, verify blocks of up to 16 tokens run the native kernels and larger ones XLA's
 # dot at several times the cost per row: the probe (largest tree + LOOKUP) stays within 16.
@@ -210,7 +215,8 @@ class AutoPolicy:
     def next_mode(self) -> int:
         """The mode of the next segment: what is unknown first (the probe's acceptance, then
         the costs of plain decoding and of the probe), then the best, with the probe every
-        `probe_every` target forwards."""
+        `probe_every` target forwards; while plain is best, a tree within `EXPLORE` of it and
+        never timed is timed."""
         if self.acceptance_length(self.probe) is None:
             return self.probe
         for mode in (0, self.probe):
@@ -218,6 +224,12 @@ class AutoPolicy:
                 return mode
         if self.best != self.probe and self.since_probe >= self.knowledge.probe_every:
             return self.probe
+        if self.best == 0:
+            rates = self.expected_rates()
+            for mode in range(1, self.probe):
+                if not self.knowledge.round_s.get(self.plan.name(mode)) \
+                        and rates[mode] is not None and rates[mode] >= EXPLORE * rates[0]:
+                    return mode
         return self.best
 
     def segment_rounds(self, mode: int) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from eaglejax.autotune import (
+    EXPLORE,
     HALF_LIFE,
     MARGIN,
     MAX_PROBE_EVERY,
@@ -82,6 +83,21 @@ def test_plain_wins_unless_speculation_beats_it_by_the_margin():
     policy = _learnt(plain_s=0.025, probe_s=0.075, al_small=1.0, al_large=1.0,
                      al_probe=3.0 * MARGIN * 1.01)
     assert policy.next_mode() == PROBE
+
+
+def test_a_tree_close_to_plain_is_timed_once_before_plain_is_settled():
+    """Plain is best on interpolated costs (50 tok/s), but the 6-node tree's estimate (1.4 /
+    30 ms = 46.7) is within EXPLORE of it and the tree never ran: it runs once to be timed.
+    Timed cheaper (25 ms: 56 tok/s, past the margin) it wins; timed dearer it is left, and
+    the 8-node tree (44.1, below 0.9 x 50) is never tried."""
+    for seconds, after in ((0.025, SMALL), (0.035, PLAIN)):
+        policy = _learnt(plain_s=0.02, probe_s=0.05, al_small=1.4, al_large=1.5, al_probe=1.6)
+        assert policy.best == PLAIN
+        assert policy.expected_rates()[SMALL] >= EXPLORE * 50.0 > policy.expected_rates()[LARGE]
+        assert policy.next_mode() == SMALL
+        policy.observe(SMALL, 4 * seconds, 4, 4 * 0.4, 4)
+        assert policy.next_mode() == after
+        assert policy.next_mode() == after  # settled: no tree left to time
 
 
 def test_the_probe_interval_doubles_while_the_choice_holds_and_resets_when_it_changes():
