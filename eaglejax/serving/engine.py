@@ -392,11 +392,11 @@ class Engine:
         if mode is not None:
             self._run(mode, max_rounds, greedy, rows)
             return
-        keys = [self.slots[i].request.key for i in np.flatnonzero(live)]
         if len(self.policy.modes(rows)) == 1 or np.any(self._stale & live):
             mode, budget = TARGET_ONLY, PLAIN_WIDTH  # no speculation: not even the head's
             self._stale |= live  # catch-up (these rows decode plainly to their end)
         else:
+            keys = [self.slots[i].request.key for i in np.flatnonzero(live)]
             mode, budget = self.policy.choose(keys, rows)
         before = fetch((self.state.forwards, self.state.accept_hist, self.state.out.counts))
         start = time.perf_counter()
