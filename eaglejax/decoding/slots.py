@@ -7,8 +7,8 @@ slot (`fill_plain` / `fill_spec`, one program per prompt-length bucket) and goes
 recompiling. The loop runs only the first `rows` slots (a power of two covering the live
 ones, which the host keeps low), so a lightly loaded batch costs what a small one does.
 Plain and speculative batches alike, and the modes of `auto` over one speculative batch
-(`advance_plain_segment`, `advance_probe`, `advance_spec`); each row's sampling settings, seed, token limit and
-stop rules are data (`SamplingParams` of [S] arrays, `StopTable`), so a row's tokens
+(`advance_plain_segment`, `advance_probe`, `advance_spec`, `advance_target`); each row's
+sampling settings, seed, token limit and stop rules are data (`SamplingParams` of [S] arrays, `StopTable`), so a row's tokens
 depend only on its own request, never on its slot or its neighbours.
 """
 
@@ -113,12 +113,24 @@ def _until_a_row_ends(step: Callable[[State], State], state: State, max_rounds: 
                       rows: int) -> State:
     """Run `step` on the first `rows` slots (the rest hold no request) until a row that was
     running finishes, none runs, or `max_rounds` ran."""
+    return _counting_until_a_row_ends(lambda s, extra: (step(s), extra), state, (),
+                                      max_rounds, rows)[0]
+
+
+def _counting_until_a_row_ends(step: Callable, state: State, extra, max_rounds: jax.Array,
+                               rows: int):
+    """`_until_a_row_ends` with `extra` beside the state: step(state, extra) -> (state,
+    extra); returns (state, extra)."""
     part = _first_rows(state, rows)
     more = _while_none_ended(part.out.running, max_rounds)
 
-    part, _ = jax.lax.while_loop(lambda c: more(c[1], c[0].out),
-                                 lambda c: (step(c[0]), c[1] + 1), (part, jnp.int32(0)))
-    return _put_back(state, part, rows)
+    def body(carry):
+        s, e, n = carry
+        return (*step(s, e), n + 1)
+
+    part, extra, _ = jax.lax.while_loop(lambda c: more(c[2], c[0].out), body,
+                                        (part, extra, jnp.int32(0)))
+    return _put_back(state, part, rows), extra
 
 
 def _while_none_ended(started: jax.Array, max_rounds: jax.Array
@@ -208,18 +220,13 @@ def advance_probe(params: Params, config: ModelConfig, draft_params: Params,
                                       max_new_tokens, spec=spec, greedy=greedy, stop=stop,
                                       attn_impl=attn_impl)
 
-    def step(carry):
-        s, counts, n = carry
+    def step(s, counts):
         s, done = play(s)
-        return s, counts + round_counts(done, spec, sizes), n + 1
+        return s, counts + round_counts(done, spec, sizes)
 
-    part = _first_rows(state, rows)
-    more = _while_none_ended(part.out.running, max_rounds)
     counts = jnp.zeros((rows, len(sizes) * (1 + spec.lookup)), jnp.int32)
-    part, counts, _ = jax.lax.while_loop(lambda c: more(c[2], c[0].out), step,
-                                         (part, counts, jnp.int32(0)))
-    slots = state.out.finish.shape[0]
-    return _put_back(state, part, rows), jnp.pad(counts, ((0, slots - rows), (0, 0)))
+    state, counts = _counting_until_a_row_ends(step, state, counts, max_rounds, rows)
+    return state, jnp.pad(counts, ((0, state.out.finish.shape[0] - rows), (0, 0)))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "greedy", "attn_impl", "rows"),
