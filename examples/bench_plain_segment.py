@@ -3,7 +3,7 @@ with `decoding.batch.decode` (plain) and with `adaptive_decode` held on plain se
 (16 steps, then the head's catch-up), alternating, and prints ms per target forward.
 
     python examples/bench_plain_segment.py [--draft checkpoints/smollm2-135m-instruct-eagle3]
-        [--num-prompts 4] [--repeats 4] [--max-new-tokens 128]
+        [--num-prompts 4] [--repeats 4] [--max-new-tokens 128] [--weight-dtype bfloat16]
 
 Greedy, batch 1, MT-bench first turns; the first repeat warms both up and is not counted.
 """
@@ -37,8 +37,10 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--weight-dtype", default=None,
+                        help="the target's weight storage, e.g. bfloat16 (default: as loaded)")
     args = parser.parse_args()
-    target = eaglejax.load_target("smollm2-135m-instruct")
+    target = eaglejax.load_target("smollm2-135m-instruct", weight_dtype=args.weight_dtype)
     draft = eaglejax.load_draft(args.draft, target=target)
     greedy, stop = SamplingParams.make(), StopCriteria((), ())
     plan = AutoPlan.for_device("cpu")

@@ -22,8 +22,8 @@ from eaglejax.draft.config import DraftConfig
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.kv_cache import KVCache
 from eaglejax.models.llama import (
-    ParamInfo, Params, causal_mask, decoder_layer, empty_cache, is_param_info, linear,
-    param_info as decoder_info, random_params, rms_norm, rope_for, scan_chunks)
+    ParamInfo, Params, causal_mask, decoder_layer, embedding_rows, empty_cache, is_param_info,
+    linear, param_info as decoder_info, random_params, rms_norm, rope_for, scan_chunks)
 
 
 class DraftOutput(NamedTuple):
@@ -92,11 +92,11 @@ def init_params(config: DraftConfig, key: jax.Array, dtype: jnp.dtype = jnp.floa
 
 
 def embed_tokens(params: Params, config: DraftConfig, target_params: Params,
-                 tokens: jax.Array) -> jax.Array:
-    """The head's token embeddings [..., H]: its own table or the target's; a P-EAGLE head
-    trained by eaglejax embeds its mask token with the learned `mask_embed` (layouts that
+                 tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The head's token embeddings [..., H] in `dtype`: its own table or the target's; a
+    P-EAGLE head trained by eaglejax embeds its mask token with the learned `mask_embed` (layouts that
     store tables carry it as that token's row of the head's own `embed_tokens`)."""
-    embeds = params.get("embed", target_params["embed"])[tokens]
+    embeds = embedding_rows(params.get("embed", target_params["embed"]), tokens, dtype)
     if "mask_embed" in params:
         is_mask = (tokens == config.mask_token_id)[..., None]
         embeds = jnp.where(is_mask, params["mask_embed"].astype(embeds.dtype), embeds)
@@ -142,7 +142,7 @@ def draft_forward(params: Params, config: DraftConfig, target_params: Params, to
     dtype = params["fc"].dtype  # the head computes in its own dtype; the table may be 16-bit
     cache = empty_cache(d, batch, dtype) if cache is None else cache
     rope = rope_for(d, positions)
-    embeds = embed_tokens(params, config, target_params, tokens).astype(dtype)
+    embeds = embed_tokens(params, config, target_params, tokens, dtype)
     first = params["layers"][0]
     if config.kind == "eagle3":
         x = fc_input(params, config, inputs) if from_features else inputs

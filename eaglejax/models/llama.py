@@ -20,7 +20,7 @@ from eaglejax.config import ModelConfig
 from eaglejax.models.attention import AttentionImpl, attention
 from eaglejax.models.kv_cache import KVCache, write_block
 from eaglejax.models.rope import apply_rope, inverse_frequencies, rope_tables
-from eaglejax.native import few_row_matmul
+from eaglejax.native import embedding_rows as embedding_rows_kernel, few_row_matmul
 from eaglejax.sharding.rules import over_mesh
 
 Params = dict[str, Any]
@@ -131,6 +131,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def embedding_rows(table: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Rows of an embedding `table` [V, H] for `tokens`, in `dtype`; a bfloat16 table under
+    float32 compute on CPU reads only those rows (`native.embedding_rows`: XLA:CPU would
+    widen the whole table once per program call)."""
+    if embedding_rows_kernel.applies(table, dtype):
+        return embedding_rows_kernel.rows(table, tokens)
+    return table[tokens].astype(dtype)
 
 
 def causal_mask(batch: int, t_new: int) -> jax.Array:
@@ -261,7 +270,7 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     if cache is None:
         cache = empty_cache(config, batch, compute_dtype(params))
     rope = rope_for(config, positions)
-    h = params["embed"][tokens].astype(compute_dtype(params))
+    h = embedding_rows(params["embed"], tokens, compute_dtype(params))
     streams, k_new, v_new, k_bufs, v_bufs = [], [], [], [], []
     for layer, k_cache, v_cache in zip(params["layers"], cache.k, cache.v):
         streams.append(h)

@@ -134,14 +134,14 @@ def ttt_unroll(params: Params, config: DraftConfig, target_params: Params, token
     first = params["layers"][0]
     if mask_slots:
         slot_tokens, slot_features = mask_slots_of(params, config, *tokens.shape)
-        slot_embeds = embed_tokens(params, config, target_params, slot_tokens)
-        slot_embeds = slot_embeds.astype(out.hidden.dtype)
+        slot_embeds = embed_tokens(params, config, target_params, slot_tokens, out.hidden.dtype)
         slot_hidden = fc_input(params, config, slot_features.astype(out.hidden.dtype))
     for step in range(1, ttt_length):
         if mask_slots:
             embeds, hidden = slot_embeds, slot_hidden
         else:
-            embeds = embed_tokens(params, config, target_params, shift_left(tokens, step))
+            embeds = embed_tokens(params, config, target_params, shift_left(tokens, step),
+                                  out.hidden.dtype)
             hidden = hiddens[-1]
         attn_input = jnp.concatenate([rms_norm(embeds, first["embed_norm"], eps),
                                       rms_norm(hidden, first["hidden_norm"], eps)], axis=-1)
