@@ -10,11 +10,12 @@
 // Work is split over XLA's intra-op thread pool in chunks of w rows (parallel_tasks.h).
 //
 // bfloat16 weights on a CPU with AMX (Intel Sapphire Rapids and later) go through the tile
-// unit instead: x is split exactly into three bfloat16 parts (x = hi + mid + lo), each part
-// times the stored weights is an exact product, and the tile unit sums them in float32, so
-// the result is a float32 product as on the vector path (another summation order). The
-// AVX-512 path needs M fused multiply-adds per weight element, more than two cores compute
-// while the weights stream in once M passes about 8; the tile unit does them faster (the
+// unit instead: x is split into two bfloat16 halves (hi = x rounded, lo = the remainder
+// rounded: x to 2^-17 relative, as XLA's path for 16-bit storage, `split_precision_linear`,
+// splits it), each half times the stored weights is an exact product, and the tile unit sums
+// them in float32. The AVX-512 path needs M fused multiply-adds per weight element, more
+// than two cores compute while the weights stream in once M passes about 8; the tile unit
+// does them faster, one product per 16 x columns: 8 rows per product with two halves (the
 // measured gain and its limits are in BENCHMARKS.md).
 
 #include <algorithm>
@@ -151,7 +152,7 @@ void run_chunk(const Job<W>& job, int64_t chunk) {
 #if EAGLEJAX_AMX
 constexpr int64_t kTileN = 16;  // w rows per tile (rows of the A and C tiles)
 constexpr int64_t kTileK = 32;  // bfloat16 values per tile row (64 bytes)
-constexpr int64_t kParts = 3;   // x = hi + mid + lo in bfloat16
+constexpr int64_t kParts = 2;   // x ~ hi + lo in bfloat16
 
 // Linux hands the tile registers to a process only on request (once per process).
 bool amx_permitted() {
@@ -168,8 +169,8 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every tile is 16 rows of 64 bytes: tmm0-1 blocks of w (16 rows x 32 k), tmm2-4 the
-// packed x parts (16 k pairs x 16 columns), tmm5-7 the float32 sums (16 rows x 16 columns).
+// Every tile is 16 rows of 64 bytes: tmm0-1 blocks of w (16 rows x 32 k), tmm2-3 the
+// packed x halves (16 k pairs x 16 columns), tmm5-6 the float32 sums (16 rows x 16 columns).
 TileConfig tile_config() {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
@@ -191,7 +192,7 @@ inline uint16_t to_bf16(float f) {
 // x [M,K] as the B tiles of its parts: column c = part * M + m of tile c / 16, each k pair
 // one 32-bit word (two bfloat16 values) as the tile unit reads it; tile (k block kb,
 // column tile j) is 16 pairs x 16 columns at word (kb * column_tiles + j) * 256. Each part
-// is exact: hi rounds x to 8 significant bits, mid the remainder, lo holds what is left.
+// rounds what the parts before it left of x to 8 significant bits.
 std::vector<uint32_t> pack_parts(const float* x, int64_t M, int64_t K, int64_t column_tiles) {
   std::vector<uint32_t> packed(K / kTileK * column_tiles * 256, 0);
   std::vector<float> rest(K);
@@ -218,7 +219,7 @@ std::vector<uint32_t> pack_parts(const float* x, int64_t M, int64_t K, int64_t c
 }
 
 // One k block of the sums: w rows into tile A (a literal: the intrinsics name registers),
-// the parts' tiles into 2..4, products added to 5..7. Two A tiles alternate so the next
+// the halves' tiles into 2..3, products added to 5..6. Two A tiles alternate so the next
 // block's weights load while the previous block's products still read theirs.
 #define EAGLEJAX_AMX_STEP(A, rows, b)             \
   do {                                            \
@@ -229,10 +230,6 @@ std::vector<uint32_t> pack_parts(const float* x, int64_t M, int64_t K, int64_t c
       _tile_loadd(3, (b) + 256, 64);              \
       _tile_dpbf16ps(6, A, 3);                    \
     }                                             \
-    if (kColumnTiles > 2) {                       \
-      _tile_loadd(4, (b) + 512, 64);              \
-      _tile_dpbf16ps(7, A, 4);                    \
-    }                                             \
   } while (0)
 
 // Output columns n0..n0+15 of every row.
@@ -242,7 +239,6 @@ void amx_block(const uint16_t* w, const uint32_t* packed, float* y, int64_t M, i
   alignas(64) float sums[kColumnTiles][16][16];
   _tile_zero(5);
   if (kColumnTiles > 1) _tile_zero(6);
-  if (kColumnTiles > 2) _tile_zero(7);
   const uint16_t* rows = w + n0 * K;
   const int64_t blocks = K / kTileK, stride = kColumnTiles * 256;
   int64_t kb = 0;
@@ -256,11 +252,10 @@ void amx_block(const uint16_t* w, const uint32_t* packed, float* y, int64_t M, i
   if (kb < blocks) EAGLEJAX_AMX_STEP(0, rows + kb * kTileK, packed + kb * stride);
   _tile_stored(5, sums[0], 64);
   if (kColumnTiles > 1) _tile_stored(6, sums[kColumnTiles > 1 ? 1 : 0], 64);
-  if (kColumnTiles > 2) _tile_stored(7, sums[kColumnTiles > 2 ? 2 : 0], 64);
   const auto at = [&](int64_t r, int64_t c) { return sums[c / 16][r][c % 16]; };
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t r = 0; r < kTileN; ++r) {
-      y[m * N + n0 + r] = (at(r, m) + at(r, M + m)) + at(r, 2 * M + m);
+      y[m * N + n0 + r] = at(r, m) + at(r, M + m);
     }
   }
 }
@@ -280,15 +275,14 @@ void amx_chunk(const AmxJob& job, int64_t chunk) {
     const uint32_t* b = job.packed.data();
     switch (job.column_tiles) {
       case 1: amx_block<1>(job.w, b, job.y, job.M, job.K, job.N, n0); break;
-      case 2: amx_block<2>(job.w, b, job.y, job.M, job.K, job.N, n0); break;
-      default: amx_block<3>(job.w, b, job.y, job.M, job.K, job.N, n0); break;
+      default: amx_block<2>(job.w, b, job.y, job.M, job.K, job.N, n0); break;
     }
   }
   _tile_release();
 }
 
 // Whether the tile unit takes this product: whole tiles of w (K a multiple of 32, N of 16)
-// and at most 16 rows of x (three parts each in at most three column tiles).
+// and at most 16 rows of x (two halves each in at most two column tiles).
 bool amx_applies(int64_t M, int64_t K, int64_t N) {
   return K % kTileK == 0 && N % kTileN == 0 && M <= 16 && amx_permitted();
 }

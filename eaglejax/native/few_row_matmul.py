@@ -1,8 +1,9 @@
 """x [..., K] . w[N,K]^T in float32 for a few rows of x (verification blocks, decode steps,
 draft-head steps) with the native CPU kernel `few_row_matmul.cc`; w is float32, or
-bfloat16 storage (half the bytes read, float32 products: widened exactly in registers, or
-on a CPU with AMX tiles x split into three exact bfloat16 parts summed in float32 by the
-tile unit, which multiplies 9-16 rows faster than the vector path).
+bfloat16 storage (half the bytes read): widened exactly in registers (float32 products), or
+on a CPU with AMX tiles x split into two bfloat16 halves (x to 2^-17 relative, as XLA's
+`split_precision_linear` splits it) summed in float32 by the tile unit, 8 rows per tile
+product.
 
 XLA:CPU multiplies 2-16 rows at about half the bandwidth it reaches for one row; the kernel
 reads each weight once and does all rows' multiply-adds on it, and sums every output in an
