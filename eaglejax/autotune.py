@@ -68,10 +68,10 @@ LOOKUP, LOOKUP_NGRAM = 4, 3  # every mode's lookup branch
 # dot at several times the cost per row: the probe (largest tree + LOOKUP) stays within 16.
 CPU_PROBE_NODES = 16
 HALF_LIFE = 64  # target forwards after which an acceptance count weighs half
-PRIOR_ROUNDS = 4  # what a new call's inherited acceptance weighs, in row-rounds
+PRIOR_ROUNDS = 2  # what a new call's inherited acceptance weighs, in row-rounds
 MIN_PROBE_EVERY, MAX_PROBE_EVERY = 32, 512  # target forwards between probes
-PROBE_ROUNDS = 1  # rounds per probe segment
-SPEC_ROUNDS = 4  # rounds per segment of another speculative mode
+PROBE_ROUNDS = 2  # rounds per probe segment (a call's first segment is one)
+SPEC_ROUNDS = 8  # rounds per segment of another speculative mode
 PLAIN_WIDTH = 16  # plain steps per plain segment
 TIMINGS_KEPT = 5  # per mode, the latest round times whose median is its cost
 
@@ -161,7 +161,10 @@ class AutoPolicy:
             scale = min(1.0, PRIOR_ROUNDS / max(knowledge.rounds[name], 1e-9))
             knowledge.rounds[name] *= scale
             knowledge.accepted[name] *= scale
-        self.since_probe = 0
+        # A call's first segment probes its own text (acceptance varies from prompt to
+        # prompt far more than costs vary between calls), without counting for the interval.
+        self.since_probe = knowledge.probe_every
+        self.opening = True
         self.best = self._best()
 
     @property
@@ -244,24 +247,27 @@ class AutoPolicy:
         self.knowledge.accepted, self.knowledge.rounds = dict(accepted), dict(rounds)
         self.best = self._best()
 
-    def observe(self, mode: int, seconds: float, forwards: int, accepted: float,
+    def observe(self, mode: int, seconds: float | None, forwards: int, accepted: float,
                 row_rounds: int, counts: np.ndarray | None = None) -> None:
-        """A segment of `mode` ran `forwards` target forwards in `seconds`: its rows' rounds
+        """A segment of `mode` ran `forwards` target forwards in `seconds` (None: not a
+        measure of its cost, e.g. its program's first run): its rows' rounds
         accepted `accepted` draft tokens in all (`row_rounds` row-rounds); a probe adds its
         per-column counts (`calibration.round_counts` summed over rows and rounds)."""
         if forwards <= 0:
             return
         informed = bool(self.knowledge.round_s.get(self.plan.name(0)))
-        times = self.knowledge.round_s.setdefault(self.plan.name(mode), [])
-        times.append(seconds / forwards)
-        del times[:-TIMINGS_KEPT]
+        if seconds is not None:
+            times = self.knowledge.round_s.setdefault(self.plan.name(mode), [])
+            times.append(seconds / forwards)
+            del times[:-TIMINGS_KEPT]
         learn(self.knowledge, self.plan, mode, forwards, accepted, row_rounds, counts)
         if mode == self.probe:
             before, self.best = self.best, self._best()
-            if informed:  # a choice made with every mode costed, confirmed or overturned
+            if informed and not self.opening:  # a choice made with every mode costed,
+                # confirmed or overturned
                 self.knowledge.probe_every = MIN_PROBE_EVERY if self.best != before else min(
                     2 * self.knowledge.probe_every, MAX_PROBE_EVERY)
-            self.since_probe = 0
+            self.since_probe, self.opening = 0, False
         else:
             self.best = self._best()
             self.since_probe += forwards

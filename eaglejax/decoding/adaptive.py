@@ -54,6 +54,22 @@ def describe_mix(forwards_by_mode: dict[str, int]) -> str:
     return "auto: " + ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in parts if n)
 
 
+_PROGRAMS_RUN: set[tuple] = set()
+
+
+def _ran_before(fn, args: tuple, static: dict) -> bool:
+    """Whether this process ran `fn`'s program for these argument shapes and static
+    arguments before (and from now on, it has). A program's first run costs far more than
+    its later ones (XLA:CPU links its kernels as they are first called: a probe round of
+    58 ms against 40 ms, BENCHMARKS.md), so `auto` does not time it."""
+    key = (fn, tuple(sorted(static.items())),
+           tuple((leaf.shape, str(leaf.dtype)) if hasattr(leaf, "shape") else leaf
+                 for leaf in jax.tree.leaves(args)))
+    ran = key in _PROGRAMS_RUN
+    _PROGRAMS_RUN.add(key)
+    return ran
+
+
 def adaptive_decode(target: Target, draft: "Draft", encoded: list[list[int]],
                     seeds: list[int], sampling: SamplingParams, max_new_tokens: int,
                     criteria: StopCriteria, policy: AutoPolicy | None = None) -> AdaptiveRun:
@@ -103,7 +119,7 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
                                                 **common)
         return spec_loop, args, dict(spec=spec, greedy=greedy, **common)
 
-    compiled: set[int] = set()
+    compiled: dict[int, bool] = {}  # mode -> whether its program ran in this process before
     forwards_by_mode: dict[str, int] = {}
     decode_s, forwards = 0.0, 0
     running = bool(jax.device_get(jnp.any(state.out.running)))  # max_new_tokens=1: done
@@ -114,7 +130,7 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
         fn, args, static = segment(mode, state, until)
         if mode not in compiled:
             compile_s += compile_once(fn, *args, **static)
-            compiled.add(mode)
+            compiled[mode] = _ran_before(fn, args, static)
         start = time.perf_counter()
         result = fn(*args, **static)
         state, counts = result if mode == policy.probe else (result, None)
@@ -128,7 +144,8 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
         forwards, hist = int(now_forwards), new_hist
         name = plan.name(mode)
         forwards_by_mode[name] = forwards_by_mode.get(name, 0) + ran
-        policy.observe(mode, seconds, ran, (rounds * np.arange(rounds.shape[1])).sum(),
-                       int(rounds.sum()), counts)
+        policy.observe(mode, seconds if compiled[mode] else None, ran,
+                       (rounds * np.arange(rounds.shape[1])).sum(), int(rounds.sum()), counts)
+        compiled[mode] = True
     return AdaptiveRun(DecodeRun(state, compile_s, prefill_s, decode_s), forwards_by_mode)
 
