@@ -103,6 +103,9 @@ def summarize(per_prompt: list[dict], names: list[str]) -> dict:
         "auto_over_plain_min": float(np.min(ratios)),
         "auto_over_plain_median": float(np.median(ratios)),
         "auto_over_plain_per_prompt": [round(x, 3) for x in ratios],
+        "over_plain_per_prompt": {n: [round((r[n]["tokens"] / r[n]["decode_s"])
+                                            / (r["plain"]["tokens"] / r["plain"]["decode_s"]), 3)
+                                      for r in per_prompt] for n in names if n != "plain"},
         "prompt_tokens": [r["plain"]["prompt_tokens"] for r in per_prompt],
         "most_beyond_plain_s": max(r["auto"]["call_s"] - r["plain"]["call_s"]
                                    for r in per_prompt),
