@@ -169,3 +169,24 @@ def test_the_decoding_loop_never_widens_the_16_bit_embedding_table(target_of):
     assert scratch() < widened_table
     with eaglejax.native.xla_only():
         assert scratch() >= widened_table
+
+
+def test_a_head_is_stored_as_its_target_is(target_of, tmp_path):
+    """`load_draft` stores the head's matrices as the target stores its own (norms keep the
+    compute dtype; `weight_dtype=` overrides), and speculative greedy output with the 16-bit
+    head is still the plain output."""
+    from eaglejax.draft.draft import new_eagle3_draft
+
+    stored = target_of("llama").with_weight_dtype("bfloat16")
+    new_eagle3_draft(stored, seed=2).save(str(tmp_path / "head"))
+    head = eaglejax.load_draft(str(tmp_path / "head"), target=stored)
+    assert head.params["fc"].dtype == jnp.bfloat16 and head.params["lm_head"].dtype == jnp.bfloat16
+    assert head.params["final_norm"].dtype == jnp.float32
+    wide = eaglejax.load_draft(str(tmp_path / "head"), target=stored, weight_dtype="float32")
+    assert {leaf.dtype for leaf in jax.tree.leaves(wide.params)} == {jnp.dtype(jnp.float32)}
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    kwargs = dict(target=stored, max_new_tokens=8, ignore_eos=True)
+    plain = eaglejax.generate(prompts, **kwargs)
+    spec = eaglejax.generate(prompts, draft=head, speculative=eaglejax.SpecConfig.tree(2, 3, 6),
+                             **kwargs)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]

@@ -39,6 +39,7 @@ from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopCriteria, StopTable
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.head import (
+    compute_dtype as head_dtype,
     draft_forward,
     draft_forward_chunked,
     head_logits,
@@ -130,7 +131,7 @@ def _mask_slot_logits(draft_params: Params, draft_config: DraftConfig, target_pa
     tokens, features = mask_slots(draft_params, draft_config, batch, count)
     positions = cache.lengths[:, None] + jnp.arange(count)[None, :]
     out = draft_forward(draft_params, draft_config, target_params, tokens,
-                        features.astype(draft_params["fc"].dtype), positions, cache,
+                        features.astype(head_dtype(draft_params)), positions, cache,
                         attn_impl=attn_impl)
     return head_logits(draft_params, draft_config, target_params, out.hidden)
 

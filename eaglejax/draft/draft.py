@@ -18,12 +18,13 @@ from eaglejax.draft.head import (
     head_logits,
     init_params,
     mask_slots,
+    param_info,
     to_target_logits,
 )
 from eaglejax.errors import InputError
-from eaglejax.models.llama import Params
+from eaglejax.models.llama import Params, is_param_info
 from eaglejax.sharding.placement import replicate
-from eaglejax.target import Target, default_tap_layers
+from eaglejax.target import FLOAT_DTYPES, Target, default_tap_layers
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attn_impl"))
@@ -114,6 +115,14 @@ class Draft:
         if target.mesh is not None:
             params, d2t = replicate((params, d2t), target.mesh)
         return dataclasses.replace(self, params=params, d2t=d2t, target=target)
+
+    def with_weight_dtype(self, dtype: jnp.dtype | str) -> "Draft":
+        """This head with its matrices stored in `dtype` (norms and other vectors keep the
+        compute dtype), as `Target.with_weight_dtype` stores a target's."""
+        dtype = validation.dtype("weight_dtype", dtype, FLOAT_DTYPES)
+        params = jax.tree.map(lambda info, leaf: leaf.astype(dtype) if info.matrix else leaf,
+                              param_info(self.config), self.params, is_leaf=is_param_info)
+        return dataclasses.replace(self, params=params)
 
     def save(self, path: str) -> None:
         """Write the head in eaglejax's own format (a new or empty directory)."""

@@ -91,6 +91,12 @@ def init_params(config: DraftConfig, key: jax.Array, dtype: jnp.dtype = jnp.floa
     return random_params(param_info(config), key, dtype, scale)
 
 
+def compute_dtype(params: Params) -> jnp.dtype:
+    """The head's compute dtype: its norms' (its matrices, and the target's table, may be
+    stored in 16 bits: `Draft.with_weight_dtype`)."""
+    return params["layers"][0]["mlp_norm"].dtype
+
+
 def embed_tokens(params: Params, config: DraftConfig, target_params: Params,
                  tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """The head's token embeddings [..., H] in `dtype`: its own table or the target's; a
@@ -139,7 +145,7 @@ def draft_forward(params: Params, config: DraftConfig, target_params: Params, to
     batch, t_new = tokens.shape
     mask = causal_mask(batch, t_new) if mask is None else mask
     given = cache
-    dtype = params["fc"].dtype  # the head computes in its own dtype; the table may be 16-bit
+    dtype = compute_dtype(params)
     cache = empty_cache(d, batch, dtype) if cache is None else cache
     rope = rope_for(d, positions)
     embeds = embed_tokens(params, config, target_params, tokens, dtype)

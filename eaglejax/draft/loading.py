@@ -54,12 +54,14 @@ def detect_format(path: Path) -> tuple[str, "HFWeights | None"]:
                     f"reference/SpecForge, speculators or eaglejax format)")
 
 
-def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | None = None
-               ) -> Draft:
+def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | None = None,
+               weight_dtype: jnp.dtype | str | None = None) -> Draft:
     """Load a draft head for `target`, auto-detecting its layout (eaglejax directory,
     speculators, SpecForge/reference EAGLE-3, EAGLE-1/2) and checking it against the target.
 
-    Parameters are cast to `dtype`, by default the target's.
+    Parameters are cast to `dtype`, by default the target's compute dtype; the matrices are
+    stored in `weight_dtype`, by default as the target stores its own (16-bit storage halves
+    what each head step reads; training widens a head it starts from).
     """
     path = Path(path).expanduser()
     if not path.exists():
@@ -73,6 +75,9 @@ def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | N
     if target.mesh is not None:  # replicated on every device: see sharding.placement
         host = jax.tree.map(lambda a: np.asarray(a).astype(dtype), params)
         params, d2t = replicate((host, np.asarray(d2t, np.int32)), target.mesh)
-        return Draft(config, params, d2t, target, str(path))
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
-    return Draft(config, params, jnp.asarray(d2t, jnp.int32), target, str(path))
+    else:
+        params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+        d2t = jnp.asarray(d2t, jnp.int32)
+    draft = Draft(config, params, d2t, target, str(path))
+    weight_dtype = target.weight_dtype if weight_dtype is None else weight_dtype
+    return draft if jnp.dtype(weight_dtype) == dtype else draft.with_weight_dtype(weight_dtype)
