@@ -77,7 +77,7 @@ HALF_LIFE = 64  # target forwards after which an acceptance count weighs half
 PRIOR_ROUNDS = 2  # what a new call's inherited acceptance weighs, in row-rounds
 MIN_PROBE_EVERY, MAX_PROBE_EVERY = 32, 512  # target forwards between probes
 PROBE_ROUNDS = 2  # rounds per probe segment (a call's first segment is one)
-SPEC_ROUNDS = 8  # rounds per segment of another speculative mode
+SPEC_ROUNDS = 8  # rounds per segment of another speculative mode (per call: ~2-9 ms)
 PLAIN_WIDTH = 16  # plain steps per plain segment
 TIMINGS_KEPT = 5  # per mode, the latest round times whose median is its cost
 
@@ -160,17 +160,21 @@ class AutoPolicy:
     """Chooses each segment's mode (index into `plan.modes`) from `knowledge`, and learns from
     what each segment did (see the module docstring)."""
 
-    def __init__(self, plan: AutoPlan, knowledge: Knowledge):
+    def __init__(self, plan: AutoPlan, knowledge: Knowledge, *, opening_probe: bool = True,
+                 spec_rounds: int = SPEC_ROUNDS):
+        """`opening_probe`: the first segment probes (a call's own text; the serving engine
+        probes per request instead); `spec_rounds`: rounds per segment of a tree."""
         self.plan = plan
         self.knowledge = knowledge
+        self.spec_rounds = spec_rounds
         for name in knowledge.rounds:  # inherited acceptance weighs PRIOR_ROUNDS at most
             scale = min(1.0, PRIOR_ROUNDS / max(knowledge.rounds[name], 1e-9))
             knowledge.rounds[name] *= scale
             knowledge.accepted[name] *= scale
         # A call's first segment probes its own text (acceptance varies from prompt to
         # prompt far more than costs vary between calls), without counting for the interval.
-        self.since_probe = knowledge.probe_every
-        self.opening = True
+        self.since_probe = knowledge.probe_every if opening_probe else 0
+        self.opening = opening_probe
         self.best = self._best()
 
     @property
@@ -245,7 +249,9 @@ class AutoPolicy:
         """Target forwards the next segment of `mode` may run."""
         if mode == 0:
             return PLAIN_WIDTH
-        return PROBE_ROUNDS if mode == self.probe and self.best != self.probe else SPEC_ROUNDS
+        if mode == self.probe and self.best != self.probe:
+            return PROBE_ROUNDS
+        return self.spec_rounds
 
     def use_acceptance(self, accepted: dict[str, float], rounds: dict[str, float]) -> None:
         """Take what is known of acceptance from elsewhere (the serving engine: its live

@@ -60,8 +60,9 @@ def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | N
     speculators, SpecForge/reference EAGLE-3, EAGLE-1/2) and checking it against the target.
 
     Parameters are cast to `dtype`, by default the target's compute dtype; the matrices are
-    stored in `weight_dtype`, by default as the target stores its own (16-bit storage halves
-    what each head step reads; training widens a head it starts from).
+    stored in `weight_dtype`, by default in `dtype`, or as the target stores its own where it
+    stores them narrower than it computes (16-bit storage halves what each head step reads;
+    training widens a head it starts from).
     """
     path = Path(path).expanduser()
     if not path.exists():
@@ -79,5 +80,6 @@ def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | N
         params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
         d2t = jnp.asarray(d2t, jnp.int32)
     draft = Draft(config, params, d2t, target, str(path))
-    weight_dtype = target.weight_dtype if weight_dtype is None else weight_dtype
+    if weight_dtype is None:  # as the target stores its matrices, when it narrows them
+        weight_dtype = target.weight_dtype if target.weight_dtype != target.dtype else dtype
     return draft if jnp.dtype(weight_dtype) == dtype else draft.with_weight_dtype(weight_dtype)

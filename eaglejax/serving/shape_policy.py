@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from eaglejax.draft.draft import Draft
 
 REMEMBER_EVERY_S = 10.0  # at most one write of what was learnt to disk per this interval
+STEP_ROUNDS = 4  # rounds per speculative engine step: arriving requests join between steps
 
 
 class ShapePolicy:
@@ -90,8 +91,9 @@ class ShapePolicy:
     def policy(self, rows: int) -> AutoPolicy:
         """The cost model and probe schedule of batches of `rows` active rows."""
         if rows not in self.by_rows:
-            self.by_rows[rows] = AutoPolicy(self.plan, recall(self.target, self.draft, rows,
-                                                              self.plan))
+            self.by_rows[rows] = AutoPolicy(  # each new request probes (`choose`), not
+                self.plan, recall(self.target, self.draft, rows, self.plan),  # a batch size
+                opening_probe=False, spec_rounds=STEP_ROUNDS)
         return self.by_rows[rows]
 
     def modes(self, rows: int) -> range:
