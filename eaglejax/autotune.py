@@ -246,10 +246,12 @@ class AutoPolicy:
         return self.best
 
     def segment_rounds(self, mode: int) -> int:
-        """Target forwards the next segment of `mode` may run."""
+        """Target forwards the next segment of `mode` may run: a probe runs `PROBE_ROUNDS`
+        unless it is the choice, with its cost known."""
         if mode == 0:
             return PLAIN_WIDTH
-        if mode == self.probe and self.best != self.probe:
+        if mode == self.probe and (self.best != self.probe
+                                   or not self.knowledge.round_s.get(self.plan.name(mode))):
             return PROBE_ROUNDS
         return self.spec_rounds
 

@@ -265,9 +265,10 @@ def check_auto(target, cache_dir):
     # the self-draft's probe accepts deep paths; the random head's trees far less (its
     # lookup branch copies from the repeating text of this random target: AL about 2)
     good_policy = AutoPolicy(plan, learnt)
-    assert good_policy.acceptance_length(PROBE) > 2.0
-    assert AutoPolicy(plan, autotune.recall(target, useless, 2, plan)).acceptance_length(
-        SMALL) < good_policy.acceptance_length(SMALL) - 1.0
+    useless_policy = AutoPolicy(plan, autotune.recall(target, useless, 2, plan))
+    assert good_policy.acceptance_length(PROBE) > 2.0  # measured 3.7 (useless: 1.7)
+    assert useless_policy.acceptance_length(PROBE) < good_policy.acceptance_length(PROBE) - 1
+    assert useless_policy.acceptance_length(SMALL) < good_policy.acceptance_length(SMALL) - 0.5
     stored = json.loads((cache_dir / autotune.KNOWLEDGE_FILE).read_text())
     assert len(stored) == 3 and all(set(v) == set(learnt.to_json()) for v in stored.values())
     autotune._KNOWN.clear()  # as a new process

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from eaglejax.autotune import MARGIN, PRIOR_ROUNDS, AutoPlan, Knowledge
+from eaglejax.autotune import MARGIN, PRIOR_ROUNDS, PROBE_ROUNDS, AutoPlan, Knowledge
 from eaglejax.serving.shape_policy import ShapePolicy
 
 PLAN = AutoPlan.for_device("cpu")
@@ -85,7 +85,7 @@ def test_what_a_request_shows_is_its_own_and_then_the_prior(policy):
     plain step only decays; a released request's acceptance becomes the next one's prior,
     weighing PRIOR_ROUNDS rounds; a request never seen first runs the probe."""
     policy.admit("x")
-    assert policy.choose(["x"], 1) == (PROBE, 4)  # nothing known: probe
+    assert policy.choose(["x"], 1) == (PROBE, PROBE_ROUNDS)  # nothing known: probe
     counts = np.zeros(len(PLAN.sizes) * (1 + 4))
     counts[PLAN.count_column(SMALL)], counts[PLAN.count_column(LARGE)] = 6.0, 9.0
     policy.observe(PROBE, 1, 0.2, 4, {"x": (12.0, 4, counts)})
