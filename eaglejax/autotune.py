@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import jax
@@ -244,6 +245,23 @@ class AutoPolicy:
                         and rates[mode] is not None and rates[mode] >= EXPLORE * rates[0]:
                     return mode
         return self.best
+
+    def fastest(self, modes: Iterable[int]) -> int:
+        """The mode of `modes` with the best expected rate (plain decoding when none is
+        known)."""
+        rates = self.expected_rates()
+        return max(modes, key=lambda m: (rates[m] or 0.0, m == 0))
+
+    def worth_compiling(self, mode: int, compiled: Iterable[int], compile_s: float,
+                        tokens_left: int) -> bool:
+        """Whether switching to `mode`, whose program would first compile (an estimated
+        `compile_s`), saves more time over the `tokens_left` tokens a row still has to
+        produce than the compile costs, against the fastest of the `compiled` modes."""
+        rates = self.expected_rates()
+        current = rates[self.fastest(compiled)]
+        if rates[mode] is None or not current:
+            return True
+        return tokens_left * (1.0 / current - 1.0 / rates[mode]) > compile_s
 
     def segment_rounds(self, mode: int) -> int:
         """Target forwards the next segment of `mode` may run: a probe runs `PROBE_ROUNDS`

@@ -134,6 +134,19 @@ def test_every_call_first_probes_its_own_text():
     assert call.knowledge.probe_every == 8 * MIN_PROBE_EVERY
 
 
+def test_a_switch_that_would_compile_must_pay_for_it():
+    """Plain at 50 tok/s and the 6-node tree at 2.0 / 0.03 = 66.7 (a saving of 5 ms a
+    token): over 100 tokens left it saves 0.5 s, worth a 0.4 s compile, not a 0.6 s one;
+    a mode of unknown rate is always worth it."""
+    policy = _learnt(plain_s=0.02, probe_s=0.075, al_small=2.0)
+    policy.knowledge.round_s[PLAN.name(SMALL)] = [0.03]
+    assert policy.fastest([PLAIN, PROBE]) == PLAIN
+    assert policy.worth_compiling(SMALL, [PLAIN, PROBE], 0.4, 100)
+    assert not policy.worth_compiling(SMALL, [PLAIN, PROBE], 0.6, 100)
+    assert policy.worth_compiling(SMALL, [PLAIN, PROBE], 0.6, 200)
+    assert AutoPolicy(PLAN, Knowledge()).worth_compiling(SMALL, [PLAIN], 100.0, 1)
+
+
 def test_acceptance_is_a_decayed_mean_and_a_prior_weighs_little():
     policy = AutoPolicy(PLAN, Knowledge())
     policy.observe(SMALL, 0.2, 4, 0, 16)  # 4 rounds of 4 rows accepting nothing
@@ -197,6 +210,9 @@ class Scripted(AutoPolicy):
 
     def segment_rounds(self, mode: int) -> int:
         return self.now[1]
+
+    def worth_compiling(self, *args) -> bool:
+        return True  # every scripted switch happens, compiled or not
 
 
 # every mode after every other, budgets that cut segments short and long

@@ -7,7 +7,9 @@ until a target-forward budget or every row's end: the probe counts what each can
 would have accepted (`decoding.calibration.calibration_loop`), the other trees decode as
 fixed shapes do (`speculative.spec_loop`), and plain segments keep the head caught up
 (`decoding.plain_segment`). Between segments the host reads a few counters and times the
-segment; no token leaves the device. Greedy output is the plain output; sampled output
+segment; no token leaves the device. A mode whose program is not compiled yet is switched
+to only where the time it is expected to save over the tokens left exceeds what the last
+compile took (a short first call of a fresh install stays with what it has compiled). Greedy output is the plain output; sampled output
 follows the target's distribution exactly whatever the modes, since each round is exact
 given what came before it (the tokens themselves depend on the modes chosen, and with
 them on the batch).
@@ -121,21 +123,28 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
 
     compiled: dict[int, bool] = {}  # mode -> whether its program ran in this process before
     forwards_by_mode: dict[str, int] = {}
-    decode_s, forwards = 0.0, 0
+    decode_s, forwards, tokens_left = 0.0, 0, max_new_tokens
+    last_compile_s = compile_s  # what the next compile is expected to cost
     running = bool(jax.device_get(jnp.any(state.out.running)))  # max_new_tokens=1: done
     hist = np.zeros(state.accept_hist.shape, np.int64)
     while running:
         mode = policy.next_mode()
+        if mode not in compiled and compiled and not policy.worth_compiling(
+                mode, compiled, last_compile_s, tokens_left):
+            mode = policy.fastest(compiled)  # a short call does not pay for a compile
         until = jnp.int32(forwards + policy.segment_rounds(mode))
         fn, args, static = segment(mode, state, until)
         if mode not in compiled:
-            compile_s += compile_once(fn, *args, **static)
+            last_compile_s = compile_once(fn, *args, **static)
+            compile_s += last_compile_s
             compiled[mode] = _ran_before(fn, args, static)
         start = time.perf_counter()
         result = fn(*args, **static)
         state, counts = result if mode == policy.probe else (result, None)
-        now_forwards, running, new_hist = jax.device_get(
-            (state.forwards, jnp.any(state.out.running), state.accept_hist))
+        now_forwards, rows_running, new_hist, produced = jax.device_get(
+            (state.forwards, state.out.running, state.accept_hist, state.out.counts))
+        running = bool(rows_running.any())
+        tokens_left = int((max_new_tokens - produced)[rows_running].max(initial=0))
         if counts is not None:
             counts = jax.device_get(counts.sum(axis=0))
         seconds = time.perf_counter() - start
