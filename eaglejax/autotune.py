@@ -66,9 +66,8 @@ SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # 1.05, BENCHMARKS.md).
 MARGIN = 1.0
 # While plain decoding is the choice, a tree never timed whose estimated speed (its cost
-# interpolated in node count) is at least this share of plain's runs once to be timed: the
-# interpolation overcharges small trees (bfloat16 on a 2-core Intel Xeon: tree 4,4,6 ran at
-# 1.06x plain, and `auto`, never timing it, stayed plain at 0.86x, BENCHMARKS.md).
+# interpolated in node count) is at least this share of plain's runs once to be timed: an
+# interpolation between a plain step and the probe can overcharge a small tree.
 EXPLORE = 0.9
 LOOKUP, LOOKUP_NGRAM = 4, 3  # every mode's lookup branch
 # On a CPU, verify blocks of up to 16 tokens run the native kernels and larger ones XLA's
