@@ -16,7 +16,8 @@ from eaglejax.config import ModelConfig
 from eaglejax.errors import InputError
 from eaglejax.loading.checkpoint import save_target
 from eaglejax.models.attention import AttentionImpl
-from eaglejax.models.llama import Params, compute_dtype, forward, is_param_info, lm_head, param_info
+from eaglejax.models.llama import (
+    Params, compute_dtype, forward, lm_head, param_info, store_matrices)
 from eaglejax.sharding.placement import TargetPlacement
 from eaglejax.tokenizer import Tokenizer
 
@@ -76,12 +77,7 @@ class Target:
         `dtype` and everything else unchanged: activations, norms and the KV cache keep the
         compute dtype. bfloat16 halves the bytes a decode step reads."""
         dtype = validation.dtype("weight_dtype", dtype, FLOAT_DTYPES)
-
-        def store(info, leaf):
-            return leaf.astype(dtype) if info.matrix else leaf
-
-        params = jax.tree.map(store, param_info(self.config), self.params,
-                              is_leaf=is_param_info)
+        params = store_matrices(param_info(self.config), self.params, dtype)
         return dataclasses.replace(self, params=params)
 
     def save(self, path: str) -> None:

@@ -22,7 +22,7 @@ from eaglejax.draft.head import (
     to_target_logits,
 )
 from eaglejax.errors import InputError
-from eaglejax.models.llama import Params, is_param_info
+from eaglejax.models.llama import Params, store_matrices
 from eaglejax.sharding.placement import replicate
 from eaglejax.target import FLOAT_DTYPES, Target, default_tap_layers
 
@@ -120,8 +120,7 @@ class Draft:
         """This head with its matrices stored in `dtype` (norms and other vectors keep the
         compute dtype), as `Target.with_weight_dtype` stores a target's."""
         dtype = validation.dtype("weight_dtype", dtype, FLOAT_DTYPES)
-        params = jax.tree.map(lambda info, leaf: leaf.astype(dtype) if info.matrix else leaf,
-                              param_info(self.config), self.params, is_leaf=is_param_info)
+        params = store_matrices(param_info(self.config), self.params, dtype)
         return dataclasses.replace(self, params=params)
 
     def save(self, path: str) -> None:

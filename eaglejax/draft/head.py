@@ -100,8 +100,9 @@ def compute_dtype(params: Params) -> jnp.dtype:
 def embed_tokens(params: Params, config: DraftConfig, target_params: Params,
                  tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """The head's token embeddings [..., H] in `dtype`: its own table or the target's; a
-    P-EAGLE head trained by eaglejax embeds its mask token with the learned `mask_embed` (layouts that
-    store tables carry it as that token's row of the head's own `embed_tokens`)."""
+    P-EAGLE head trained by eaglejax embeds its mask token with the learned `mask_embed`
+    (layouts that store tables carry it as that token's row of the head's own
+    `embed_tokens`)."""
     embeds = embedding_rows(params.get("embed", target_params["embed"]), tokens, dtype)
     if "mask_embed" in params:
         is_mask = (tokens == config.mask_token_id)[..., None]

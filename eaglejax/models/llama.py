@@ -120,6 +120,13 @@ def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.floa
     return random_params(param_info(config), key, dtype, scale)
 
 
+def store_matrices(infos: Params, params: Params, dtype: jnp.dtype) -> Params:
+    """`params` with every matrix (per its `ParamInfo` in `infos`) stored in `dtype`; norms
+    and other vectors as they are."""
+    return jax.tree.map(lambda info, leaf: leaf.astype(dtype) if info.matrix else leaf,
+                        infos, params, is_leaf=is_param_info)
+
+
 def compute_dtype(params: Params) -> jnp.dtype:
     """The dtype of activations and the KV cache: the final norm's. Matrices may be stored
     in 16 bits under float32 compute (`linear`)."""
