@@ -9,8 +9,8 @@ fixed shapes do (`speculative.spec_loop`), and plain segments keep the head caug
 (`decoding.plain_segment`). Between segments the host reads a few counters and times the
 segment; no token leaves the device. A mode whose program is not compiled yet is switched
 to only where the time it is expected to save over the tokens left exceeds what the last
-compile took (a short first call of a fresh install stays with what it has compiled). Greedy output is the plain output; sampled output
-follows the target's distribution exactly whatever the modes, since each round is exact
+compile took (a short first call of a fresh install stays with what it has compiled).
+Greedy output is the plain output; sampled output follows the target's distribution exactly whatever the modes, since each round is exact
 given what came before it (the tokens themselves depend on the modes chosen, and with
 them on the batch).
 """
@@ -121,7 +121,9 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
                                                 **common)
         return spec_loop, args, dict(spec=spec, greedy=greedy, **common)
 
-    compiled: dict[int, bool] = {}  # mode -> whether its program ran in this process before
+    # modes compiled in this call -> whether their next run is a measure of their cost (their
+    # program ran in this process before)
+    warm: dict[int, bool] = {}
     forwards_by_mode: dict[str, int] = {}
     decode_s, forwards, tokens_left = 0.0, 0, max_new_tokens
     last_compile_s = compile_s  # what the next compile is expected to cost
@@ -129,15 +131,15 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
     hist = np.zeros(state.accept_hist.shape, np.int64)
     while running:
         mode = policy.next_mode()
-        if mode not in compiled and compiled and not policy.worth_compiling(
-                mode, compiled, last_compile_s, tokens_left):
-            mode = policy.fastest(compiled)  # a short call does not pay for a compile
+        if mode not in warm and warm and not policy.worth_compiling(
+                mode, warm, last_compile_s, tokens_left):
+            mode = policy.fastest(warm)  # a short call does not pay for a compile
         until = jnp.int32(forwards + policy.segment_rounds(mode))
         fn, args, static = segment(mode, state, until)
-        if mode not in compiled:
+        if mode not in warm:
             last_compile_s = compile_once(fn, *args, **static)
             compile_s += last_compile_s
-            compiled[mode] = _ran_before(fn, args, static)
+            warm[mode] = _ran_before(fn, args, static)
         start = time.perf_counter()
         result = fn(*args, **static)
         state, counts = result if mode == policy.probe else (result, None)
@@ -153,8 +155,8 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
         forwards, hist = int(now_forwards), new_hist
         name = plan.name(mode)
         forwards_by_mode[name] = forwards_by_mode.get(name, 0) + ran
-        policy.observe(mode, seconds if compiled[mode] else None, ran,
+        policy.observe(mode, seconds if warm[mode] else None, ran,
                        (rounds * np.arange(rounds.shape[1])).sum(), int(rounds.sum()), counts)
-        compiled[mode] = True
+        warm[mode] = True
     return AdaptiveRun(DecodeRun(state, compile_s, prefill_s, decode_s), forwards_by_mode)
 

@@ -2,8 +2,8 @@
 `embedding_rows.cc`: XLA:CPU gathers 16-bit floats through a float32 copy of the whole
 table, made once per program call (hoisted out of the decoding loop as invariant: 22 ms a
 call for SmolLM2's table on a 2-core Xeon, BENCHMARKS.md). Other platforms, other dtypes
-and traces over a mesh keep XLA's gather (`jax.lax.platform_dependent`). Gradients flow to
-the table as XLA's gather's do.
+and traces over a mesh keep XLA's gather (`jax.lax.platform_dependent`). Ids outside the
+table are clamped to it on every platform. Gradients flow to the rows read.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def applies(table: jax.Array, dtype: jnp.dtype) -> bool:
 
 
 def _gather(table: jax.Array, ids: jax.Array) -> jax.Array:
-    return table[ids].astype(jnp.float32)
+    return jnp.take(table, ids, axis=0, mode="clip").astype(jnp.float32)  # ids as the kernel
 
 
 @jax.custom_vjp
@@ -48,6 +48,7 @@ def _forward(table: jax.Array, ids: jax.Array):
 
 def _backward(residuals, grad: jax.Array):
     table, ids = residuals
+    ids = jnp.clip(ids, 0, table.shape[0] - 1)  # the rows the kernel read
     return jnp.zeros(table.shape, grad.dtype).at[ids].add(grad).astype(table.dtype), None
 
 
