@@ -13,6 +13,7 @@ import pytest
 
 from eaglejax.errors import ConfigError
 from eaglejax.models.llama import linear
+from eaglejax import native
 from eaglejax.native import build, few_row_matmul
 from tolerances import SPLIT_PRODUCT, assert_close_scaled, scaled_error
 
@@ -147,6 +148,76 @@ def test_batched_shapes_and_gradient():
         assert_close_scaled(g, r, units=PRODUCT_UNITS, scale=float(np.abs(r).max()) * 64)
 
 
+def _prologue64(x: np.ndarray, kind: str, scale: np.ndarray, eps: float) -> np.ndarray:
+    """The rows a fused product multiplies, in float64 (written from the definitions)."""
+    x = x.astype(np.float64)
+    if kind == "norm":
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+    gate, up = np.split(x, 2, axis=-1)
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 12])
+@pytest.mark.parametrize("kind", ["norm", "gated"])
+def test_fused_layer_operations_match_float64(kind, rows, dtype):
+    """RMS norm or silu(gate) * up before the product, a residual after it: the kernel's
+    result is the float64 oracle's to the same bound as the bare product (float32 weights)
+    or the split product (bfloat16), with rows independent bit for bit. Negative controls: a
+    norm with eps 10x off, sigmoid(gate) * up, and a dropped residual fail the bound."""
+    k, n, eps = 576, 96, 1e-5
+    rng = np.random.default_rng(5)
+    size = 0.003 if kind == "norm" else 3.0  # a mean square near eps: a wrong eps shows
+    x = (size * rng.standard_normal((rows, k if kind == "norm" else 2 * k))).astype(np.float32)
+    w = jnp.asarray(0.05 * rng.standard_normal((n, k)), dtype)
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)
+    norm = (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    residual = rng.standard_normal((rows, n)).astype(np.float32)
+    options = {"norm": jnp.asarray(norm), "eps": eps} if kind == "norm" else {"gated": True}
+    assert few_row_matmul.applies(jnp.asarray(x), w)
+    fused = jax.jit(lambda a, r: linear(a, w, residual=r, **options))
+    got = np.asarray(fused(jnp.asarray(x), jnp.asarray(residual)))
+    a64 = _prologue64(x, kind, norm, eps)
+    want = residual + a64 @ w64.T
+    scale = float((np.abs(a64) @ np.abs(w64).T).max())
+    units, unit_dtype = ((PRODUCT_UNITS, np.float32) if dtype == jnp.float32
+                         else (SPLIT_UNITS, SPLIT_PRODUCT))
+    assert_close_scaled(got, want, units=units, scale=scale, dtype=unit_dtype,
+                        what=f"{kind} + product + residual")
+    for i in range(rows):
+        alone = fused(jnp.asarray(x[i:i + 1]), jnp.asarray(residual[i:i + 1]))
+        np.testing.assert_array_equal(np.asarray(alone)[0], got[i])
+    if kind == "norm":
+        wrong = _prologue64(x, kind, norm, 10 * eps) @ w64.T + residual
+    else:
+        gate, up = np.split(x.astype(np.float64), 2, axis=-1)
+        wrong = (up / (1.0 + np.exp(-gate))) @ w64.T + residual
+    assert scaled_error(wrong, want, scale=scale, dtype=unit_dtype) > 10 * units
+    assert scaled_error(want - residual, want, scale=scale, dtype=unit_dtype) > 10 * units
+
+
+@needs_compiler
+def test_fused_gradients_are_the_references():
+    """Gradients through the fused kernel equal those of XLA's operations."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
+    w = jnp.asarray(0.1 * rng.standard_normal((40, 64)), jnp.float32)
+    norm = jnp.asarray(1.0 + 0.1 * rng.standard_normal(64), jnp.float32)
+    r = jnp.asarray(rng.standard_normal((4, 40)), jnp.float32)
+
+    def loss(a, b, c, d, e):
+        y = linear(a, c, norm=d, eps=1e-5, residual=e) + linear(b, c, gated=True)
+        return jnp.sum(jnp.sin(y))
+
+    grads = jax.grad(loss, argnums=range(5))(x, g, w, norm, r)
+    with native.xla_only():
+        want = jax.grad(loss, argnums=range(5))(x, g, w, norm, r)
+    for got, ref in zip(grads, want):
+        assert_close_scaled(got, ref, units=PRODUCT_UNITS, scale=float(np.abs(ref).max()) * 64)
+
+
 def test_dispatch_rules():
     w = jnp.zeros((8, 16), jnp.float32)
     assert not few_row_matmul.applies(jnp.zeros((17, 16)), w)  # a prefill-sized block: XLA
@@ -158,9 +229,17 @@ def test_dispatch_rules():
 @needs_compiler
 def test_exports_for_accelerators_keep_xlas_dot():
     x, w = jnp.zeros((6, 64)), jnp.zeros((40, 64))
+    norm, residual = jnp.ones((64,)), jnp.zeros((6, 40))
+
+    def fused(x, w, norm, residual):
+        return linear(x, w, norm=norm, eps=1e-5, residual=residual)
+
     for platform in ("cuda", "tpu"):
         text = jax.export.export(jax.jit(linear), platforms=[platform])(x, w).mlir_module()
         assert "eaglejax_few_row_matmul" not in text and "dot_general" in text
+        text = jax.export.export(jax.jit(fused), platforms=[platform])(
+            x, w, norm, residual).mlir_module()
+        assert "eaglejax_few_row_matmul" not in text and "rsqrt" in text
     assert few_row_matmul.TARGETS[jnp.dtype(jnp.float32)] in jax.jit(linear).lower(x, w).as_text()
 
 

@@ -206,17 +206,6 @@ spec_prefill = jax.jit(spec_prefill, static_argnames=(
     "prefill_chunk"))
 
 
-def _commit_path(cache: kv_cache.KVCache, k_new: tuple[jax.Array, ...],
-                 v_new: tuple[jax.Array, ...], path: jax.Array) -> kv_cache.KVCache:
-    """Write the accepted path's K/V rows (per layer [B,N,kv,D], path [B,D+1]) into the
-    consecutive slots after each row's prefix (lengths unchanged)."""
-    pick = lambda rows: jnp.take_along_axis(rows, path[:, :, None, None], axis=1)  # noqa: E731
-    write = lambda buf, new: kv_cache.write_block(buf, pick(new), cache.lengths)  # noqa: E731
-    k = tuple(write(buf, new) for buf, new in zip(cache.k, k_new))
-    v = tuple(write(buf, new) for buf, new in zip(cache.v, v_new))
-    return kv_cache.KVCache(k, v, cache.lengths)
-
-
 @functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "greedy",
                                              "stop", "attn_impl", "through"),
                    donate_argnames=("state",))
@@ -307,7 +296,8 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params,
         features = target_features(verified, draft_config)
         target_cache = verified.cache
         if not in_place:
-            target_cache = _commit_path(target_cache, verified.k_new, verified.v_new, path)
+            target_cache = kv_cache.write_rows(target_cache, verified.k_new, verified.v_new,
+                                                  path)
             features = jnp.take_along_axis(features, path[:, :, None], axis=1)
         target_cache = target_cache._replace(lengths=s.target_cache.lengths + advance)
         if through == "accept":

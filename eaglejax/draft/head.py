@@ -193,8 +193,8 @@ def head_logits(params: Params, config: DraftConfig, target_params: Params,
     """Float32 draft-vocabulary logits [..., DV] of un-normed head outputs [..., H]
     (computed only where needed: the vocabulary projection is the head's largest matmul)."""
     if config.kind == "eagle3":
-        logits = linear(rms_norm(hidden, params["final_norm"], config.decoder.rms_norm_eps),
-                        params["lm_head"])
+        logits = linear(hidden, params["lm_head"], norm=params["final_norm"],
+                        eps=config.decoder.rms_norm_eps)
     else:
         logits = linear(hidden, target_params.get("lm_head", target_params["embed"]))
     return logits.astype(jnp.float32)

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from eaglejax.native import cache_rows
 from eaglejax.sharding.rules import constrain
 
 
@@ -76,3 +77,23 @@ def append(cache: KVCache, k_new: tuple[jax.Array, ...], v_new: tuple[jax.Array,
     k = tuple(write_block(buf, new, cache.lengths) for buf, new in zip(cache.k, k_new))
     v = tuple(write_block(buf, new, cache.lengths) for buf, new in zip(cache.v, v_new))
     return KVCache(k, v, (cache.lengths + n_valid).astype(jnp.int32))
+
+
+def write_rows(cache: KVCache, k_new: tuple[jax.Array, ...], v_new: tuple[jax.Array, ...],
+               picks: jax.Array) -> KVCache:
+    """Write rows picks[b, p] of the new K/V (per layer [B,N,kv,D]) into slots
+    lengths[b] + p of every layer (slots past the capacity are dropped; lengths unchanged):
+    on CPU one native call for all layers, in place (`eaglejax.native.cache_rows`)."""
+    buffers, rows = cache.k + cache.v, tuple(k_new) + tuple(v_new)
+
+    def reference(picks: jax.Array, lengths: jax.Array, buffers: tuple[jax.Array, ...],
+                  rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        pick = lambda new: jnp.take_along_axis(new, picks[:, :, None, None], axis=1)  # noqa: E731
+        return tuple(write_block(buf, pick(new), lengths) for buf, new in zip(buffers, rows))
+
+    if cache_rows.applies(buffers, rows):
+        written = cache_rows.write(buffers, rows, picks, cache.lengths, reference)
+    else:
+        written = reference(picks, cache.lengths, buffers, rows)
+    layers = len(cache.k)
+    return KVCache(tuple(written[:layers]), tuple(written[layers:]), cache.lengths)

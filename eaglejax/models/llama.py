@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from eaglejax.config import ModelConfig
-from eaglejax.models.attention import AttentionImpl, attention
+from eaglejax.models.attention import AttentionImpl, attention, resolve_impl
 from eaglejax.models.kv_cache import KVCache, write_block
 from eaglejax.models.rope import apply_rope, inverse_frequencies, rope_tables
-from eaglejax.native import embedding_rows as embedding_rows_kernel, few_row_matmul
+from eaglejax.native import cache_attention, embedding_rows as embedding_rows_kernel, few_row_matmul
 from eaglejax.sharding.rules import over_mesh
 
 Params = dict[str, Any]
@@ -155,23 +155,40 @@ def causal_mask(batch: int, t_new: int) -> jax.Array:
     return jnp.broadcast_to(tri, (batch, t_new, t_new))
 
 
-def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x [..., in] times a PyTorch-layout weight [out, in].
+def linear(x: jax.Array, weight: jax.Array, *, norm: jax.Array | None = None,
+           eps: float = 0.0, gated: bool = False,
+           residual: jax.Array | None = None) -> jax.Array:
+    """x [..., in] times a PyTorch-layout weight [out, in], optionally with the operations a
+    decoder layer does around it: `norm` (a scale [in]) RMS-norms x first (`rms_norm` with
+    `eps`); `gated` takes x = [gate | up] [..., 2 in] and multiplies silu(gate) * up;
+    `residual` [..., out] is added to the product.
 
     The weight stays 2-D and is the matmul's left operand: XLA:CPU then reads it in place
     (a higher-rank weight gets a transposed copy every call) and multiplies a few rows
     (verification blocks) markedly faster than with the weight on the right.
     A 16-bit weight under float32 activations is stored-only: see `split_precision_linear`.
     A few rows of float32 x on CPU (float32 or bfloat16 weights) go to the native kernel
-    (`eaglejax.native.few_row_matmul`).
+    (`eaglejax.native.few_row_matmul`), the surrounding operations with them.
     """
     if x.dtype == jnp.float32 and weight.dtype in (jnp.bfloat16, jnp.float16):
         product = split_precision_linear
     else:
         product = _dot
+
+    def reference(rows: jax.Array, weight: jax.Array, norm: jax.Array | None,
+                  residual: jax.Array | None) -> jax.Array:
+        if norm is not None:
+            rows = rms_norm(rows, norm, eps)
+        if gated:
+            gate, up = jnp.split(rows, 2, axis=-1)
+            rows = jax.nn.silu(gate) * up
+        y = product(rows, weight)
+        return y if residual is None else residual + y
+
     if few_row_matmul.applies(x, weight):
-        return few_row_matmul.linear(x, weight, default=product)
-    return product(x, weight)
+        return few_row_matmul.linear(x, weight, reference, norm=norm, eps=eps, gated=gated,
+                                     residual=residual)
+    return reference(x, weight, norm, residual)
 
 
 def _dot(x: jax.Array, weight: jax.Array) -> jax.Array:
@@ -196,38 +213,58 @@ def split_precision_linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     return (both[:n] + both[n:]).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def qkv_projection(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
-                   layer: Params, attn_input: jax.Array | None = None):
-    """A layer's attention inputs from residual h [B,T,H]: q [B,T,Hq,D], k and v
-    [B,T,Hkv,D], normed (if the model does) and rotated. `attn_input` replaces
-    `attn_norm(h)` (EAGLE heads feed their first layer something else; its width may
-    differ from H)."""
-    c, eps = config, config.rms_norm_eps
+def qkv_block(config: ModelConfig, h: jax.Array, layer: Params,
+              attn_input: jax.Array | None = None) -> jax.Array:
+    """A layer's projection of residual h [B,T,H] (RMS-normed first) to its queries, keys and
+    values, [B,T,Hkv,G+2,D] as `wqkv` groups them, bias added, before any rotation.
+    `attn_input` replaces `attn_norm(h)` (EAGLE heads feed their first layer something
+    else; its width may differ from H)."""
     batch, t_new, _ = h.shape
-    x = rms_norm(h, layer["attn_norm"], eps) if attn_input is None else attn_input
     wqkv = layer["wqkv"]
-    qkv = linear(x, wqkv.reshape(-1, wqkv.shape[-1])).reshape(batch, t_new, *wqkv.shape[:-1])
-    if c.attention_bias:
-        qkv = qkv + layer["bqkv"]
+    matrix = wqkv.reshape(-1, wqkv.shape[-1])
+    if attn_input is None:
+        qkv = linear(h, matrix, norm=layer["attn_norm"], eps=config.rms_norm_eps)
+    else:
+        qkv = linear(attn_input, matrix)
+    qkv = qkv.reshape(batch, t_new, *wqkv.shape[:-1])
+    return qkv + layer["bqkv"] if config.attention_bias else qkv
+
+
+def rotated_heads(config: ModelConfig, rope: tuple[jax.Array, jax.Array], qkv: jax.Array,
+                  layer: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B,T,Hq,D], k and v [B,T,Hkv,D] from a `qkv_block`, normed (if the model does) and
+    rotated."""
+    c = config
+    batch, t_new = qkv.shape[:2]
     q = qkv[:, :, :, :-2].reshape(batch, t_new, c.num_heads, c.head_dim)
     k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
     if c.qk_norm:
-        q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
+        q, k = (rms_norm(q, layer["q_norm"], c.rms_norm_eps),
+                rms_norm(k, layer["k_norm"], c.rms_norm_eps))
     return apply_rope(q, *rope), apply_rope(k, *rope), v
+
+
+def qkv_projection(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
+                   layer: Params, attn_input: jax.Array | None = None):
+    """A layer's attention inputs from residual h [B,T,H]: q [B,T,Hq,D], k and v
+    [B,T,Hkv,D], normed (if the model does) and rotated (`qkv_block`, `rotated_heads`)."""
+    return rotated_heads(config, rope, qkv_block(config, h, layer, attn_input), layer)
 
 
 def attention_output_and_mlp(config: ModelConfig, h: jax.Array, layer: Params,
                              attn: jax.Array) -> jax.Array:
     """The rest of a layer: h + wo(attn), then the gated MLP's residual update."""
     batch, t_new, _ = h.shape
-    h = h + linear(attn.reshape(batch, t_new, -1), layer["wo"])
-    x = rms_norm(h, layer["mlp_norm"], config.rms_norm_eps)
+    eps = config.rms_norm_eps
+    h = linear(attn.reshape(batch, t_new, -1), layer["wo"], residual=h)
     w_gate_up = layer["w_gate_up"]
     if over_mesh():  # two products: merging [2, I, H] to [2I, H] would reshard the split I
+        x = rms_norm(h, layer["mlp_norm"], eps)
         gate, up = linear(x, w_gate_up[0]), linear(x, w_gate_up[1])
-    else:
-        gate, up = jnp.split(linear(x, w_gate_up.reshape(-1, config.hidden_size)), 2, axis=-1)
-    return h + linear(jax.nn.silu(gate) * up, layer["w_down"])
+        return h + linear(jax.nn.silu(gate) * up, layer["w_down"])
+    gate_up = linear(h, w_gate_up.reshape(-1, config.hidden_size), norm=layer["mlp_norm"],
+                     eps=eps)
+    return linear(gate_up, layer["w_down"], gated=True, residual=h)
 
 
 def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
@@ -235,14 +272,27 @@ def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax
                   cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl,
                   attn_input: jax.Array | None = None):
     """One pre-norm decoder layer over residual h [B,T,H]; returns (h, k, v, k_buf, v_buf).
-    `attn_input`: see `qkv_projection`."""
-    q, k, v = qkv_projection(config, rope, h, layer, attn_input)
-    if k_cache.shape[2]:
-        # Stage the new rows first so the attention reads the updated buffer: XLA then
-        # updates the cache in place instead of copying it.
-        k_cache = write_block(k_cache, k, cache_lengths)
-        v_cache = write_block(v_cache, v, cache_lengths)
-    attn = attention(q, k_cache, v_cache, cache_lengths, k, v, mask, impl=impl)
+    `attn_input`: see `qkv_block`. On CPU, a few new tokens over a cache take the attention
+    step (rotation, staging, attention) in one native call."""
+    qkv = qkv_block(config, h, layer, attn_input)
+
+    def attention_step(qkv, cos, sin, k_cache, v_cache, cache_lengths, mask):
+        q, k, v = rotated_heads(config, (cos[:, :, None], sin[:, :, None]), qkv, layer)
+        if k_cache.shape[2]:
+            # Stage the new rows first so the attention reads the updated buffer: XLA then
+            # updates the cache in place instead of copying it.
+            k_cache = write_block(k_cache, k, cache_lengths)
+            v_cache = write_block(v_cache, v, cache_lengths)
+        attn = attention(q, k_cache, v_cache, cache_lengths, k, v, mask, impl=impl)
+        return attn, k_cache, v_cache, k, v
+
+    args = (qkv, rope[0][:, :, 0], rope[1][:, :, 0], k_cache, v_cache, cache_lengths, mask)
+    if (not config.qk_norm and resolve_impl(impl) != "pallas"
+            and cache_attention.rope_applies(qkv, k_cache)):
+        attn, k_cache, v_cache, k, v = cache_attention.rope_attention(*args,
+                                                                      reference=attention_step)
+    else:
+        attn, k_cache, v_cache, k, v = attention_step(*args)
     return attention_output_and_mlp(config, h, layer, attn), k, v, k_cache, v_cache
 
 

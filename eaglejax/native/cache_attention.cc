@@ -34,37 +34,13 @@ namespace {
 constexpr int kMaxD = 256;
 constexpr int kQueryGroup = 4;  // queries accumulated together in the value pass
 
-// e^x lane by lane for x <= 0 (softmax weights), exactly 0 below -87 (and for -inf):
-// x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error
-// about 2e-7), times 2^n built in the exponent bits.
-inline Vec exp_nonpositive(Vec x) {
-  const Vec zero = {};
-  const auto underflow = x < (zero - 87.0f);
-  x = underflow ? zero : x;
-  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const Vec n = (x * 1.44269504088896341f + kRound) - kRound;
-  const Vec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  Vec p = zero + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  typedef int32_t Int __attribute__((vector_size(kLanes * sizeof(int32_t))));
-  const Int bits = (__builtin_convertvector(n, Int) + 127) << 23;
-  Vec scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  const Vec e = p * scale;
-  return underflow ? zero : e;
-}
-
 struct Job {
   const float *q, *k_cache, *v_cache, *k_new, *v_new;
   const int32_t* lengths;
   const uint8_t* mask;
   float* out;
   int64_t B, T, Hq, Hkv, S, D;
+  std::vector<float> rotated_q;  // the fused entry's rotated queries (q points here)
 };
 
 // Every query of row b over KV head h. Queries sit in vector lanes (query i = (t, g),
@@ -154,6 +130,14 @@ void run_task(const Job& job, int64_t task, std::vector<float>& buffer) {
   }
 }
 
+void launch(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job) {
+  parallel_tasks(pool, job->B * job->Hkv, [job] {  // one (row, KV head) per task
+    return [job, buffer = std::vector<float>()](int64_t task) mutable {
+      run_task(*job, task, buffer);
+    };
+  });
+}
+
 ffi::Error cache_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
                            ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> k_new,
@@ -182,11 +166,82 @@ ffi::Error cache_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   job->D = qd[3];
   job->Hkv = kd[1];
   job->S = kd[2];
-  parallel_tasks(pool, job->B * job->Hkv, [job] {  // one (row, KV head) per task
-    return [job, buffer = std::vector<float>()](int64_t task) mutable {
-      run_task(*job, task, buffer);
-    };
-  });
+  launch(pool, job);
+  return ffi::Error::Success();
+}
+
+// x * cos + rotate_half(x) * sin over one head's D values (the Hugging Face layout).
+void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] + -x[d + half] * sin[d];
+  for (int64_t d = half; d < D; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
+}
+
+// The whole attention step of a decoder layer from its projection's output: qkv
+// [B,T,Hkv,G+2,D] (each KV head's G query heads, then its key, then its value) is rotated
+// (cos/sin [B,T,D]), the new keys and values are written into the caches at slots
+// lengths[b] + t (slots past the capacity dropped; the cache results alias the inputs) and
+// returned as k_new/v_new [B,T,Hkv,D], and the queries attend as in cache_attention.
+ffi::Error rope_cache_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
+                                ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                                ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                                ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::U8> mask,
+                                ffi::ResultBuffer<ffi::F32> out,
+                                ffi::ResultBuffer<ffi::F32> k_cache_out,
+                                ffi::ResultBuffer<ffi::F32> v_cache_out,
+                                ffi::ResultBuffer<ffi::F32> k_new,
+                                ffi::ResultBuffer<ffi::F32> v_new) {
+  const auto xd = qkv.dimensions(), kd = k_cache.dimensions(), cd = cos.dimensions();
+  if (xd.size() != 5 || kd.size() != 4 || cd.size() != 3 || xd[2] != kd[1] || xd[3] < 3 ||
+      xd[4] != kd[3] || kd[0] < xd[0] || cd[0] != xd[0] || cd[1] != xd[1] || cd[2] != xd[4] ||
+      xd[4] % kLanes != 0 || xd[4] > kMaxD) {
+    return ffi::Error::InvalidArgument(
+        "rope_cache_attention: expected qkv [B,T,Hkv,G+2,D], cos/sin [B,T,D], caches "
+        "[B',Hkv,S,D] (B' >= B) with D a multiple of the vector width up to 256");
+  }
+  const int64_t B = xd[0], T = xd[1], Hkv = xd[2], G = xd[3] - 2, D = xd[4], S = kd[2];
+  float* kc = k_cache_out->typed_data();
+  float* vc = v_cache_out->typed_data();
+  if (kc != k_cache.typed_data()) std::memcpy(kc, k_cache.typed_data(), k_cache.size_bytes());
+  if (vc != v_cache.typed_data()) std::memcpy(vc, v_cache.typed_data(), v_cache.size_bytes());
+  auto job = std::make_shared<Job>();
+  job->rotated_q.resize(B * T * Hkv * G * D);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* c = cos.typed_data() + (b * T + t) * D;
+      const float* n = sin.typed_data() + (b * T + t) * D;
+      const int64_t slot = lengths.typed_data()[b] + t;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const float* heads = qkv.typed_data() + ((b * T + t) * Hkv + h) * (G + 2) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          rotate(heads + g * D, c, n, job->rotated_q.data() + ((b * T + t) * Hkv * G + h * G + g) * D, D);
+        }
+        float* key = k_new->typed_data() + ((b * T + t) * Hkv + h) * D;
+        float* value = v_new->typed_data() + ((b * T + t) * Hkv + h) * D;
+        rotate(heads + G * D, c, n, key, D);
+        std::memcpy(value, heads + (G + 1) * D, D * sizeof(float));
+        if (slot >= 0 && slot < S) {
+          std::memcpy(kc + ((b * Hkv + h) * S + slot) * D, key, D * sizeof(float));
+          std::memcpy(vc + ((b * Hkv + h) * S + slot) * D, value, D * sizeof(float));
+        }
+      }
+    }
+  }
+  job->q = job->rotated_q.data();
+  job->k_cache = kc;
+  job->v_cache = vc;
+  job->lengths = lengths.typed_data();
+  job->k_new = k_new->typed_data();
+  job->v_new = v_new->typed_data();
+  job->mask = mask.typed_data();
+  job->out = out->typed_data();
+  job->B = B;
+  job->T = T;
+  job->Hq = Hkv * G;
+  job->D = D;
+  job->Hkv = Hkv;
+  job->S = S;
+  launch(pool, job);
   return ffi::Error::Success();
 }
 
@@ -202,4 +257,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EaglejaxCacheAttention, cache_attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EaglejaxRopeCacheAttention, rope_cache_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

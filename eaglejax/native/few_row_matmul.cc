@@ -17,6 +17,11 @@
 // than two cores compute while the weights stream in once M passes about 8; the tile unit
 // does them faster, one product per 16 x columns: 8 rows per product with two halves (the
 // measured gain and its limits are in BENCHMARKS.md).
+//
+// A decoder layer's small operations around its products ride along, so a verify block
+// pays no separate pass (and no XLA operation of its own) for them: the rows multiplied may
+// be x RMS-normed and scaled (prologue 1, attention and MLP inputs) or silu(gate) * up of
+// x = [gate | up] (prologue 2, the MLP's down projection), and y may have a residual added.
 
 #include <algorithm>
 #include <cmath>
@@ -189,29 +194,49 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// Splits 32 values of x (one k block) into their bfloat16 parts: parts[p][j] holds part p
+// of x[j]; each part rounds what the parts before it left of x to 8 significant bits, and an
+// infinity is all in the first part (inf - inf would be NaN).
+inline void split_block(const float* x, uint16_t parts[kParts][kTileK]) {
+#if defined(__AVX512BF16__)
+  for (int half = 0; half < 2; ++half) {
+    __m512 rest = _mm512_loadu_ps(x + 16 * half);
+    for (int64_t part = 0; part < kParts; ++part) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(rest);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(parts[part] + 16 * half),
+                          reinterpret_cast<const __m256i&>(rounded));
+      const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(rounded)), 16));
+      const __mmask16 infinite = _mm512_fpclass_ps_mask(rest, 0x18);
+      rest = _mm512_maskz_sub_ps(static_cast<__mmask16>(~infinite), rest, widened);
+    }
+  }
+#else
+  for (int64_t k = 0; k < kTileK; ++k) {
+    float rest = x[k];
+    for (int64_t part = 0; part < kParts; ++part) {
+      parts[part][k] = to_bf16(rest);
+      rest = std::isinf(rest) ? 0.0f : rest - scalar(parts[part][k]);
+    }
+  }
+#endif
+}
+
 // x [M,K] as the B tiles of its parts: column c = part * M + m of tile c / 16, each k pair
 // one 32-bit word (two bfloat16 values) as the tile unit reads it; tile (k block kb,
-// column tile j) is 16 pairs x 16 columns at word (kb * column_tiles + j) * 256. Each part
-// rounds what the parts before it left of x to 8 significant bits.
+// column tile j) is 16 pairs x 16 columns at word (kb * column_tiles + j) * 256.
 std::vector<uint32_t> pack_parts(const float* x, int64_t M, int64_t K, int64_t column_tiles) {
   std::vector<uint32_t> packed(K / kTileK * column_tiles * 256, 0);
-  std::vector<float> rest(K);
-  std::vector<uint16_t> values(K);  // one part of one row
-  std::vector<uint32_t> pairs(K / 2);
+  alignas(64) uint16_t parts[kParts][kTileK];
   for (int64_t m = 0; m < M; ++m) {
-    std::memcpy(rest.data(), x + m * K, K * sizeof(float));
-    for (int64_t part = 0; part < kParts; ++part) {
-      for (int64_t k = 0; k < K; ++k) {  // an infinity is all in hi (inf - inf is NaN)
-        values[k] = to_bf16(rest[k]);
-        rest[k] = std::isinf(rest[k]) ? 0.0f : rest[k] - scalar(values[k]);
-      }
-      std::memcpy(pairs.data(), values.data(), K * sizeof(uint16_t));
-      const int64_t c = part * M + m;
-      uint32_t* column = packed.data() + (c / 16) * 256 + c % 16;
-      for (int64_t kb = 0; kb < K / kTileK; ++kb) {
-        uint32_t* tile = column + kb * column_tiles * 256;
-        const uint32_t* block = pairs.data() + kb * 16;
-        for (int kk = 0; kk < 16; ++kk) tile[kk * 16] = block[kk];
+    for (int64_t kb = 0; kb < K / kTileK; ++kb) {
+      split_block(x + m * K + kb * kTileK, parts);
+      for (int64_t part = 0; part < kParts; ++part) {
+        const int64_t c = part * M + m;
+        uint32_t* tile = packed.data() + (kb * column_tiles + c / 16) * 256 + c % 16;
+        uint32_t pairs[kTileK / 2];
+        std::memcpy(pairs, parts[part], sizeof pairs);
+        for (int kk = 0; kk < kTileK / 2; ++kk) tile[kk * 16] = pairs[kk];
       }
     }
   }
@@ -303,32 +328,90 @@ void amx_matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float*
 }
 #endif
 
+enum Prologue : int32_t { kPlain = 0, kRmsNorm = 1, kSiluGate = 2 };
+
+// The rows [M,K] the product multiplies, from x [M,K] (x [M,2K] for kSiluGate): x itself;
+// x * rsqrt(mean(x^2) + eps) * scale (squares summed in a fixed order); or silu(gate) * up.
+const float* prologue_rows(Prologue prologue, const float* x, int64_t M, int64_t K,
+                           const float* scale, float eps, std::vector<float>& rows) {
+  if (prologue == kPlain) return x;
+  rows.resize(M * K);
+  const Vec zero = {};
+  for (int64_t m = 0; m < M; ++m) {
+    float* out = rows.data() + m * K;
+    if (prologue == kRmsNorm) {
+      const float* in = x + m * K;
+      Vec squares = {};
+      int64_t k = 0;
+      for (; k + kLanes <= K; k += kLanes) squares += load(in + k) * load(in + k);
+      float sum = lane_sum(squares);
+      for (int64_t j = k; j < K; ++j) sum += in[j] * in[j];
+      const float r = 1.0f / std::sqrt(sum / static_cast<float>(K) + eps);
+      for (k = 0; k + kLanes <= K; k += kLanes) store(out + k, load(in + k) * r * load(scale + k));
+      for (int64_t j = k; j < K; ++j) out[j] = in[j] * r * scale[j];
+    } else {
+      const float* gate = x + m * 2 * K;
+      const float* up = gate + K;
+      int64_t k = 0;
+      for (; k + kLanes <= K; k += kLanes) {  // sigmoid(g) from e^-|g| (never overflows)
+        const Vec g = load(gate + k);
+        const Vec e = exp_nonpositive(g < zero ? g : zero - g);
+        const Vec sigmoid = (g < zero ? e : zero + 1.0f) / (e + 1.0f);
+        store(out + k, g * sigmoid * load(up + k));
+      }
+      for (int64_t j = k; j < K; ++j) {
+        out[j] = gate[j] / (1.0f + std::exp(-gate[j])) * up[j];
+      }
+    }
+  }
+  return rows.data();
+}
+
 template <typename W, typename WBuffer>
 ffi::Error few_row_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuffer w,
-                          ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> residual,
+                          ffi::ResultBuffer<ffi::F32> y, int32_t prologue, float eps) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("few_row_matmul: expected x [M,K] and w [N,K]");
+  const int64_t width = prologue == kSiluGate ? 2 * wd[1] : wd[1];
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != width || prologue < kPlain ||
+      prologue > kSiluGate || (prologue == kRmsNorm && scale.element_count() != wd[1]) ||
+      (residual.element_count() != 0 && residual.element_count() != xd[0] * wd[0])) {
+    return ffi::Error::InvalidArgument(
+        "few_row_matmul: expected x [M,K] ([M,2K] for silu(gate) * up), w [N,K], a norm "
+        "scale [K] with the RMS norm, and a residual [M,N] or none");
   }
+  const int64_t M = xd[0], K = wd[1], N = wd[0];
+  std::vector<float> rows;
+  const float* a = prologue_rows(static_cast<Prologue>(prologue), x.typed_data(), M, K,
+                                 scale.typed_data(), eps, rows);
+  float* out = y->typed_data();
+  bool done = false;
 #if EAGLEJAX_AMX
   if constexpr (std::is_same_v<W, uint16_t>) {
-    if (amx_applies(xd[0], xd[1], wd[0])) {
-      amx_matmul(pool, x.typed_data(), reinterpret_cast<const uint16_t*>(w.untyped_data()),
-                 y->typed_data(), xd[0], xd[1], wd[0]);
-      return ffi::Error::Success();
+    if (amx_applies(M, K, N)) {
+      amx_matmul(pool, a, reinterpret_cast<const uint16_t*>(w.untyped_data()), out, M, K, N);
+      done = true;
     }
   }
 #endif
-  auto job = std::make_shared<Job<W>>();
-  job->x = x.typed_data();
-  job->w = reinterpret_cast<const W*>(w.untyped_data());
-  job->y = y->typed_data();
-  job->M = xd[0];
-  job->K = xd[1];
-  job->N = wd[0];
-  parallel_tasks(pool, (job->N + kChunk - 1) / kChunk, [job] {
-    return [job](int64_t chunk) { run_chunk(*job, chunk); };
-  });
+  if (!done) {
+    auto job = std::make_shared<Job<W>>();
+    job->x = a;
+    job->w = reinterpret_cast<const W*>(w.untyped_data());
+    job->y = out;
+    job->M = M;
+    job->K = K;
+    job->N = N;
+    parallel_tasks(pool, (N + kChunk - 1) / kChunk, [job] {
+      return [job](int64_t chunk) { run_chunk(*job, chunk); };
+    });
+  }
+  if (residual.element_count() != 0) {
+    const float* r = residual.typed_data();
+    int64_t i = 0;
+    for (; i + kLanes <= M * N; i += kLanes) store(out + i, load(r + i) + load(out + i));
+    for (; i < M * N; ++i) out[i] += r[i];
+  }
   return ffi::Error::Success();
 }
 
@@ -340,7 +423,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EaglejaxFewRowMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EaglejaxFewRowMatmulBf16,
                               (few_row_matmul<uint16_t, ffi::Buffer<ffi::BF16>>),
@@ -348,4 +435,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EaglejaxFewRowMatmulBf16,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps"));

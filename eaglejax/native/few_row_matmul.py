@@ -10,7 +10,10 @@ reads each weight once and does all rows' multiply-adds on it, and sums every ou
 order that does not depend on the number of rows (a verify block reproduces the
 single-token step's products bit for bit). Other platforms and larger blocks keep XLA's dot
 (`jax.lax.platform_dependent` picks per lowering platform, so exports for GPU/TPU never
-contain the kernel). Gradients are XLA dots.
+contain the kernel). The small operations around a decoder layer's products ride along in
+the same call: the rows may be RMS-normed first or formed as silu(gate) * up, and a
+residual may be added to the product (a verify block then pays no XLA operation of its
+own for them). Gradients are those of the XLA reference the caller passes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eaglejax import native
 from eaglejax.native import build
@@ -49,28 +53,51 @@ def applies(x: jax.Array, weight: jax.Array) -> bool:
             and 1 <= math.prod(x.shape[:-1]) <= MAX_ROWS and available())
 
 
-@jax.custom_vjp
-def _native_product(rows: jax.Array, weight: jax.Array) -> jax.Array:
+PLAIN, RMS_NORM, SILU_GATE = 0, 1, 2  # the kernel's prologues (few_row_matmul.cc)
+
+
+def _native(reference: Callable[..., jax.Array], eps: float, gated: bool,
+            rows: jax.Array, weight: jax.Array, norm: jax.Array | None,
+            residual: jax.Array | None) -> jax.Array:
+    prologue = RMS_NORM if norm is not None else SILU_GATE if gated else PLAIN
+    empty = jnp.zeros((0,), jnp.float32)
     out = jax.ShapeDtypeStruct((rows.shape[0], weight.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGETS[weight.dtype], out, vmap_method="sequential")(rows, weight)
+    return jax.ffi.ffi_call(TARGETS[weight.dtype], out, vmap_method="sequential")(
+        rows, weight, empty if norm is None else norm.astype(jnp.float32),
+        empty if residual is None else residual, prologue=np.int32(prologue),
+        eps=np.float32(eps))
 
 
-def _forward(rows: jax.Array, weight: jax.Array):
-    return _native_product(rows, weight), (rows, weight)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _kernel(reference, eps, gated, rows, weight, norm, residual):
+    return jax.lax.platform_dependent(
+        rows, weight, norm, residual, cpu=functools.partial(_native, reference, eps, gated),
+        default=reference)
 
 
-def _backward(residuals, grad: jax.Array):
-    rows, weight = residuals
-    return grad @ weight.astype(grad.dtype), (grad.T @ rows).astype(weight.dtype)
+def _forward(reference, eps, gated, rows, weight, norm, residual):
+    return _kernel(reference, eps, gated, rows, weight, norm, residual), (rows, weight, norm,
+                                                                         residual)
 
 
-_native_product.defvjp(_forward, _backward)
+def _backward(reference, eps, gated, operands, grad: jax.Array):
+    return jax.vjp(reference, *operands)[1](grad)
 
 
-def linear(x: jax.Array, weight: jax.Array,
-           default: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
-    """x [..., K] times weight [N, K] (call only where `applies`): the kernel on CPU,
-    `default(rows [M,K], weight)` on other platforms."""
+_kernel.defvjp(_forward, _backward)
+
+
+def linear(x: jax.Array, weight: jax.Array, reference: Callable[..., jax.Array], *,
+           norm: jax.Array | None = None, eps: float = 0.0, gated: bool = False,
+           residual: jax.Array | None = None) -> jax.Array:
+    """x [..., K] times weight [N, K] (call only where `applies`) by the kernel on CPU, with
+    the rows first RMS-normed (`norm`: the scale [K], `eps`) or taken as silu(gate) * up of
+    x = [gate | up] [..., 2K] (`gated`), and `residual` [..., N] added to the product.
+    `reference(rows [M,K or 2K], weight, norm, residual [M,N] or None)` computes the same
+    with XLA's operations: other platforms run it, and gradients are its gradients."""
     rows = x.reshape(-1, x.shape[-1])
-    y = jax.lax.platform_dependent(rows, weight, cpu=_native_product, default=default)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    n = weight.shape[0]
+    if residual is not None:
+        residual = residual.reshape(-1, n).astype(jnp.float32)
+    y = _kernel(reference, float(eps), gated, rows, weight, norm, residual)
+    return y.reshape(*x.shape[:-1], n)
