@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from eaglejax import validation
+from eaglejax.native import row_argmax
 from eaglejax.sharding.rules import over_mesh
 
 
@@ -35,12 +36,19 @@ def _per_row(value: jax.Array, like: jax.Array) -> jax.Array:
 
 def argmax_last(x: jax.Array) -> jax.Array:
     """`jnp.argmax(x, axis=-1)` as int32 (the first maximum; the first NaN where there is
-    one), computed as a max and a min over the last axis: XLA:CPU runs those vectorized,
-    where argmax's paired reduction is not (12 x 49,152 logits: 0.65 vs 1.8 ms). Traced over
-    a mesh it is argmax itself, whose vocabulary-split form (each device's best value and
-    index gathered) `sharding.export` counts."""
+    one). On CPU one native pass per row (`native.row_argmax`); elsewhere a max and a min
+    over the last axis: XLA:CPU runs those vectorized, where argmax's paired reduction is
+    not (12 x 49,152 logits: 0.65 vs 1.8 ms). Traced over a mesh it is argmax itself, whose
+    vocabulary-split form (each device's best value and index gathered) `sharding.export`
+    counts."""
     if over_mesh():
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if row_argmax.applies(x):
+        return row_argmax.argmax(x, _argmax_by_max_and_min)
+    return _argmax_by_max_and_min(x)
+
+
+def _argmax_by_max_and_min(x: jax.Array) -> jax.Array:
     top = jnp.max(x, axis=-1, keepdims=True)
     index = jnp.arange(x.shape[-1], dtype=jnp.int32)
     hit = (x == top) | jnp.isnan(x)

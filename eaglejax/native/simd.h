@@ -24,6 +24,8 @@ inline Vec load(const float* p) {
 
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
+inline Vec load_broadcast(float x) { return Vec{} + x; }
+
 // Pairwise: halves added until one lane is left (a fixed order).
 inline float lane_sum(Vec v) {
 #if defined(__AVX512F__)
