@@ -273,6 +273,10 @@ def _add_serve_args(commands) -> None:
                        help="requests decoded at once (default 8); more wait in a queue")
     serve.add_argument("--capacity", type=int, default=1024,
                        help="tokens a slot holds: prompt plus reply (default 1024)")
+    serve.add_argument("--profile-rounds", action="store_true",
+                       help="at start-up, measure where each speculative shape's round goes "
+                            "(draft, verify, accept + commit, catch-up, other) and show it "
+                            "in /metrics (eaglejax_round_phase_seconds); tens of seconds")
     serve.add_argument("--served-model-name", default=None,
                        help="the model's name in the API (default: --model's file or "
                             "folder name)")
@@ -581,6 +585,9 @@ def _serve(args: argparse.Namespace) -> None:
     with compilation_cache.caching_every_program():  # a restart loads them from disk
         engine.warmup(progress=True)
     print(f"eaglejax: warmed up in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    if args.profile_rounds:
+        for split in engine.profile_rounds():
+            print(describe_split(split), file=sys.stderr)
     try:
         run_server(engine, host=args.host, port=args.port,
                    model_name=args.served_model_name or Path(args.model).name,

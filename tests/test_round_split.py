@@ -86,3 +86,24 @@ def _check_split(split: dict) -> None:
     verify = split["phases_ms"]["verify"]
     assert split["outside_verify_in_plain_steps"] == ((split["round_ms"] - verify)
                                                      / split["plain_step_ms"])
+
+
+def test_serving_metrics_show_the_engines_round_split(target_of):
+    """`eaglejax serve --profile-rounds`: the engine measures its shape's round at start-up
+    and /metrics gives every phase in seconds and in plain steps."""
+    from eaglejax.serving.engine import Engine
+    from eaglejax.serving.metrics import ServingMetrics
+
+    target = target_of("llama")
+    engine = Engine(target, random_eagle3(target, draft_vocab=60), speculative=SPEC,
+                    num_slots=2, capacity=128)
+    [split] = engine.profile_rounds(PROMPT, rounds=3, repeats=1)
+    _check_split(split)
+    text = ServingMetrics(engine.policy, engine.round_splits).render()[0].decode()
+    for phase, ms in split["phases_ms"].items():
+        labels = re.escape(f'{{mode="{SPEC.describe()}",phase="{phase}"}}')
+        for name, value in (("seconds", ms / 1e3),
+                            ("plain_steps", split["phases_in_plain_steps"][phase])):
+            [shown] = re.findall(rf"^eaglejax_round_phase_{name}{labels} (\S+)$", text, re.M)
+            assert float(shown) == value  # the exposition writes repr(value)
+    assert "eaglejax_round_phase_seconds" not in ServingMetrics().render()[0].decode()

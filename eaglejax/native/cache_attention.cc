@@ -4,8 +4,8 @@
 // Decode steps and verification blocks ask T <= 16 queries per row. XLA:CPU computes them
 // as batched matrix products over the whole cache capacity, far from memory bandwidth; with
 // many rows (continuous batching) that cost rivals the weights'. Here one task takes one
-// (row, KV head): its keys are read once for all T x G queries of that head, then its values
-// once per few queries (from cache). A query's keys are the cache positions and then the
+// (row, KV head, vector of up to 16 of its T x G queries): its keys are read once for those
+// queries, then its values once per few queries (from cache). A query's keys are the cache positions and then the
 // new tokens in order (hidden ones weigh exactly 0), its dot products run over d in order
 // and its sums over keys in order, so its result does not depend on T or on the other
 // queries (a verify block reproduces the single-token step). Tasks are spread over XLA's intra-op
@@ -43,22 +43,28 @@ struct Job {
   std::vector<float> rotated_q;  // the fused entry's rotated queries (q points here)
 };
 
-// Every query of row b over KV head h. Queries sit in vector lanes (query i = (t, g),
-// t-major, in lane i % kLanes of vector i / kLanes), so scores, the softmax and the
-// denominators are computed for all queries at once and each keeps its own key order.
+// Query vectors (kLanes queries each) of one row and KV head: query i = (t, g), t-major.
+inline int64_t query_vectors(const Job& job) {
+  return (job.T * (job.Hq / job.Hkv) + kLanes - 1) / kLanes;
+}
+
+// One vector of queries of row b over KV head h: queries sit in vector lanes (query
+// first + lane), so scores, the softmax and the denominators are computed for them at once
+// and each keeps its own key order; which vector a query shares does not change its result.
 void run_task(const Job& job, int64_t task, std::vector<float>& buffer) {
-  const int64_t b = task / job.Hkv, h = task % job.Hkv;
+  const int64_t nq = query_vectors(job);
+  const int64_t b = task / (job.Hkv * nq), h = task / nq % job.Hkv;
   const int64_t T = job.T, D = job.D, G = job.Hq / job.Hkv, Q = T * G;
-  const int64_t nq = (Q + kLanes - 1) / kLanes;  // query vectors
+  const int64_t first = task % nq * kLanes, count = std::min<int64_t>(kLanes, Q - first);
   const int64_t len = std::clamp<int64_t>(job.lengths[b], 0, job.S);
   const int64_t keys = len + T;  // the cache prefix, then the new tokens
-  buffer.assign(D * nq * kLanes + keys * nq * kLanes, 0.0f);
-  float* qt = buffer.data();              // [D][nq * kLanes] queries, transposed
-  float* weights = qt + D * nq * kLanes;  // [keys][nq * kLanes] scores, then weights
-  const int64_t width = nq * kLanes;
-  for (int64_t i = 0; i < Q; ++i) {
-    const float* src = job.q + ((b * T + i / G) * job.Hq + h * G + i % G) * D;
-    for (int64_t d = 0; d < D; ++d) qt[d * width + i] = src[d];
+  buffer.assign(D * kLanes + keys * kLanes, 0.0f);
+  float* qt = buffer.data();         // [D][kLanes] queries, transposed
+  float* weights = qt + D * kLanes;  // [keys][kLanes] scores, then weights
+  const auto t_of = [&](int64_t lane) { return (first + lane) / G; };
+  for (int64_t i = 0; i < count; ++i) {
+    const float* src = job.q + ((b * T + t_of(i)) * job.Hq + h * G + (first + i) % G) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d * kLanes + i] = src[d];
   }
   const float* kc = job.k_cache + (b * job.Hkv + h) * job.S * D;
   const float* vc = job.v_cache + (b * job.Hkv + h) * job.S * D;
@@ -68,70 +74,65 @@ void run_task(const Job& job, int64_t task, std::vector<float>& buffer) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const Vec hidden = Vec{} - std::numeric_limits<float>::infinity();
 
-  // Scores: for each key, q . k summed over d in order, all queries in parallel lanes.
+  // Scores: for each key, q . k summed over d in order, the queries in parallel lanes.
   constexpr int kKeys = 4;
   for (int64_t s0 = 0; s0 < keys; s0 += kKeys) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeys, keys - s0));
     const float* k[kKeys];
     for (int j = 0; j < nk; ++j) k[j] = key_row(kc, job.k_new, s0 + j);
-    for (int64_t v = 0; v < nq; ++v) {
-      Vec acc[kKeys] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const Vec qv = load(qt + d * width + v * kLanes);
-        for (int j = 0; j < nk; ++j) acc[j] += k[j][d] * qv;
-      }
-      for (int j = 0; j < nk; ++j) store(weights + (s0 + j) * width + v * kLanes, acc[j] * scale);
+    Vec acc[kKeys] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const Vec qv = load(qt + d * kLanes);
+      for (int j = 0; j < nk; ++j) acc[j] += k[j][d] * qv;
     }
+    for (int j = 0; j < nk; ++j) store(weights + (s0 + j) * kLanes, acc[j] * scale);
   }
   // New token j is hidden from query i unless mask[b, t(i), j].
   for (int64_t j = 0; j < T; ++j) {
-    float* row = weights + (len + j) * width;
-    for (int64_t i = 0; i < Q; ++i) {
-      if (!job.mask[(b * T + i / G) * T + j]) row[i] = -std::numeric_limits<float>::infinity();
+    float* row = weights + (len + j) * kLanes;
+    for (int64_t i = 0; i < count; ++i) {
+      if (!job.mask[(b * T + t_of(i)) * T + j]) row[i] = -std::numeric_limits<float>::infinity();
     }
   }
   // Softmax weights in place; denominators summed in key order.
-  std::vector<Vec> denom(nq);
-  for (int64_t v = 0; v < nq; ++v) {
-    Vec top = hidden;
-    for (int64_t s = 0; s < keys; ++s) {
-      const Vec x = load(weights + s * width + v * kLanes);
-      top = x > top ? x : top;
-    }
-    top = top == hidden ? Vec{} : top;  // a query that sees nothing: all weights 0
-    Vec sum = {};
-    for (int64_t s = 0; s < keys; ++s) {
-      float* p = weights + s * width + v * kLanes;
-      const Vec e = exp_nonpositive(load(p) - top);
-      store(p, e);
-      sum += e;
-    }
-    denom[v] = sum;
+  Vec top = hidden;
+  for (int64_t s = 0; s < keys; ++s) {
+    const Vec x = load(weights + s * kLanes);
+    top = x > top ? x : top;
+  }
+  top = top == hidden ? Vec{} : top;  // a query that sees nothing: all weights 0
+  Vec denom = {};
+  for (int64_t s = 0; s < keys; ++s) {
+    float* p = weights + s * kLanes;
+    const Vec e = exp_nonpositive(load(p) - top);
+    store(p, e);
+    denom += e;
   }
   // Values: each output accumulated in key order, kQueryGroup queries per pass over V.
   const int nv = static_cast<int>(D / kLanes);
-  for (int64_t i0 = 0; i0 < Q; i0 += kQueryGroup) {
-    const int64_t n = std::min<int64_t>(kQueryGroup, Q - i0);
+  for (int64_t i0 = 0; i0 < count; i0 += kQueryGroup) {
+    const int64_t n = std::min<int64_t>(kQueryGroup, count - i0);
     Vec acc[kQueryGroup][kMaxD / kLanes] = {};
     for (int64_t s = 0; s < keys; ++s) {
       const float* value = key_row(vc, job.v_new, s);
       for (int64_t g = 0; g < n; ++g) {
-        const float w = weights[s * width + i0 + g];
+        const float w = weights[s * kLanes + i0 + g];
         for (int c = 0; c < nv; ++c) acc[g][c] += w * load(value + c * kLanes);
       }
     }
     for (int64_t g = 0; g < n; ++g) {
       const int64_t i = i0 + g;
-      const float total = denom[i / kLanes][i % kLanes];
-      const float inv = total > 0.0f ? 1.0f / total : 1.0f;
-      float* o = job.out + ((b * T + i / G) * job.Hq + h * G + i % G) * D;
+      const float inv = denom[i] > 0.0f ? 1.0f / denom[i] : 1.0f;
+      float* o = job.out + ((b * T + t_of(i)) * job.Hq + h * G + (first + i) % G) * D;
       for (int c = 0; c < nv; ++c) store(o + c * kLanes, acc[g][c] * inv);
     }
   }
 }
 
 void launch(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job) {
-  parallel_tasks(pool, job->B * job->Hkv, [job] {  // one (row, KV head) per task
+  // One (row, KV head, query vector) per task: a verify block's queries of one head spread
+  // over both cores of a 2-core machine instead of waiting on one.
+  parallel_tasks(pool, job->B * job->Hkv * query_vectors(*job), [job] {
     return [job, buffer = std::vector<float>()](int64_t task) mutable {
       run_task(*job, task, buffer);
     };

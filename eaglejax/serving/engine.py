@@ -17,7 +17,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +108,10 @@ class _Live:
     reported: int = 0
 
 
+# The text `profile_rounds` times by default (chat-rendered), one request of everyday length.
+PROFILE_PROMPT = "Explain speculative decoding in two sentences."
+
+
 class Engine:
     """Decode queued requests over `num_slots` rows of `capacity` tokens each (prompt plus
     reply). `speculative`: a `SpecConfig`, "auto", or None (with a draft head: "auto" in one
@@ -165,6 +169,7 @@ class Engine:
         self._stale = np.zeros(num_slots, bool)  # auto: the slot's head was left behind
         self._plain_steps = np.zeros(num_slots, np.int64)  # auto: target forwards not in
         # the acceptance histogram (plain segments), per slot
+        self.round_splits: list[dict[str, Any]] = []  # `profile_rounds`' results
 
     # ------------------------------------------------------------------ public interface
 
@@ -253,6 +258,22 @@ class Engine:
         if not filled_now and np.any(self._filled() & (self._finish() == FINISH_NONE)):
             self._advance(self.rounds_per_call)
         return self._collect()  # after a fill: the first tokens at once, before advancing
+
+    def profile_rounds(self, prompt: str | list[int] = PROFILE_PROMPT, *, rounds: int = 16,
+                       repeats: int = 3) -> list[dict[str, Any]]:
+        """Measure where a round of each speculative shape this engine runs goes (draft,
+        verify, accept + commit, catch-up, other: `round_split`, batch 1, greedy, on
+        `prompt`), keep the results in `round_splits` (`/metrics` shows them) and return
+        them. Call it on an idle engine, before its thread starts."""
+        if not self.idle:
+            raise InputError("profile an idle engine (requests are queued or running)")
+        if self.draft is None:
+            return []
+        from eaglejax.bench import profile_rounds  # the benchmark stack, only when asked
+        speculative = "auto" if self.policy is not None else self.spec
+        self.round_splits = profile_rounds(self.target, self.draft, prompt, speculative,
+                                           rounds=rounds, repeats=repeats)
+        return self.round_splits
 
     def warmup(self, progress: bool = True) -> None:
         """Compile now, so that no request waits for a compilation: the prefill of every

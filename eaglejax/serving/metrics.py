@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,13 +22,17 @@ class ServingMetrics:
     """Queue depth, running rows, generated tokens (and tokens/s over the last
     RATE_WINDOW_S seconds), acceptance length and time to first token per request, and
     requests by outcome; with `auto` (`policy`), target forwards by mode (the shape mix) and
-    each mode's measured round cost by active rows."""
+    each mode's measured round cost by active rows; with `round_splits` (the engine's
+    `profile_rounds`), each shape's round phase by phase."""
 
-    def __init__(self, policy: ShapePolicy | None = None) -> None:
+    def __init__(self, policy: ShapePolicy | None = None,
+                 round_splits: Sequence[dict[str, Any]] = ()) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         if policy is not None:
             r.register(_ShapeMix(policy))
+        if round_splits:
+            r.register(_RoundSplits(round_splits))
         self._queued = Gauge("eaglejax_queue_depth", "requests waiting for a slot",
                              registry=r)
         self._running = Gauge("eaglejax_running_rows", "requests decoding in a slot",
@@ -104,3 +110,27 @@ class _ShapeMix:
         for (mode, rows), seconds in self.policy.round_seconds().items():
             cost.add_metric([mode, str(rows)], seconds)
         yield cost
+
+
+class _RoundSplits:
+    """Each speculative shape's round, phase by phase (`round_split`'s figures, measured
+    once at start-up)."""
+
+    def __init__(self, splits: Sequence[dict[str, Any]]):
+        self.splits = list(splits)
+
+    def collect(self):
+        seconds = GaugeMetricFamily(
+            "eaglejax_round_phase_seconds", "a speculative round's time by phase (draft, "
+            "verify, accept_commit, catch_up, other), measured at start-up in the compiled "
+            "loop (batch 1, greedy)", labels=["mode", "phase"])
+        steps = GaugeMetricFamily(
+            "eaglejax_round_phase_plain_steps", "the same in plain decode steps measured "
+            "beside it", labels=["mode", "phase"])
+        for split in self.splits:
+            for phase, ms in split["phases_ms"].items():
+                seconds.add_metric([split["speculative"], phase], ms / 1e3)
+                steps.add_metric([split["speculative"], phase],
+                                 split["phases_in_plain_steps"][phase])
+        yield seconds
+        yield steps

@@ -70,7 +70,7 @@ class _Service:
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.speculative = engine.speculation
-        self.metrics = ServingMetrics(engine.policy)
+        self.metrics = ServingMetrics(engine.policy, engine.round_splits)
         self.worker = EngineWorker(engine, on_step=self.metrics.observe_step)
         self.created = int(time.time())
 
