@@ -2,9 +2,11 @@
 choose, prompt by prompt: does adapting while decoding pay on each prompt?
 
     python examples/bench_auto.py --draft checkpoints/smollm2-135m-instruct-eagle3 \\
-        [--weight-dtype bfloat16] [--num-prompts 16] [--max-new-tokens 128] [--json]
+        [--weight-dtype bfloat16] [--prompts mt_bench|mix] [--num-prompts 16]
+        [--max-new-tokens 128] [--json]
 
-Greedy, batch 1, MT-bench first turns (round-robin over categories). `auto` starts with
+Greedy, batch 1, MT-bench first turns (round-robin over categories) or the Spec-Bench-style
+mix of `examples/peers`. `auto` starts with
 nothing learnt (`EAGLEJAX_AUTOTUNE_CACHE=0`, an empty process) and keeps what it learns from
 prompt to prompt, as a user's process does: its first calls are included. Every program is
 compiled before the prompt it first serves is timed (compile time is excluded on both
@@ -32,6 +34,7 @@ from eaglejax import hardware  # noqa: E402
 from eaglejax.autotune import AutoPlan  # noqa: E402
 from eaglejax.datasets import interleave_categories, mt_bench_questions  # noqa: E402
 from eaglejax.decoding.buckets import bucket  # noqa: E402
+from peers.prompts import mix_questions  # noqa: E402
 
 
 def main() -> None:
@@ -41,13 +44,18 @@ def main() -> None:
     parser.add_argument("--draft", required=True, help="draft head path")
     parser.add_argument("--weight-dtype", default=None,
                         help="the target's weight storage, e.g. bfloat16 (default: as loaded)")
+    parser.add_argument("--prompts", choices=["mt_bench", "mix"], default="mt_bench",
+                        help="MT-bench first turns in category order, or the Spec-Bench-style "
+                             "mix of examples/peers (coding, extraction, math, writing, "
+                             "summarisation, text-grounded QA)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     target = eaglejax.load_target(args.model, weight_dtype=args.weight_dtype)
     draft = eaglejax.load_draft(args.draft, target=target)
-    questions = interleave_categories(mt_bench_questions())[:args.num_prompts]
+    questions = (interleave_categories(mt_bench_questions())[:args.num_prompts]
+                 if args.prompts == "mt_bench" else mix_questions(args.num_prompts))
     plan = AutoPlan.for_device(jax.default_backend())
     runs: dict[str, dict] = {"plain": {}}
     runs.update({spec.describe(): dict(draft=draft, speculative=spec)

@@ -266,3 +266,17 @@ def test_a_failed_build_names_the_command(tmp_path, monkeypatch):
         warnings.simplefilter("always")
         assert build.load("broken") is None
     assert any("broken" in str(c.message) for c in caught)
+
+
+@needs_compiler
+def test_the_first_kernel_asked_for_starts_every_build(tmp_path, monkeypatch):
+    """A cold start builds the folder's kernels side by side: loading one has started the
+    others' builds, which then load without building again."""
+    monkeypatch.setenv("EAGLEJAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "_SOURCE_DIR", tmp_path)
+    for name in ("first", "second"):
+        (tmp_path / f"{name}.cc").write_text(f'extern "C" int {name}() {{ return 7; }}\n')
+    assert build.load("first").first() == 7
+    started = build._builds[tmp_path / "second.cc"]
+    assert build.load("second").second() == 7 and started.done()
+    assert len(list((tmp_path / "cache").rglob("*.so"))) == 2

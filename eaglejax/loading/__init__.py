@@ -18,6 +18,7 @@ from eaglejax.loading.files import require_regular_file
 from eaglejax.loading.gguf_file import read_gguf
 from eaglejax.loading.hf_dir import HFWeights, read_json
 from eaglejax.loading.weights import params_from_hf
+from eaglejax.native import build
 from eaglejax.sharding.placement import TargetPlacement
 from eaglejax.target import FLOAT_DTYPES, Target
 from eaglejax.tokenizer import Tokenizer
@@ -46,6 +47,8 @@ def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = Non
     if mesh is not None and not isinstance(mesh, Mesh):
         raise InputError(f"mesh must be a jax.sharding.Mesh (eaglejax.make_mesh), "
                          f"got {type(mesh).__name__}")
+    if jax.default_backend() == "cpu":
+        build.start_builds()  # the native kernels compile while the model loads
     target = _load(path_or_name, dtype, mesh)
     return target if weight_dtype is None else target.with_weight_dtype(weight_dtype)
 
