@@ -1,11 +1,14 @@
 """Native CPU kernels that XLA:CPU lacks, built from C++ on first use and called through
-the XLA FFI (`few_row_matmul`, `cache_attention`). Without a C++ compiler, with
-`EAGLEJAX_NATIVE=0`, or inside `xla_only()` the XLA paths are used."""
+the XLA FFI (`few_row_matmul`, `cache_attention`, `cache_rows`, `row_argmax`,
+`embedding_rows`). Without a C++ compiler, with `EAGLEJAX_NATIVE=0`, or inside
+`xla_only()` the XLA paths are used; `on_cpu` pairs a kernel with its XLA reference."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+import jax
 
 from eaglejax.sharding.rules import over_mesh
 
@@ -28,3 +31,21 @@ def kernels_allowed() -> bool:
     """False inside `xla_only()` and while tracing over a device mesh (the partitioner
     cannot split a custom call: it would gather every sharded operand onto each device)."""
     return not _xla_only and not over_mesh()
+
+
+def on_cpu(kernel: Callable, reference: Callable) -> Callable:
+    """`kernel(*args)` where the program is lowered for the CPU, `reference(*args)` (the
+    same values with XLA's operations) elsewhere (`jax.lax.platform_dependent`); gradients
+    are the reference's everywhere."""
+    @jax.custom_vjp
+    def run(*args):
+        return jax.lax.platform_dependent(*args, cpu=kernel, default=reference)
+
+    def forward(*args):
+        return run(*args), args
+
+    def backward(args, grad):
+        return jax.vjp(reference, *args)[1](grad)
+
+    run.defvjp(forward, backward)
+    return run

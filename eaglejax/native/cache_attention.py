@@ -57,22 +57,6 @@ def rope_applies(qkv: jax.Array, k_cache: jax.Array) -> bool:
             and applies(jax.ShapeDtypeStruct(qkv.shape[:3] + qkv.shape[4:], qkv.dtype), k_cache))
 
 
-def _with_reference_gradient(kernel: Callable, reference: Callable) -> Callable:
-    """`kernel` on CPU and `reference` elsewhere; gradients are the reference's."""
-    @jax.custom_vjp
-    def run(*args):
-        return jax.lax.platform_dependent(*args, cpu=kernel, default=reference)
-
-    def forward(*args):
-        return run(*args), args
-
-    def backward(args, grad):
-        return jax.vjp(reference, *args)[1](grad)
-
-    run.defvjp(forward, backward)
-    return run
-
-
 def _rope_kernel(qkv, cos, sin, k_cache, v_cache, lengths, mask):
     batch, t_new, n_kv, width, d = qkv.shape
     heads = jax.ShapeDtypeStruct((batch, t_new, n_kv * (width - 2), d), jnp.float32)
@@ -91,7 +75,7 @@ def rope_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.
     (out [B,T,Hq,D], k_cache, v_cache with the new rows at lengths[b] + t, k_new, v_new
     [B,T,Hkv,D]), the keys and queries rotated by cos/sin [B,T,D]. `reference` takes the
     same arguments and returns the same values with XLA's operations."""
-    run = _with_reference_gradient(_rope_kernel, reference)
+    run = native.on_cpu(_rope_kernel, reference)
     return run(qkv, cos, sin, k_cache, v_cache, lengths, mask)
 
 
@@ -100,5 +84,5 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax
               reference: Callable[..., jax.Array]) -> jax.Array:
     """`reference(q, k_cache, v_cache, lengths, k_new, v_new, mask)` (bhsd cache layout),
     computed by the kernel on CPU (call only where `applies`)."""
-    run = _with_reference_gradient(_kernel, reference)
+    run = native.on_cpu(_kernel, reference)
     return run(q, k_cache, v_cache, lengths, k_new, v_new, mask)

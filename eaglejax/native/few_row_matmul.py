@@ -56,9 +56,8 @@ def applies(x: jax.Array, weight: jax.Array) -> bool:
 PLAIN, RMS_NORM, SILU_GATE = 0, 1, 2  # the kernel's prologues (few_row_matmul.cc)
 
 
-def _native(reference: Callable[..., jax.Array], eps: float, gated: bool,
-            rows: jax.Array, weight: jax.Array, norm: jax.Array | None,
-            residual: jax.Array | None) -> jax.Array:
+def _native(eps: float, gated: bool, rows: jax.Array, weight: jax.Array,
+            norm: jax.Array | None, residual: jax.Array | None) -> jax.Array:
     prologue = RMS_NORM if norm is not None else SILU_GATE if gated else PLAIN
     empty = jnp.zeros((0,), jnp.float32)
     out = jax.ShapeDtypeStruct((rows.shape[0], weight.shape[0]), jnp.float32)
@@ -66,25 +65,6 @@ def _native(reference: Callable[..., jax.Array], eps: float, gated: bool,
         rows, weight, empty if norm is None else norm.astype(jnp.float32),
         empty if residual is None else residual, prologue=np.int32(prologue),
         eps=np.float32(eps))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _kernel(reference, eps, gated, rows, weight, norm, residual):
-    return jax.lax.platform_dependent(
-        rows, weight, norm, residual, cpu=functools.partial(_native, reference, eps, gated),
-        default=reference)
-
-
-def _forward(reference, eps, gated, rows, weight, norm, residual):
-    return _kernel(reference, eps, gated, rows, weight, norm, residual), (rows, weight, norm,
-                                                                         residual)
-
-
-def _backward(reference, eps, gated, operands, grad: jax.Array):
-    return jax.vjp(reference, *operands)[1](grad)
-
-
-_kernel.defvjp(_forward, _backward)
 
 
 def linear(x: jax.Array, weight: jax.Array, reference: Callable[..., jax.Array], *,
@@ -99,5 +79,6 @@ def linear(x: jax.Array, weight: jax.Array, reference: Callable[..., jax.Array],
     n = weight.shape[0]
     if residual is not None:
         residual = residual.reshape(-1, n).astype(jnp.float32)
-    y = _kernel(reference, float(eps), gated, rows, weight, norm, residual)
+    run = native.on_cpu(functools.partial(_native, float(eps), gated), reference)
+    y = run(rows, weight, norm, residual)
     return y.reshape(*x.shape[:-1], n)
