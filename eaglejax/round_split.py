@@ -50,11 +50,13 @@ def _timed_runs(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, f
 
 
 def round_split(target: Target, draft: "Draft", spec: SpecConfig, prompt: list[int], *,
-                rounds: int = 32, repeats: int = 5, sampling: SamplingParams | None = None
-                ) -> dict[str, Any]:
+                rounds: int = 32, repeats: int = 5, sampling: SamplingParams | None = None,
+                split: bool = True) -> dict[str, Any]:
     """Time `rounds` speculative rounds of `spec` on token-id `prompt` (batch 1), whole and
     truncated after each phase, beside `rounds` plain steps: the round's cost per phase in
-    ms and in plain steps. Greedy unless `sampling` (temperature > 0) is given."""
+    ms and in plain steps. Greedy unless `sampling` (temperature > 0) is given. With
+    `split=False` only whole rounds are timed (two compiled loops instead of six) and the
+    result has no "phases_ms"."""
     sampling = sampling or SamplingParams.make()
     greedy = bool(sampling.temperature == 0)
     spec.check_sampling(greedy)
@@ -73,21 +75,24 @@ def round_split(target: Target, draft: "Draft", spec: SpecConfig, prompt: list[i
         runs = {"plain": lambda: plain.decode_loop(*args, copy(plain_state), sampling,
                                                    plain_inputs.max_new, greedy=greedy,
                                                    **common)}
-        for phase in PHASES:
+        for phase in PHASES if split else PHASES[-1:]:
             runs[phase] = lambda phase=phase: spec_loop(
                 *args, *heads, draft.d2t, copy(spec_state), sampling, inputs.max_new,
                 jnp.int32(rounds), spec=spec, greedy=greedy, through=phase, **common)
         seconds = _timed_runs(runs, repeats)
     plain_ms = 1e3 * seconds["plain"]
+    round_ms = 1e3 * seconds[PHASES[-1]]
+    whole = {"speculative": spec.describe(), "prompt_tokens": len(prompt), "rounds": rounds,
+             "repeats": repeats, "plain_step_ms": plain_ms, "round_ms": round_ms,
+             "round_in_plain_steps": round_ms / plain_ms}
+    if not split:
+        return whole
     through_ms = [1e3 * seconds[phase] for phase in PHASES]
     phases_ms = {PHASE_NAMES[PHASES[0]]: through_ms[0]}
     for phase, before, after in zip(PHASES[1:], through_ms, through_ms[1:]):
         phases_ms[PHASE_NAMES[phase]] = after - before
-    round_ms = through_ms[-1]
     return {
-        "speculative": spec.describe(), "prompt_tokens": len(prompt), "rounds": rounds,
-        "repeats": repeats, "plain_step_ms": plain_ms, "round_ms": round_ms,
-        "round_in_plain_steps": round_ms / plain_ms,
+        **whole,
         "phases_ms": phases_ms,
         "phases_in_plain_steps": {name: ms / plain_ms for name, ms in phases_ms.items()},
         "outside_verify_in_plain_steps": (round_ms - phases_ms["verify"]) / plain_ms,
@@ -100,7 +105,7 @@ def describe_split(split: dict[str, Any]) -> str:
              f"{split['repeats']}): round {split['round_ms']:.2f} ms = "
              f"{split['round_in_plain_steps']:.2f} plain steps of {split['plain_step_ms']:.2f} "
              f"ms"]
-    for name, ms in split["phases_ms"].items():
+    for name, ms in split.get("phases_ms", {}).items():
         lines.append(f"{name:>26}: {ms:7.2f} ms  {split['phases_in_plain_steps'][name]:5.2f} "
                      f"plain steps")
     return "\n".join(lines)

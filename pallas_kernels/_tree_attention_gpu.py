@@ -38,6 +38,9 @@ except ImportError:  # pragma: no cover - very old JAX
 _TARGET_PROGRAMS = 256  # enough programs to fill the SMs of an H100/H200 about twice
 _MAX_SPLITS = 32
 _MIN_BLOCKS_PER_SPLIT = 4
+# New tokens folded in per step: a whole prefill chunk's K/V (T=1024: 512 KiB in bfloat16)
+# would exceed a Hopper SM's 227 KiB of shared memory.
+_NEW_TOKEN_TILE = 64
 
 
 def _compiler_params(num_warps: int, num_stages: int):
@@ -78,7 +81,18 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs,
     state = lax.fori_loop(lo, hi, cache_block, state)
 
     def new_tokens(st: SoftmaxState) -> SoftmaxState:
-        return online_step(st, q, kn_ref[...], vn_ref[...], mask_ref[...] != 0, scale=scale)
+        t_pad = kn_ref.shape[0]
+        if t_pad <= _NEW_TOKEN_TILE:
+            return online_step(st, q, kn_ref[...], vn_ref[...], mask_ref[...] != 0,
+                               scale=scale)
+
+        def tile(j, st: SoftmaxState) -> SoftmaxState:  # a prefill chunk: tiles, not all T
+            start = pl.multiple_of(j * _NEW_TOKEN_TILE, _NEW_TOKEN_TILE)
+            cols = pl.ds(start, _NEW_TOKEN_TILE)
+            return online_step(st, q, kn_ref[cols, :], vn_ref[cols, :],
+                               mask_ref[:, cols] != 0, scale=scale)
+
+        return lax.fori_loop(0, t_pad // _NEW_TOKEN_TILE, tile, st)
 
     if num_splits == 1:
         state = new_tokens(state)

@@ -172,6 +172,7 @@ GPU_CASES = [
     (2, 5, 8, 2, 128, 33, jnp.bfloat16, "tree", None, None),
     (2, 8, 6, 2, 64, 40, jnp.bfloat16, "random", 16, 2),
     (2, 64, 3, 1, 64, 24, jnp.bfloat16, "tree", 16, None),
+    (1, 200, 2, 1, 64, 40, jnp.bfloat16, "causal", None, None),  # a prefill chunk, 4 tiles
 ]
 TPU_CASES = [
     (2, 5, 12, 4, 64, 37, jnp.float32, "tree", 16),  # 2 heads per program (D = 64)
