@@ -27,7 +27,6 @@ keeps what it measured. `--small` runs every stage with tiny shapes (a CPU dry r
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import sys

@@ -107,3 +107,16 @@ def test_serving_metrics_show_the_engines_round_split(target_of):
             [shown] = re.findall(rf"^eaglejax_round_phase_{name}{labels} (\S+)$", text, re.M)
             assert float(shown) == value  # the exposition writes repr(value)
     assert "eaglejax_round_phase_seconds" not in ServingMetrics().render()[0].decode()
+
+
+def test_whole_rounds_only(target_of):
+    """`split=False` (the device benchmark's wide trees): the whole round beside the plain
+    step, no phase."""
+    from eaglejax.round_split import round_split
+
+    target = target_of("llama")
+    whole = round_split(target, random_eagle3(target, draft_vocab=60), SPEC, PROMPT, rounds=3,
+                        repeats=1, split=False)
+    assert "phases_ms" not in whole and whole["rounds"] == 3
+    assert whole["round_in_plain_steps"] == whole["round_ms"] / whole["plain_step_ms"] > 0
+    assert describe_split(whole).count("plain steps") == 1
