@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from eaglejax import compilation_cache, generate, load_target, roofline, validation
 from eaglejax.bench import bench_plain, bench_speculative, profile_rounds
@@ -42,16 +43,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"eaglejax: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = "auto") -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="built-in name, GGUF file, Hugging Face directory or eaglejax "
                              f"checkpoint (default: {DEFAULT_MODEL})")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
-    parser.add_argument("--weight-dtype", default=None, choices=["bfloat16", "float16"],
+    parser.add_argument("--weight-dtype", default=weight_dtype,
+                        choices=["auto", "float32", "bfloat16", "float16"],
                         help="store the weight matrices in this dtype and compute in --dtype "
                              "(bfloat16 halves the bytes a CPU decode step reads; see "
-                             "BENCHMARKS.md for its speed and agreement)")
+                             "BENCHMARKS.md for its speed and agreement); auto: what decodes "
+                             "fastest here (bfloat16 on CPUs with AMX tiles, else as loaded; "
+                             f"default: {weight_dtype or 'as loaded'})")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="render prompts with the model's chat template (default: on)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -262,7 +266,7 @@ def _add_serve_args(commands) -> None:
         description="Serve --model over an OpenAI-compatible HTTP API: /v1/models, "
                     "/v1/completions, /v1/chat/completions (streaming too), /health and "
                     "/metrics. Every prompt bucket is compiled at start-up.")
-    _add_model_args(serve)  # --max-new-tokens: max_tokens for requests that give none
+    _add_model_args(serve, weight_dtype=None)  # --max-new-tokens: max_tokens for requests that give none
     serve.add_argument("--no-draft", action="store_true",
                        help="decode plainly even where eaglejax ships a head for --model")
     serve.add_argument("--host", default="127.0.0.1",
@@ -388,7 +392,8 @@ def _generate(args: argparse.Namespace) -> None:
             print("-" * 40)
         print(r.text)
         m = r.metrics
-        al = f", {m.speculative}" if m.speculative else ""
+        al = f", {jnp.dtype(target.weight_dtype).name} weights"
+        al += f", {m.speculative}" if m.speculative else ""
         al += f", AL {m.acceptance_length:.2f}" if m.acceptance_length else ""
         print(f"[{m.new_tokens} tokens, finish: {r.finish_reason}, compile {m.compile_s:.2f} s, "
               f"prefill {m.prefill_s:.3f} s, decode {m.decode_tokens_per_s:.1f} tok/s{al}]",

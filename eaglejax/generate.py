@@ -92,7 +92,7 @@ class Generation:
 
 @functools.lru_cache(maxsize=2)
 def _cached_target(name: str) -> Target:
-    return load_target(name)
+    return load_target(name, weight_dtype="auto")
 
 
 def _resolve_spec(speculative: SpecConfig | None, draft: "Draft",

@@ -193,3 +193,27 @@ def test_a_head_is_stored_as_its_target_is(target_of, tmp_path):
     spec = eaglejax.generate(prompts, draft=head, speculative=eaglejax.SpecConfig.tree(2, 3, 6),
                              **kwargs)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+
+
+@pytest.mark.parametrize("flags,native,expected", [
+    (["avx512f", "amx_bf16", "amx_tile"], True, jnp.bfloat16),
+    (["avx512f", "avx512_bf16"], True, None),  # no tile unit: not measured faster
+    (["avx512f", "amx_bf16", "amx_tile"], False, None),  # no native kernels: XLA widens
+])
+def test_auto_storage_is_bfloat16_only_where_the_tile_unit_runs_it(monkeypatch, flags, native,
+                                                                   expected):
+    from eaglejax import loading
+
+    monkeypatch.setattr(loading.hardware, "isa_features", lambda: flags)
+    monkeypatch.setattr(loading.build, "enabled", lambda: native)
+    got = loading.fastest_weight_dtype()
+    assert got == (None if expected is None else jnp.dtype(expected))
+
+
+def test_auto_storage_is_what_load_target_stores(hf_family):
+    from eaglejax.loading import fastest_weight_dtype
+
+    directory, _ = hf_family("llama")
+    target = eaglejax.load_target(directory, weight_dtype="auto")
+    assert target.weight_dtype == (fastest_weight_dtype() or jnp.float32)
+    assert target.dtype == jnp.float32
