@@ -154,3 +154,26 @@ def test_first_token_distribution_matches_exact_probabilities(target_of):
     # E[TV] <= 0.5 * sum sqrt(p(1-p)/n); McDiarmid adds sqrt(log(1/delta) / (2n)).
     bound = 0.5 * np.sum(np.sqrt(exact * (1 - exact) / n)) + np.sqrt(np.log(1e6) / (2 * n))
     assert 0.5 * np.abs(counts - exact).sum() < bound
+
+
+def test_prompts_of_new_lengths_reuse_the_compiled_loop(target_of):
+    """On CPU (native attention: a cache slot past a row's length costs nothing) every call
+    that fits `SHARED_CAPACITY` runs one decode-loop program, whatever its prompt length;
+    where attention reads the whole cache (XLA's operations only) the cache stays sized by
+    the call."""
+    from eaglejax import native
+    from eaglejax.decoding import plain
+    from eaglejax.decoding.batch import SHARED_CAPACITY, cache_capacity, capacity_floor
+
+    target = target_of("llama")
+    assert capacity_floor(target) == SHARED_CAPACITY
+    assert capacity_floor(target.with_weight_dtype("bfloat16")) == SHARED_CAPACITY
+    with native.xla_only():
+        assert capacity_floor(target) == 0
+    assert cache_capacity(300, 128, 16, SHARED_CAPACITY) == SHARED_CAPACITY
+    assert cache_capacity(1000, 128, 16, SHARED_CAPACITY) == 1280  # 1024 + 128 + 16, in 128s
+    before = plain.decode_loop._cache_size()
+    rows = [eaglejax.generate([[3 + i % 90 for i in range(n)]], target=target, max_new_tokens=8,
+                              ignore_eos=True)[0] for n in (5, 40, 200)]
+    assert all(len(r.token_ids) == 8 for r in rows)
+    assert plain.decode_loop._cache_size() - before == 1

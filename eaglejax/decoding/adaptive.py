@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eaglejax.autotune import PLAIN_WIDTH, AutoPlan, AutoPolicy, recall, remember
-from eaglejax.decoding.batch import DecodeRun, batch_inputs, cache_capacity, compile_once
+from eaglejax.decoding.batch import (DecodeRun, batch_inputs, cache_capacity, capacity_floor,
+                                     compile_once)
 from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.calibration import calibration_loop
 from eaglejax.decoding.plain_segment import plain_segment
@@ -95,7 +96,7 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
     greedy = bool(sampling.temperature == 0)
     probe = plan.probe
     capacity = cache_capacity(max(len(ids) for ids in encoded), max_new_tokens,
-                              probe.num_nodes)
+                              probe.num_nodes, capacity_floor(target))
     prompt, prompt_lengths, row_keys, sampling, max_new = batch_inputs(
         target, encoded, seeds, sampling, max_new_tokens)
     common = dict(stop=criteria, attn_impl=target.attn_impl)

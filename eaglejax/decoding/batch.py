@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax import compilation_cache
+from eaglejax import compilation_cache, native
 from eaglejax.decoding import plain
 from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.calibration import calibration_loop
@@ -18,6 +18,8 @@ from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculative import spec_loop, spec_prefill
 from eaglejax.decoding.stopping import StopCriteria
+from eaglejax.models.attention import resolve_impl
+from eaglejax.native import cache_attention
 from eaglejax.sharding.mesh import mesh_context
 from eaglejax.sharding.placement import replicate
 from eaglejax.target import Target
@@ -26,11 +28,29 @@ if TYPE_CHECKING:
     from eaglejax.draft.draft import Draft
 
 
-def cache_capacity(prompt_tokens: int, max_new_tokens: int, extra: int = 0) -> int:
+# Where attention reads only each row's valid prefix (the native CPU kernel, the Pallas
+# kernels), a larger cache costs memory and no time: every call whose prompt, output and
+# scratch rows fit this many slots then runs the same compiled loops, so a prompt of a new
+# length never compiles them again (`auto` switches only between compiled shapes on a
+# short call).
+SHARED_CAPACITY = 1024
+
+
+def cache_capacity(prompt_tokens: int, max_new_tokens: int, extra: int = 0,
+                   floor: int = 0) -> int:
     """Static cache size for prompts up to `prompt_tokens` long: bucketed prompt and output
-    lengths plus `extra` scratch rows, rounded up to a multiple of 128."""
+    lengths plus `extra` scratch rows, rounded up to a multiple of 128, at least `floor`."""
     total = bucket(prompt_tokens, 16) + bucket(max_new_tokens, 16) + extra
-    return -(-total // 128) * 128
+    return max(floor, -(-total // 128) * 128)
+
+
+def capacity_floor(target: Target) -> int:
+    """`SHARED_CAPACITY` where a larger cache costs `target`'s attention no time, else 0."""
+    if resolve_impl(target.attn_impl) == "pallas":
+        return SHARED_CAPACITY
+    prefix_only = (jax.default_backend() == "cpu" and target.dtype == jnp.float32
+                   and native.kernels_allowed() and cache_attention.available())
+    return SHARED_CAPACITY if prefix_only else 0
 
 
 class DecodeRun(NamedTuple):
@@ -105,7 +125,8 @@ def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seed
     size would have accepted (`decoding.calibration`)."""
     lengths = [len(ids) for ids in encoded]
     max_tokens = bucket(max_new_tokens, 16)
-    capacity = cache_capacity(max(lengths), max_new_tokens, spec.num_nodes if spec else 0)
+    capacity = cache_capacity(max(lengths), max_new_tokens, spec.num_nodes if spec else 0,
+                              capacity_floor(target))
     greedy = bool(sampling.temperature == 0)
     if spec is not None:
         spec.check_sampling(greedy)
