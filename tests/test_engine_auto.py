@@ -145,12 +145,21 @@ def check_engine(target):
     limits = [30, 12, 41, 25, 3]
     plain = [eaglejax.generate([p], target=target, max_new_tokens=n, ignore_eos=True)[0].token_ids
              for p, n in zip(prompts, limits)]
+    from eaglejax.decoding import slots
+
     draft = self_draft(target)
     shared = Engine(target, draft, num_slots=2, capacity=96, rounds_per_call=8)
+    fills = []
+    for name in ("fill_spec", "fill_target"):  # count the prefills of each kind
+        fill = getattr(slots, name)
+        setattr(slots, name, lambda *a, _fill=fill, _name=name, **k: (fills.append(_name),
+                                                                       _fill(*a, **k))[1])
     got = shared.run([Request(i, p, n, ignore_eos=True) for i, (p, n) in
                       enumerate(zip(prompts, limits))])  # rows that share a step: target alone
     assert [got[i].token_ids for i in range(len(plain))] == plain
     assert shared._stale.any() and set(shared.policy.forwards_by_mode) >= {"plain"}
+    # a request that joins a row left behind decodes plainly: its head is never prefilled
+    assert fills[0] == "fill_spec" and fills.count("fill_target") >= 3, fills
     for scripted in (True, False):
         engine = Engine(target, draft, num_slots=2, capacity=96, rounds_per_call=8)
         assert engine.speculation == "auto"

@@ -3,7 +3,7 @@
 A static batch runs until its longest row ends, so rows that stop early idle. Here the
 loop returns to the host when a row that was running finishes, or after a bounded number
 of rounds (so the host can stream tokens); the host prefills a queued request into a free
-slot (`fill_plain` / `fill_spec`, one program per prompt-length bucket) and goes on, without
+slot (`fill_plain` / `fill_spec` / `fill_target`, one program per prompt-length bucket) and goes on, without
 recompiling. The loop runs only the first `rows` slots (a power of two covering the live
 ones, which the host keeps low), so a lightly loaded batch costs what a small one does.
 Plain and speculative batches alike, and the modes of `auto` over one speculative batch
@@ -79,6 +79,22 @@ def fill_spec(params: Params, config: ModelConfig, draft_params: Params,
         max_tokens=state.out.tokens.shape[1], spec=spec, greedy=greedy, stop=stop,
         attn_impl=attn_impl)
     return _put_rows(state, row._replace(forwards=state.forwards), slot)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "greedy", "attn_impl"),
+                   donate_argnames=("state",))
+def fill_target(params: Params, config: ModelConfig, state: speculative.SpecState,
+                slot: jax.Array, prompt: jax.Array, prompt_length: jax.Array, row_key: jax.Array,
+                sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable, *,
+                greedy: bool, attn_impl: AttentionImpl = "auto") -> speculative.SpecState:
+    """`fill_plain` into a speculative batch: the target alone, for a row that decodes
+    plainly to its end (`advance_target`); the slot's head rows are left as they are."""
+    decoding = plain.DecodeState(state.target_cache, state.last_token, state.out,
+                                 state.row_keys, state.forwards)
+    done = fill_plain(params, config, decoding, slot, prompt, prompt_length, row_key, sampling,
+                      max_new_tokens, stop, greedy=greedy, attn_impl=attn_impl)
+    return state._replace(target_cache=done.cache, last_token=done.last_token, out=done.out,
+                          row_keys=done.row_keys, forwards=done.forwards)
 
 
 def _first_rows(state: State, rows: int) -> State:

@@ -276,8 +276,9 @@ class Engine:
         return self.round_splits
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile now, so that no request waits for a compilation: the prefill of every
-        prompt bucket and the loop over every count of active rows, greedy and sampled."""
+        """Compile now, so that no request waits for a compilation: the prefills of every
+        prompt bucket (with `auto`, also the target's alone) and the loop over every count of
+        active rows, greedy and sampled."""
         if not self.idle:
             raise InputError("warm up an idle engine (requests are queued or running)")
         prompts, n = [], MIN_PROMPT_BUCKET
@@ -300,6 +301,10 @@ class Engine:
             for mode in self._modes_to_warm(rows):
                 self._advance(np.int32(0), mode)
             self.cancel(request.key)
+            if (rows == row_counts[0] and self.policy is not None
+                    and self.policy.max_speculative_rows is not None):
+                self._fill(rows - 1, request, target_only=True)  # rows left behind
+                self.cancel(request.key)
 
     # ------------------------------------------------------------------------ internals
 
@@ -357,8 +362,10 @@ class Engine:
         return StopTable.rows(rules, max(1, len(self.eos_ids)), MAX_STOP_SEQUENCES,
                               MAX_STOP_TOKENS)
 
-    def _fill(self, slot: int, request: Request) -> None:
-        """Prefill `request` into `slot` and record its settings there."""
+    def _fill(self, slot: int, request: Request, target_only: bool | None = None) -> None:
+        """Prefill `request` into `slot` and record its settings there; with `auto`, the
+        target alone where the row will decode plainly to its end (`_decodes_plainly`, or
+        as `target_only` says), since its head would never be used."""
         n = len(request.prompt)
         prompt = np.zeros((1, min(bucket(n, MIN_PROMPT_BUCKET), self.capacity)), np.int32)
         prompt[0, :n] = request.prompt
@@ -377,19 +384,37 @@ class Engine:
                              jax.random.PRNGKey(np.uint32(s.seed))[None], sampling,
                              self._max_new[row], stop))
         t, greedy = self.target, s.temperature == 0
+        if target_only is None:
+            target_only = self._decodes_plainly(slot)
         with mesh_context(self.mesh):
             if self.spec is None:
                 self.state = slots.fill_plain(t.params, t.config, self.state, *args,
                                               greedy=greedy, attn_impl=t.attn_impl)
+            elif target_only:
+                self.state = slots.fill_target(t.params, t.config, self.state, *args,
+                                               greedy=greedy, attn_impl=t.attn_impl)
             else:
                 d = self.draft
                 self.state = slots.fill_spec(t.params, t.config, d.params, d.config,
                                              self.state, *args, spec=self.spec, greedy=greedy,
                                              attn_impl=t.attn_impl)
         self.slots[slot] = _Live(request)
-        self._plain_steps[slot], self._stale[slot] = 0, False
+        self._plain_steps[slot], self._stale[slot] = 0, bool(target_only)
         if self.policy is not None:
             self.policy.admit(request.key)
+
+    def _decodes_plainly(self, slot: int) -> bool:
+        """Whether a request filled into `slot` now would decode with the target alone to
+        its end: `auto`, and a row already left behind is live or the active rows allow no
+        speculation (`_advance`'s rule)."""
+        if self.policy is None:
+            return False
+        others = self._filled()
+        others[slot] = False
+        live = others.copy()
+        live[slot] = True
+        return bool(np.any(self._stale & others)) or len(
+            self.policy.modes(self._active_rows(live))) == 1
 
     def _free(self, slot: int) -> None:
         if self.policy is not None:
