@@ -96,7 +96,8 @@ def test_opting_out_by_flag_writes_nothing_and_summary_shows_compile(model_dir, 
     _assert_no_compiled_programs(tmp_path)
     summary = stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"\[12 tokens, finish: length, compile \d+\.\d\d s, "
-                        r"prefill \d+\.\d{3} s, decode \d+\.\d tok/s\]", summary), summary
+                        r"prefill \d+\.\d{3} s, decode \d+\.\d tok/s, (float32|bfloat16) weights\]",
+                        summary), summary
 
 
 def test_a_folder_configured_in_jax_is_kept(model_dir, tmp_path):
