@@ -31,9 +31,9 @@ To force a shape, pass a `SpecConfig` instead of "auto".
 
 Measured (BENCHMARKS.md, 2-core Intel Xeon 6/167, SmolLM2 in bfloat16 storage with its
 shipped EAGLE-3 head, 16 prompts from a cold start, first calls included): `auto` at
-1.27-1.30x plain decoding on MT-bench and 1.35x on a Spec-Bench-style mix, 0.92-0.94x the
-best fixed tree, speculating in every category, never more than 0.4 s beyond plain's time
-on a call.
+1.32x plain decoding on MT-bench and 1.44x on a Spec-Bench-style mix, 0.95x and 0.94x the
+best fixed tree, speculating in every category, never more than 0.2 s beyond plain's time
+on a call (session 20).
 """
 
 from __future__ import annotations
