@@ -364,8 +364,8 @@ class Engine:
 
     def _fill(self, slot: int, request: Request, target_only: bool | None = None) -> None:
         """Prefill `request` into `slot` and record its settings there; with `auto`, the
-        target alone where the row will decode plainly to its end (`_decodes_plainly`, or
-        as `target_only` says), since its head would never be used."""
+        target alone where the row will decode plainly to its end (`_target_alone`, or as
+        `target_only` says), since its head would never be used."""
         n = len(request.prompt)
         prompt = np.zeros((1, min(bucket(n, MIN_PROMPT_BUCKET), self.capacity)), np.int32)
         prompt[0, :n] = request.prompt
@@ -385,7 +385,10 @@ class Engine:
                              self._max_new[row], stop))
         t, greedy = self.target, s.temperature == 0
         if target_only is None:
-            target_only = self._decodes_plainly(slot)
+            self._stale[slot] = False  # the slot's last request's, not this one's
+            live = self._filled()
+            live[slot] = True
+            target_only = self.policy is not None and self._target_alone(live)
         with mesh_context(self.mesh):
             if self.spec is None:
                 self.state = slots.fill_plain(t.params, t.config, self.state, *args,
@@ -403,17 +406,10 @@ class Engine:
         if self.policy is not None:
             self.policy.admit(request.key)
 
-    def _decodes_plainly(self, slot: int) -> bool:
-        """Whether a request filled into `slot` now would decode with the target alone to
-        its end: `auto`, and a row already left behind is live or the active rows allow no
-        speculation (`_advance`'s rule)."""
-        if self.policy is None:
-            return False
-        others = self._filled()
-        others[slot] = False
-        live = others.copy()
-        live[slot] = True
-        return bool(np.any(self._stale & others)) or len(
+    def _target_alone(self, live: np.ndarray) -> bool:
+        """Whether `auto` runs a step over the `live` slots with the target alone: a row
+        left behind is live, or the active rows allow no speculation."""
+        return bool(np.any(self._stale & live)) or len(
             self.policy.modes(self._active_rows(live))) == 1
 
     def _free(self, slot: int) -> None:
@@ -438,7 +434,7 @@ class Engine:
         if mode is not None:
             self._run(mode, max_rounds, greedy, rows)
             return
-        if len(self.policy.modes(rows)) == 1 or np.any(self._stale & live):
+        if self._target_alone(live):
             mode, budget = TARGET_ONLY, PLAIN_WIDTH  # no speculation: not even the head's
             self._stale |= live  # catch-up (these rows decode plainly to their end)
         else:
