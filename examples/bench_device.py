@@ -12,8 +12,8 @@ this script measures the same programs on the accelerator JAX sees, with random 
           many tokens the two attention paths share.
   rounds  Llama-3.1-8B shapes in bfloat16 with the public EAGLE-3 head shape: the plain
           step and whole speculative rounds in the compiled loop (`round_split`) at about
-          `--context` cached tokens, in ms and plain steps; the chain's round split into
-          its phases.
+          `--context` cached tokens, in ms and plain steps, each round split into its
+          phases (`--whole`: whole rounds only).
   curve   the target forward over T = 1..64 tokens at `--context` cached tokens, in
           single-token forwards (what verifying T nodes costs).
 
@@ -140,14 +140,14 @@ def rounds(args: argparse.Namespace, target: Target) -> dict[str, Any]:
     prompt = np.random.RandomState(3).randint(0, target.config.vocab_size,
                                               args.context).tolist()
     result = {}
-    shapes = [("chain K=5", "eagle3", SpecConfig.chain(5), True),
-              ("tree 10/6/60", "eagle3", SpecConfig.tree(10, 6, 60), False),
-              ("P-EAGLE parallel K=5", "peagle", SpecConfig.parallel(5), False),
-              ("tree 4/4/12", "eagle3", SpecConfig.tree(4, 4, 12), False)]
-    for label, kind, spec, split in shapes:
+    shapes = [("chain K=5", "eagle3", SpecConfig.chain(5)),
+              ("tree 10/6/60", "eagle3", SpecConfig.tree(10, 6, 60)),
+              ("P-EAGLE parallel K=5", "peagle", SpecConfig.parallel(5)),
+              ("tree 4/4/12", "eagle3", SpecConfig.tree(4, 4, 12))]
+    for label, kind, spec in shapes:
         start = time.perf_counter()
         measured = round_split(target, drafts[kind], spec, prompt, rounds=args.rounds,
-                               repeats=args.repeats, split=split)
+                               repeats=args.repeats, split=not args.whole)
         measured["wall_s"] = time.perf_counter() - start
         result[label] = measured
         print(describe_split(measured), f"  ({measured['wall_s']:.0f} s with compiling)",
@@ -183,6 +183,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU dry run)")
+    parser.add_argument("--whole", action="store_true",
+                        help="time whole rounds only, not their phases (faster)")
     parser.add_argument("--out", type=Path, default=Path("bench_device.json"))
     args = parser.parse_args()
     if args.small:

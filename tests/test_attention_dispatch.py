@@ -11,9 +11,9 @@ from eaglejax.models.attention import resolve_impl
 from tolerances import FORWARD_UNITS, assert_close_scaled
 
 
-def test_auto_is_xla_on_cpu_and_names_are_checked():
-    assert jax.default_backend() == "cpu"
-    assert resolve_impl("auto") == "xla"
+def test_auto_is_pallas_on_accelerators_xla_on_cpu_and_names_are_checked():
+    accelerator = jax.default_backend() in ("gpu", "tpu")
+    assert resolve_impl("auto") == ("pallas" if accelerator else "xla")
     assert resolve_impl("pallas") == "pallas"
     with pytest.raises(ValueError, match="attention impl"):
         resolve_impl("flash")
