@@ -11,9 +11,12 @@ kept per mode as a decayed mean (half-life `HALF_LIFE` target forwards, whatever
 that ran them), so it follows the text.
 
 What a round of each mode costs is its wall time, measured on every segment the loop runs
-(median of the last few; a program's first run in the process is not a measure: XLA:CPU
-finishes linking it then); a mode not yet run is costed by interpolating between the modes
-run so far in node count (a verify's cost grows with its nodes). Expected tokens/s of a mode
+(median of the last few; a program's first run in the process is one target forward, not
+timed: XLA:CPU finishes linking it then); plain decoding is first timed over
+`PLAIN_TIMING_STEPS` steps, so a call that knows nothing yet spends little of its time
+learning what plain costs, and its cost is never guessed from the trees'; a tree not yet
+run is costed by interpolating between the modes run so far in node count (a verify's cost
+grows with its nodes). Expected tokens/s of a mode
 is acceptance length / round cost (plain decoding: 1 / step cost); speculation must beat
 plain by `MARGIN` to be chosen. Every call opens with a probe of its own text (acceptance
 varies far more from prompt to prompt than costs do); then the probe comes back every
@@ -80,6 +83,7 @@ MIN_PROBE_EVERY, MAX_PROBE_EVERY = 32, 512  # target forwards between probes
 PROBE_ROUNDS = 2  # rounds per probe segment (a call's first segment is one)
 SPEC_ROUNDS = 8  # rounds per segment of another speculative mode (per call: ~2-9 ms)
 PLAIN_WIDTH = 16  # plain steps per plain segment
+PLAIN_TIMING_STEPS = 4  # steps of the plain segment that first times plain decoding
 TIMINGS_KEPT = 5  # per mode, the latest round times whose median is its cost
 
 
@@ -191,11 +195,13 @@ class AutoPolicy:
         return None if rounds <= 0 else 1.0 + self.knowledge.accepted[name] / rounds
 
     def round_seconds(self, mode: int) -> float | None:
-        """A round's cost: the median of its recent times, else interpolated in node count
-        between the modes timed (None: none timed)."""
+        """A round's cost: the median of its recent times, else (a tree) interpolated in node
+        count between the modes timed (None: none timed, or plain decoding untimed)."""
         times = self.knowledge.round_s.get(self.plan.name(mode))
         if times:
             return float(np.median(times))
+        if self.plan.modes[mode] is None:
+            return None  # a plain step costs a fraction of any round: never guessed from them
         timed = sorted((self.plan.nodes(m), float(np.median(self.knowledge.round_s[name])))
                        for m in range(len(self.plan.modes))
                        if (name := self.plan.name(m)) in self.knowledge.round_s
@@ -267,7 +273,8 @@ class AutoPolicy:
         """Target forwards the next segment of `mode` may run: a probe runs `PROBE_ROUNDS`
         unless it is the choice, with its cost known."""
         if mode == 0:
-            return PLAIN_WIDTH
+            timed = bool(self.knowledge.round_s.get(self.plan.name(0)))
+            return PLAIN_WIDTH if timed else PLAIN_TIMING_STEPS
         if mode == self.probe and (self.best != self.probe
                                    or not self.knowledge.round_s.get(self.plan.name(mode))):
             return PROBE_ROUNDS

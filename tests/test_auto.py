@@ -18,6 +18,8 @@ from eaglejax.autotune import (
     MARGIN,
     MAX_PROBE_EVERY,
     MIN_PROBE_EVERY,
+    PLAIN_TIMING_STEPS,
+    PLAIN_WIDTH,
     PRIOR_ROUNDS,
     AutoPlan,
     AutoPolicy,
@@ -132,6 +134,21 @@ def test_every_call_first_probes_its_own_text():
         assert call.next_mode() == after
     call.observe(PROBE, 0.075, 1, 7, 1, _counts(7.5, 7.8, 1))  # a later probe counts again
     assert call.knowledge.probe_every == 8 * MIN_PROBE_EVERY
+
+
+def test_plain_is_first_timed_briefly_and_never_costed_from_the_trees():
+    """Once the probe is timed, plain decoding's cost is still unknown (a round's time says
+    nothing of a step's), so switching to it is always worth its compile; its first segment
+    is short, the later ones full width."""
+    policy = AutoPolicy(PLAN, Knowledge())
+    policy.observe(PROBE, 2 * 0.03, 2, 2.0, 2, _counts(1.5, 1.8, 2))
+    assert policy.round_seconds(PROBE) == pytest.approx(0.03)
+    assert policy.round_seconds(SMALL) == pytest.approx(0.03)  # a tree: the nearest known
+    assert policy.round_seconds(PLAIN) is None and policy.expected_rates()[PLAIN] is None
+    assert policy.next_mode() == PLAIN and policy.worth_compiling(PLAIN, [PROBE], 100.0, 1)
+    assert policy.segment_rounds(PLAIN) == PLAIN_TIMING_STEPS < PLAIN_WIDTH
+    policy.observe(PLAIN, PLAIN_TIMING_STEPS * 0.016, PLAIN_TIMING_STEPS, 0, 0)
+    assert policy.segment_rounds(PLAIN) == PLAIN_WIDTH
 
 
 def test_a_switch_that_would_compile_must_pay_for_it():

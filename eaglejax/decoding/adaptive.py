@@ -7,7 +7,8 @@ until a target-forward budget or every row's end: the probe counts what each can
 would have accepted (`decoding.calibration.calibration_loop`), the other trees decode as
 fixed shapes do (`speculative.spec_loop`), and plain segments keep the head caught up
 (`decoding.plain_segment`). Between segments the host reads a few counters and times the
-segment; no token leaves the device. A mode whose program is not compiled yet is switched
+segment (a program's first segment in the process is one target forward, not timed: it
+links then); no token leaves the device. A mode whose program is not compiled yet is switched
 to only where the time it is expected to save over the tokens left exceeds what the last
 compile took (a short first call of a fresh install stays with what it has compiled).
 Greedy output is the plain output; sampled output follows the target's distribution exactly whatever the modes, since each round is exact
@@ -64,7 +65,8 @@ def _ran_before(fn, args: tuple, static: dict) -> bool:
     """Whether this process ran `fn`'s program for these argument shapes and static
     arguments before (and from now on, it has). A program's first run costs far more than
     its later ones (XLA:CPU links its kernels as they are first called: a probe round of
-    58 ms against 40 ms, BENCHMARKS.md), so `auto` does not time it."""
+    58 ms against 40 ms, BENCHMARKS.md), so `auto` runs it for one target forward, untimed,
+    before its segments are timed."""
     key = (fn, tuple(sorted(static.items())),
            tuple((leaf.shape, str(leaf.dtype)) if hasattr(leaf, "shape") else leaf
                  for leaf in jax.tree.leaves(args)))
@@ -122,9 +124,7 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
                                                 **common)
         return spec_loop, args, dict(spec=spec, greedy=greedy, **common)
 
-    # modes compiled in this call -> whether their next run is a measure of their cost (their
-    # program ran in this process before)
-    warm: dict[int, bool] = {}
+    compiled: set[int] = set()  # modes whose program this call compiled (and ran once)
     forwards_by_mode: dict[str, int] = {}
     decode_s, forwards, tokens_left = 0.0, 0, max_new_tokens
     last_compile_s = compile_s  # what the next compile is expected to cost
@@ -132,15 +132,19 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
     hist = np.zeros(state.accept_hist.shape, np.int64)
     while running:
         mode = policy.next_mode()
-        if mode not in warm and warm and not policy.worth_compiling(
-                mode, warm, last_compile_s, tokens_left):
-            mode = policy.fastest(warm)  # a short call does not pay for a compile
+        if mode not in compiled and compiled and not policy.worth_compiling(
+                mode, compiled, last_compile_s, tokens_left):
+            mode = policy.fastest(compiled)  # a short call does not pay for a compile
         until = jnp.int32(forwards + policy.segment_rounds(mode))
         fn, args, static = segment(mode, state, until)
-        if mode not in warm:
+        timed = True
+        if mode not in compiled:
             last_compile_s = compile_once(fn, *args, **static)
             compile_s += last_compile_s
-            warm[mode] = _ran_before(fn, args, static)
+            compiled.add(mode)
+            if not _ran_before(fn, args, static):  # one forward, not timed (see there)
+                timed, until = False, jnp.int32(forwards + 1)
+                fn, args, static = segment(mode, state, until)
         start = time.perf_counter()
         result = fn(*args, **static)
         state, counts = result if mode == policy.probe else (result, None)
@@ -156,8 +160,7 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
         forwards, hist = int(now_forwards), new_hist
         name = plan.name(mode)
         forwards_by_mode[name] = forwards_by_mode.get(name, 0) + ran
-        policy.observe(mode, seconds if warm[mode] else None, ran,
-                       (rounds * np.arange(rounds.shape[1])).sum(), int(rounds.sum()), counts)
-        warm[mode] = True
+        policy.observe(mode, seconds if timed else None, ran, (rounds * np.arange(rounds.shape[1])).sum(),
+                       int(rounds.sum()), counts)
     return AdaptiveRun(DecodeRun(state, compile_s, prefill_s, decode_s), forwards_by_mode)
 

@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from eaglejax.autotune import PRIOR_ROUNDS, AutoPlan, AutoPolicy, Knowledge, learn, recall, \
-    remember
+from eaglejax.autotune import PLAIN_WIDTH, PRIOR_ROUNDS, AutoPlan, AutoPolicy, Knowledge, learn, \
+    recall, remember
 from eaglejax.native import few_row_matmul
 from eaglejax.target import Target
 
@@ -107,7 +107,7 @@ class ShapePolicy:
         `rows` active rows, and the target forwards it may run."""
         policy = self.policy(rows)
         if len(self.modes(rows)) == 1:
-            return 0, policy.segment_rounds(0)
+            return 0, PLAIN_WIDTH  # nothing to compare plain decoding with
         policy.use_acceptance(*self._mean_acceptance(keys))
         mode = policy.next_mode()
         return mode, policy.segment_rounds(mode)
