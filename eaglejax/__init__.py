@@ -5,7 +5,7 @@ from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.draft import Draft, load_draft
 from eaglejax.errors import ConfigError, EaglejaxError, InputError, LoadError
 from eaglejax.generate import Generation, GenerationMetrics, generate
-from eaglejax.loading import load_target
+from eaglejax.loading.target_loader import load_target
 from eaglejax.sharding import make_mesh
 from eaglejax.target import Target
 from eaglejax.version import __version__

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax.autotune import AutoPlan
+from eaglejax.decoding.autotune import AutoPlan
 from eaglejax.datasets import Question
 from eaglejax.decoding.batch import cache_capacity
 from eaglejax.decoding.sampling import SamplingParams

@@ -14,7 +14,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from eaglejax import compilation_cache, generate, load_target, roofline, validation
+from eaglejax import compilation_cache, generate, load_target, validation
 from eaglejax.bench import bench_plain, bench_speculative, profile_rounds
 from eaglejax.datasets import interleave_categories, mt_bench_questions
 from eaglejax.decoding.spec_config import SpecConfig
@@ -25,6 +25,7 @@ from eaglejax.draft.shipped import shipped_head
 from eaglejax.errors import EaglejaxError, InputError
 from eaglejax.loading.builtin import builtin_model
 from eaglejax.loading.hf_export import export_hf
+from eaglejax.programs import roofline
 from eaglejax.round_split import describe_split
 from eaglejax.sharding import make_mesh
 from eaglejax.sharding.distributed import initialize

@@ -18,7 +18,7 @@ from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP
 from eaglejax.draft.draft import Draft
 from eaglejax.errors import ConfigError, InputError
-from eaglejax.loading import load_target
+from eaglejax.loading.target_loader import load_target
 from eaglejax.prompting import cut_at_stop, encode_prompts, stop_criteria
 from eaglejax.sharding.distributed import fetch, prompts_from_first
 from eaglejax.target import Target
@@ -151,7 +151,7 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     is speculative, configured by `speculative`: a `SpecConfig` (chain, dynamic tree or
     static tree), "auto" (switch between plain decoding and a few trees while decoding,
     from the acceptance counted and the round times measured as it goes, see
-    `eaglejax.autotune`) or None (the preset for this device and batch size,
+    `eaglejax.decoding.autotune`) or None (the preset for this device and batch size,
     `SpecConfig.preset`). Greedy output is identical to plain decoding.
     """
     _check_speculation(draft, speculative)

@@ -14,11 +14,10 @@ from jax.sharding import Mesh
 from eaglejax import validation
 from eaglejax.config import ModelConfig
 from eaglejax.errors import InputError
-from eaglejax.loading.checkpoint import save_target
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import (
     Params, compute_dtype, forward, lm_head, param_info, store_matrices)
-from eaglejax.sharding.placement import TargetPlacement
+from eaglejax.models.placement import TargetPlacement
 from eaglejax.tokenizer import Tokenizer
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -82,6 +81,8 @@ class Target:
 
     def save(self, path: str) -> None:
         """Write an eaglejax checkpoint (loads much faster than re-converting GGUF/HF files)."""
+        from eaglejax.loading.checkpoint import save_target  # loading is the layer above
+
         save_target(self, path)
 
     def _token_array(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> jax.Array:

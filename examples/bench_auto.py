@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 
 import eaglejax  # noqa: E402
 from eaglejax import hardware  # noqa: E402
-from eaglejax.autotune import AutoPlan  # noqa: E402
+from eaglejax.decoding.autotune import AutoPlan  # noqa: E402
 from eaglejax.datasets import interleave_categories, mt_bench_questions  # noqa: E402
 from eaglejax.decoding.buckets import bucket  # noqa: E402
 from peers.prompts import mix_questions  # noqa: E402

@@ -47,7 +47,7 @@ from eaglejax.decoding.spec_config import SpecConfig  # noqa: E402
 from eaglejax.decoding.stopping import StopCriteria  # noqa: E402
 from eaglejax.draft.draft import Draft, new_eagle3_draft  # noqa: E402
 from eaglejax.models import llama  # noqa: E402
-from eaglejax.roofline import llama31_8b  # noqa: E402
+from eaglejax.programs.reference import llama31_8b  # noqa: E402
 from eaglejax.round_split import describe_split, round_split  # noqa: E402
 from eaglejax.target import Target  # noqa: E402
 from eaglejax.timing import single_forward_ms  # noqa: E402

@@ -15,7 +15,7 @@ import argparse
 import numpy as np
 
 import eaglejax
-from eaglejax.autotune import AutoPlan, AutoPolicy, Knowledge
+from eaglejax.decoding.autotune import AutoPlan, AutoPolicy, Knowledge
 from eaglejax.datasets import mt_bench_questions
 from eaglejax.decoding.adaptive import adaptive_decode
 from eaglejax.decoding.batch import decode

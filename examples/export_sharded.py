@@ -30,7 +30,9 @@ import time
 import jax
 
 from eaglejax.decoding.spec_config import SpecConfig
-from eaglejax.sharding import export, make_mesh
+from eaglejax.programs import export
+from eaglejax.programs.reference import llama31_8b
+from eaglejax.sharding import make_mesh
 
 KERNEL_MARK = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
@@ -57,7 +59,7 @@ def main() -> None:
         raise SystemExit("needs 8 host devices: XLA_FLAGS=--xla_force_host_platform_"
                          "device_count=8 before jax is imported")
 
-    config = export.llama31_8b_config(args.layers)
+    config = llama31_8b(args.layers)
     shapes = export.LoopShapes(args.batch, args.prompt_len, args.max_new_tokens)
     specs = {"chain5": SpecConfig.chain(5), "tree60": SpecConfig.tree(8, 6, 60)}
     meshes = {1: make_mesh(tp=1, devices=jax.devices()[:1]), 8: make_mesh(tp=8)}

@@ -1,4 +1,4 @@
-"""`speculative="auto"`: the policy that picks each segment's mode (`eaglejax.autotune`), and
+"""`speculative="auto"`: the policy that picks each segment's mode (`eaglejax.decoding.autotune`), and
 the adaptive loop that runs it (`eaglejax.decoding.adaptive`): greedy output identical to
 plain decoding whatever the switches, sampling exact, what it learns kept for later calls."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eaglejax.autotune import (
+from eaglejax.decoding.autotune import (
     EXPLORE,
     HALF_LIFE,
     MARGIN,
@@ -277,7 +277,7 @@ def check_auto(target, cache_dir):
     does; the modes named in the metrics; what it learnt kept on disk for a new process,
     and a damaged file is learnt anew."""
     import eaglejax
-    from eaglejax import autotune
+    from eaglejax.decoding import autotune
     from spec_helpers import random_eagle3, self_draft
 
     os.environ.update(EAGLEJAX_AUTOTUNE_CACHE="1", EAGLEJAX_CACHE=str(cache_dir))

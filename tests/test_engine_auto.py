@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from eaglejax.autotune import MARGIN, PRIOR_ROUNDS, PROBE_ROUNDS, AutoPlan, Knowledge
+from eaglejax.decoding.autotune import MARGIN, PRIOR_ROUNDS, PROBE_ROUNDS, AutoPlan, Knowledge
 from eaglejax.serving.shape_policy import ShapePolicy
 
 PLAN = AutoPlan.for_device("cpu")

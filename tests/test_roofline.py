@@ -1,4 +1,4 @@
-"""The accelerator roofline (`eaglejax.roofline`): costs read from the compiled programs,
+"""The accelerator roofline (`eaglejax.programs.roofline`): costs read from the compiled programs,
 the prediction arithmetic, and `eaglejax bench --roofline DEVICE`."""
 
 import json
@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from eaglejax import cli, roofline
+from eaglejax import cli
+from eaglejax.programs import roofline
 from eaglejax.config import ModelConfig
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.draft import head

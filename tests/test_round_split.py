@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from spec_helpers import random_eagle3
 
-from eaglejax.autotune import AutoPlan
+from eaglejax.decoding.autotune import AutoPlan
 from eaglejax.bench import profile_rounds, shapes_to_profile
 from eaglejax.decoding.batch import batch_inputs
 from eaglejax.decoding.sampling import SamplingParams

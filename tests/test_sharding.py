@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from eaglejax.errors import InputError
-from eaglejax.sharding.placement import widen_kv_heads
+from eaglejax.models.placement import widen_kv_heads
 from eaglejax.sharding.rules import logical_spec
 
 HERE = Path(__file__).resolve().parent

@@ -1,6 +1,6 @@
 """The sharded decoding loops export for accelerators from this CPU host (`jax.export`,
 Pallas kernels inside), and their tp=8 partitioning runs exactly the collectives counted
-below (`eaglejax.sharding.export`).
+below (`eaglejax.programs.export`).
 
 The checks run in a subprocess with 8 host CPU devices (the suite's own process has one).
 Llama-3.1-8B's widths, at 2 layers (exports) and 1 and 2 layers (compiled collective
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from eaglejax.sharding.export import count_collectives, split_entry
+from eaglejax.programs.export import count_collectives
+from eaglejax.programs.hlo import split_entry
 
 HERE = Path(__file__).resolve().parent
 
@@ -122,7 +123,7 @@ def test_tpu_kernel_lowers_with_two_or_more_slots():
 
 def check_exports(mesh, config) -> None:
     from eaglejax.decoding.spec_config import SpecConfig
-    from eaglejax.sharding import export
+    from eaglejax.programs import export
 
     specs = {"chain5": SpecConfig.chain(5), "tree60": SpecConfig.tree(8, 6, 60)}
     programs = export.loop_programs(config, mesh, export.LoopShapes(2, 128, 64), specs=specs)
@@ -148,7 +149,7 @@ def check_exports(mesh, config) -> None:
 
 def check_collectives(mesh_tp, mesh_dp, config) -> None:
     from eaglejax.decoding.spec_config import SpecConfig
-    from eaglejax.sharding import export
+    from eaglejax.programs import export
 
     specs = {"chain5": SpecConfig.chain(5), "tree": SpecConfig.tree(4, 3, 12)}
     counts = export.layer_collectives(config, mesh_tp, export.LoopShapes(1, 128, 64),
@@ -168,10 +169,12 @@ def check_collectives(mesh_tp, mesh_dp, config) -> None:
 def main() -> None:
     import jax
 
-    from eaglejax.sharding import export, make_mesh
+    from eaglejax.programs import export
+    from eaglejax.programs.reference import llama31_8b
+    from eaglejax.sharding import make_mesh
 
     assert len(jax.devices()) == 8, jax.devices()
-    config = export.llama31_8b_config(2)
+    config = llama31_8b(2)
     check_exports(make_mesh(tp=1, devices=jax.devices()[:1]), config)
     check_exports(make_mesh(tp=8), config)
     check_collectives(make_mesh(tp=8), make_mesh(dp=8), config)

@@ -202,7 +202,7 @@ def test_a_head_is_stored_as_its_target_is(target_of, tmp_path):
 ])
 def test_auto_storage_is_bfloat16_only_where_the_tile_unit_runs_it(monkeypatch, flags, native,
                                                                    expected):
-    from eaglejax import loading
+    from eaglejax.loading import target_loader as loading
 
     monkeypatch.setattr(loading.hardware, "isa_features", lambda: flags)
     monkeypatch.setattr(loading.build, "enabled", lambda: native)
@@ -211,7 +211,7 @@ def test_auto_storage_is_bfloat16_only_where_the_tile_unit_runs_it(monkeypatch, 
 
 
 def test_auto_storage_is_what_load_target_stores(hf_family):
-    from eaglejax.loading import fastest_weight_dtype
+    from eaglejax.loading.target_loader import fastest_weight_dtype
 
     directory, _ = hf_family("llama")
     target = eaglejax.load_target(directory, weight_dtype="auto")

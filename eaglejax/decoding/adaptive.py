@@ -1,5 +1,5 @@
 """`speculative="auto"` decoding: segments of plain steps or speculative rounds, each mode
-chosen from what the segments before it measured (`eaglejax.autotune`).
+chosen from what the segments before it measured (`eaglejax.decoding.autotune`).
 
 Every mode is one compiled program over the same speculative state (prefilled once for the
 probe's shape: its cache, history and lookup context are the largest any mode needs), run
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax.autotune import PLAIN_WIDTH, AutoPlan, AutoPolicy, recall, remember
+from eaglejax.decoding.autotune import PLAIN_WIDTH, AutoPlan, AutoPolicy, recall, remember
 from eaglejax.decoding.batch import (DecodeRun, batch_inputs, cache_capacity, capacity_floor,
                                      compile_once)
 from eaglejax.decoding.buckets import bucket

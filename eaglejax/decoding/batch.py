@@ -21,7 +21,7 @@ from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.models.attention import resolve_impl
 from eaglejax.native import cache_attention
 from eaglejax.sharding.mesh import mesh_context
-from eaglejax.sharding.placement import replicate
+from eaglejax.models.placement import replicate
 from eaglejax.target import Target
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """What smaller trees would have accepted, counted on one round of the largest tree.
 
-`speculative="auto"` (`eaglejax.autotune`) drafts the largest dynamic tree and, every
+`speculative="auto"` (`eaglejax.decoding.autotune`) drafts the largest dynamic tree and, every
 greedy round, counts per candidate size s the draft tokens the tree `total_tokens=s` would
 have accepted: its s best-ranked nodes form exactly that tree (EAGLE-2 scores), and the
 target's argmax at a node depends only on the node's path, so one verification answers

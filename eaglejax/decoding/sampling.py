@@ -39,7 +39,7 @@ def argmax_last(x: jax.Array) -> jax.Array:
     one). On CPU one native pass per row (`native.row_argmax`); elsewhere a max and a min
     over the last axis: XLA:CPU runs those vectorized, where argmax's paired reduction is
     not (12 x 49,152 logits: 0.65 vs 1.8 ms). Traced over a mesh it is argmax itself, whose
-    vocabulary-split form (each device's best value and index gathered) `sharding.export`
+    vocabulary-split form (each device's best value and index gathered) `programs.export`
     counts."""
     if over_mesh():
         return jnp.argmax(x, axis=-1).astype(jnp.int32)

@@ -23,7 +23,7 @@ from eaglejax.draft.head import (
 )
 from eaglejax.errors import InputError
 from eaglejax.models.llama import Params, store_matrices
-from eaglejax.sharding.placement import replicate
+from eaglejax.models.placement import replicate
 from eaglejax.target import FLOAT_DTYPES, Target, default_tap_layers
 
 
@@ -110,7 +110,7 @@ class Draft:
 
     def for_target(self, target: "Target") -> "Draft":
         """This head for `target`, the same model placed elsewhere (`Target.on_mesh`): on
-        a mesh the head is replicated on every device (see `eaglejax.sharding.placement`)."""
+        a mesh the head is replicated on every device (see `eaglejax.models.placement`)."""
         params, d2t = self.params, self.d2t
         if target.mesh is not None:
             params, d2t = replicate((params, d2t), target.mesh)

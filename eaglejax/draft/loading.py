@@ -15,7 +15,7 @@ from eaglejax.draft.formats.native import FORMAT, manifest_format
 from eaglejax.draft.formats.speculators import is_speculators
 from eaglejax.errors import LoadError
 from eaglejax.loading.hf_dir import HFWeights, read_json
-from eaglejax.sharding.placement import replicate
+from eaglejax.models.placement import replicate
 
 if TYPE_CHECKING:
     from eaglejax.target import Target
@@ -73,7 +73,7 @@ def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | N
     layout, weights = detect_format(path)
     config, params, d2t = READERS[layout](path, target.config, weights)
     dtype = jnp.dtype(dtype) if dtype is not None else target.dtype
-    if target.mesh is not None:  # replicated on every device: see sharding.placement
+    if target.mesh is not None:  # replicated on every device: see models.placement
         host = jax.tree.map(lambda a: np.asarray(a).astype(dtype), params)
         params, d2t = replicate((host, np.asarray(d2t, np.int32)), target.mesh)
     else:

@@ -25,7 +25,7 @@ from eaglejax.loading.files import file_checksums, verify_checksums, write_atomi
 from eaglejax.loading.hf_dir import read_json
 from eaglejax.loading.orbax_io import restore_tree
 from eaglejax.models.llama import Params, is_param_info, logical_axes, param_info
-from eaglejax.sharding.placement import TargetPlacement
+from eaglejax.models.placement import TargetPlacement
 from eaglejax.sharding.rules import shardings
 from eaglejax.tokenizer import Tokenizer
 
@@ -70,7 +70,7 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None = Non
     """(config, params, tokenizer or None, eos ids) from a checkpoint directory. With a
     `mesh`, each parameter is read straight into its sharding there (orbax reads only each
     device's slice) unless the model's KV heads must be widened for the mesh first
-    (`eaglejax.sharding.placement`): then the caller places them."""
+    (`eaglejax.models.placement`): then the caller places them."""
     manifest = read_json(path / MANIFEST)
     if manifest.get("format") != FORMAT:
         raise LoadError(f"{path / MANIFEST}: format is {manifest.get('format')!r}, "

@@ -161,7 +161,7 @@ def params_from_hf(get: Callable[[str], np.ndarray], names_and_shapes: Mapping[s
                    place: Placer | None = None) -> Params:
     """Build the parameter tree from HF tensors fetched one by one with `get(name)`.
     `place(path, host array in dtype)` puts each parameter where it belongs (a device
-    mesh: `eaglejax.sharding.placement`); by default the default device."""
+    mesh: `eaglejax.models.placement`); by default the default device."""
     check_hf_tensors(names_and_shapes, config, source)
     if place is None:
         def to_dtype(path, a):

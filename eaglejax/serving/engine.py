@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from eaglejax import validation
-from eaglejax.autotune import PLAIN_WIDTH, AutoPlan
+from eaglejax.decoding.autotune import PLAIN_WIDTH, AutoPlan
 from eaglejax.decoding import plain, slots, speculative
 from eaglejax.decoding.batch import compile_once
 from eaglejax.decoding.buckets import bucket
@@ -43,7 +43,7 @@ from eaglejax.errors import ConfigError, InputError
 from eaglejax.serving.shape_policy import ShapePolicy
 from eaglejax.sharding.distributed import fetch
 from eaglejax.sharding.mesh import mesh_context
-from eaglejax.sharding.placement import replicate
+from eaglejax.models.placement import replicate
 from eaglejax.target import Target
 
 if TYPE_CHECKING:

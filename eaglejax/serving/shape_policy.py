@@ -1,7 +1,7 @@
 """`auto` in the serving engine: each engine step's mode (plain decoding, a tree, the probe)
 chosen from the live requests' own acceptance and what a round costs at the batch's size.
 
-The modes and the rules are `eaglejax.autotune`'s (`AutoPlan`, `AutoPolicy`): expected
+The modes and the rules are `eaglejax.decoding.autotune`'s (`AutoPlan`, `AutoPolicy`): expected
 tokens per second of a mode is the mean acceptance length of the requests it runs over
 the cost of a round, and speculation must beat plain decoding by the margin. What differs:
 
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from eaglejax.autotune import PLAIN_WIDTH, PRIOR_ROUNDS, AutoPlan, AutoPolicy, Knowledge, learn, \
+from eaglejax.decoding.autotune import PLAIN_WIDTH, PRIOR_ROUNDS, AutoPlan, AutoPolicy, Knowledge, learn, \
     recall, remember
 from eaglejax.native import few_row_matmul
 from eaglejax.target import Target

@@ -11,7 +11,7 @@ partitioning (`flax.linen.logical_to_mesh_axes`, the MaxText convention).
 | everything else | (replicated) | embed, head_dim, norms, cache positions, draft heads |
 
 A dimension the mesh axis does not divide is replicated along that axis instead (e.g. a
-batch of 3 on dp=2, or 3 KV heads on tp=2); `eaglejax.sharding.placement` first widens
+batch of 3 on dp=2, or 3 KV heads on tp=2); `eaglejax.models.placement` first widens
 models with fewer KV heads than `tp` so that their attention still splits.
 """
 

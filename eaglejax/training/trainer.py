@@ -38,7 +38,7 @@ from eaglejax.generate import generate
 from eaglejax.loading.orbax_io import describe_failure, drop_failed_restore_debris
 from eaglejax.models.llama import Params
 from eaglejax.sharding.mesh import mesh_context
-from eaglejax.sharding.placement import replicate, split_rows
+from eaglejax.models.placement import replicate, split_rows
 from eaglejax.target import Target
 from eaglejax.training.data import PackedRows
 from eaglejax.training.run import append_log, open_run, read_log, truncate_log

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -34,49 +33,16 @@ from eaglejax.draft import head
 from eaglejax.draft.config import DraftConfig
 from eaglejax.models import kv_cache
 from eaglejax.models.llama import param_shapes
-from eaglejax.sharding.placement import TargetPlacement
+from eaglejax.programs import hlo
+from eaglejax.programs.reference import eagle3_head
+from eaglejax.models.placement import TargetPlacement
 from eaglejax.sharding.rules import logical_spec
-from eaglejax.target import default_tap_layers
-
-# meta-llama/Llama-3.1-8B-Instruct's config.json (the fields eaglejax reads)
-LLAMA31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
-}
-EAGLE3_DRAFT_VOCAB = 32000  # the EAGLE-3 heads published for Llama 3.1 8B
 
 # the Pallas kernels' custom calls, which carry no cross-version compatibility guarantee
 KERNEL_CALLS = tuple(jax.export.DisabledSafetyCheck.custom_call(target)
                      for target in ("__gpu$xla.gpu.triton", "tpu_custom_call"))
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                "collective-permute")
-# an HLO instruction: "%name = type op-name(" (async pairs as op-start / op-done)
-_OP = re.compile(r"=\s*\S.*?\s([a-z][a-z0-9-]*)\(")
-
-
-def llama31_8b_config(num_layers: int = 32) -> ModelConfig:
-    """Llama-3.1-8B's shapes (llama3 rope scaling, untied output head), `num_layers` deep."""
-    return ModelConfig.from_hf_dict({**LLAMA31_8B, "num_hidden_layers": num_layers},
-                                    source="Llama-3.1-8B")
-
-
-def eagle3_config(target: ModelConfig, draft_vocab_size: int = EAGLE3_DRAFT_VOCAB,
-                  tap_layers: tuple[int, ...] | None = None) -> DraftConfig:
-    """A one-layer EAGLE-3 head for `target` (as `new_eagle3_draft` builds it). Default taps:
-    layers 2, L/2 and L-3, or (0, L/2, L) for models too shallow for those."""
-    layers = target.num_layers
-    if tap_layers is None:
-        tap_layers = default_tap_layers(layers) if layers >= 5 else (0, layers // 2, layers)
-    decoder = dataclasses.replace(target, model_type="llama", num_layers=1,
-                                  tie_word_embeddings=False, attention_bias=False,
-                                  qk_norm=False)
-    return DraftConfig("eagle3", decoder, draft_vocab_size, target.hidden_size,
-                       tuple(tap_layers))
 
 
 def _abstract(shape: Sequence[int], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
@@ -220,7 +186,7 @@ def loop_programs(config: ModelConfig, mesh: Mesh, shapes: LoopShapes = LoopShap
                                       max_new), common, 1)
     if not specs:
         return programs
-    draft_config = draft_config or eagle3_config(config)
+    draft_config = draft_config or eagle3_head(config)
     draft_params, d2t = abstract_draft(draft_config, mesh, dtype)
     for spec_name, spec in specs.items():
         kwargs = dict(capacity=shapes.capacity(spec), max_tokens=max_tokens, spec=spec,
@@ -262,33 +228,17 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     """How many of each collective op the (partitioned) HLO text holds; an async pair
     (`all-reduce-start` / `-done`) counts once."""
     counts = dict.fromkeys(COLLECTIVES, 0)
-    for line in hlo_text.splitlines():
-        match = _OP.search(line)
-        if match is None:
-            continue
-        op = match.group(1)
+    for op in hlo.op_names(hlo_text):
         op = op.removesuffix("-start")
         if op in counts:
             counts[op] += 1
     return counts
 
 
-def split_entry(hlo_text: str) -> tuple[str, str]:
-    """An HLO module's text as (its ENTRY computation, every other computation). A loop's
-    collectives sit in the others (its while body: once per step or round); those XLA
-    hoisted out of the loop, or of a program without one, in ENTRY (once per call)."""
-    entry, rest, in_entry = [], [], False
-    for line in hlo_text.splitlines():
-        if line and not line[0].isspace() and line != "}":
-            in_entry = line.startswith("ENTRY")
-        (entry if in_entry else rest).append(line)
-    return "\n".join(entry), "\n".join(rest)
-
-
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """`count_collectives` of a compiled program, split into "call" (ENTRY: once per call)
     and "step" (inside loops: once per decode step or speculation round)."""
-    entry, nested = split_entry(hlo_text)
+    entry, nested = hlo.split_entry(hlo_text)
     return {"call": count_collectives(entry), "step": count_collectives(nested)}
 
 
@@ -303,7 +253,7 @@ def layer_collectives(config: ModelConfig, mesh: Mesh, shapes: LoopShapes = Loop
     head keeps the same taps at both depths."""
     kwargs.setdefault("attn_impl", "xla")
     shallow, deep = (dataclasses.replace(config, num_layers=d) for d in depths)
-    kwargs.setdefault("draft_config", eagle3_config(shallow))
+    kwargs.setdefault("draft_config", eagle3_head(shallow))
     counts = []
     for model in (shallow, deep):
         programs = [p for p in loop_programs(model, mesh, shapes, **kwargs)

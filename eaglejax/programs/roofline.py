@@ -55,7 +55,8 @@ from eaglejax.draft import head
 from eaglejax.draft.config import DraftConfig
 from eaglejax.errors import InputError
 from eaglejax.models import llama
-from eaglejax.target import default_tap_layers
+from eaglejax.programs import hlo
+from eaglejax.programs.reference import eagle3_head, llama31_8b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,25 +106,6 @@ class Cost:
         return self.bytes if attention == "fused" else self.xla_attention_bytes
 
 
-def llama31_8b() -> ModelConfig:
-    """Llama-3.1-8B's shape (its llama3 rope scaling changes no cost and is left out)."""
-    return ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-                       rms_norm_eps=1e-5, rope_theta=500000.0,
-                       max_position_embeddings=131072)
-
-
-def eagle3_head(target: ModelConfig, draft_vocab: int = 32000,
-                mask_token_id: int | None = None) -> DraftConfig:
-    """The public EAGLE-3 head shape of a Llama target (for Llama-3.1-8B:
-    yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): one decoder layer of the target's width, fc
-    from the taps entering layers (2, L//2, L-3), a `draft_vocab` output, the target's
-    embedding table; with `mask_token_id`, the same head as a P-EAGLE head (mask slots)."""
-    decoder = dataclasses.replace(target, num_layers=1)
-    return DraftConfig("eagle3", decoder, draft_vocab, target.hidden_size,
-                       default_tap_layers(target.num_layers), mask_token_id=mask_token_id)
-
-
 def parameter_bytes(config: ModelConfig, itemsize: int = STORAGE_BYTES) -> int:
     """Bytes of a target's parameters at `itemsize` bytes each."""
     infos = jax.tree.leaves(llama.param_info(config), is_leaf=llama.is_param_info)
@@ -137,56 +119,11 @@ def _abstract(infos: Any) -> Any:
 
 # --- reading the compiled program --------------------------------------------------------
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-_LINE = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*([a-z0-9]+)\[([0-9,]*)\]\S*\s+"
-                   r"([\w\-]+)\(([^)]*)\)")
 _FUSION_CALLS = re.compile(r"\bfusion\(.*calls=%([\w.\-]+)")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
-_NAME = re.compile(r"%([\w.\-]+)")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Instr:
-    root: bool
-    nbytes: int
-    opcode: str
-    operands: tuple[str, ...]
-
-
-def _computations(hlo: str) -> dict[str, list[str]]:
-    """The instruction lines of every computation in an HLO module's text."""
-    blocks: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in hlo.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            current = blocks.setdefault(header.group(1), [])
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            current.append(line)
-    return blocks
-
-
-def _instructions(lines: list[str]) -> tuple[dict[str, _Instr], dict[str, int]]:
-    """A computation's array-shaped instructions by name, and how often each name is read."""
-    found: dict[str, _Instr] = {}
-    reads: dict[str, int] = {}
-    for line in lines:
-        for name in _NAME.findall(line.partition("=")[2]):
-            reads[name] = reads.get(name, 0) + 1
-        m = _LINE.match(line)
-        if m and m.group(3) in _DTYPE_BYTES:
-            size = _DTYPE_BYTES[m.group(3)] * math.prod(
-                int(d) for d in m.group(4).split(",") if d)
-            found[m.group(2)] = _Instr(bool(m.group(1)), size, m.group(5),
-                                       tuple(_NAME.findall(m.group(6))))
-    return found, reads
-
-
-def _sole_parameter(name: str, found: dict[str, _Instr], reads: dict[str, int]
-                    ) -> _Instr | None:
+def _sole_parameter(name: str, found: dict[str, hlo.Instruction], reads: dict[str, int]
+                    ) -> hlo.Instruction | None:
     """The fusion parameter `name` is (through bitcasts) when nothing else reads it."""
     while name in found and reads.get(name, 0) == 1:
         instr = found[name]
@@ -198,19 +135,19 @@ def _sole_parameter(name: str, found: dict[str, _Instr], reads: dict[str, int]
     return None
 
 
-def fused_overcount(hlo: str) -> float:
+def fused_overcount(hlo_text: str) -> float:
     """Bytes XLA's cost analysis counts beyond what fused gathers and scatters move.
 
     Inside a fusion, a parameter that only a gather reads is counted whole (an embedding
     table for a few rows), and a scatter at the fusion's root that updates a parameter in
     place (a KV-cache write) is counted as reading and writing the whole buffer; only the
     gathered rows and the updates move."""
-    blocks = _computations(hlo)
+    blocks, _ = hlo.computations(hlo_text)
     fused = {m.group(1) for lines in blocks.values() for line in lines
              if (m := _FUSION_CALLS.search(line))}
     extra = 0.0
     for name in fused:
-        found, reads = _instructions(blocks.get(name, []))
+        found, reads = hlo.instructions(blocks.get(name, []))
         for instr in found.values():
             if instr.opcode == "gather":
                 table = _sole_parameter(instr.operands[0], found, reads)

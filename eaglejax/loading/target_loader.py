@@ -1,0 +1,140 @@
+"""`load_target`: one entry point for every way a target model can arrive."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from eaglejax import hardware, validation
+from eaglejax.config import ModelConfig
+from eaglejax.errors import InputError, LoadError
+from eaglejax.loading import checkpoint
+from eaglejax.loading.builtin import resolve_builtin
+from eaglejax.loading.files import require_regular_file
+from eaglejax.loading.gguf_file import read_gguf
+from eaglejax.loading.hf_dir import HFWeights, read_json
+from eaglejax.loading.weights import params_from_hf
+from eaglejax.native import build
+from eaglejax.models.placement import TargetPlacement
+from eaglejax.target import FLOAT_DTYPES, Target
+from eaglejax.tokenizer import Tokenizer
+
+GGUF_MAGIC = b"GGUF"
+
+
+def default_dtype() -> jnp.dtype:
+    """float32 on CPU, bfloat16 on GPU/TPU."""
+    return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+
+
+def fastest_weight_dtype() -> jnp.dtype | None:
+    """The storage of a target's matrices that decodes fastest here: bfloat16 on a CPU whose
+    AMX tile unit the native kernels use (Intel Sapphire Rapids and later: half the bytes a
+    step reads, plain decoding 1.46x faster and speculation's gain larger, BENCHMARKS.md);
+    None (as loaded) elsewhere: GPUs and TPUs already compute in bfloat16, and on other CPUs
+    bfloat16 storage has not been measured faster."""
+    if jax.default_backend() != "cpu" or not build.enabled() or build.compiler() is None:
+        return None
+    amx = {"amx_bf16", "amx_tile"} <= set(hardware.isa_features())
+    return jnp.dtype(jnp.bfloat16) if amx else None
+
+
+def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = None,
+                weight_dtype: jnp.dtype | str | None = None, mesh: Mesh | None = None) -> Target:
+    """Load a target from a built-in name, a GGUF file, an HF directory or an eaglejax
+    checkpoint. `dtype`: compute and parameter dtype; `weight_dtype`: store the matrices
+    in another (e.g. bfloat16 under float32 compute: `Target.with_weight_dtype`), "auto"
+    for the storage that decodes fastest on this machine (`fastest_weight_dtype`; what
+    `eaglejax generate`, `eaglejax bench` and `eaglejax.generate()` use), None as loaded.
+    `mesh` (`eaglejax.make_mesh`): every weight goes from the file straight into its
+    sharding on the mesh (`eaglejax.models.placement`), never whole onto one device."""
+    if not isinstance(path_or_name, (str, os.PathLike)):
+        raise InputError(f"load_target wants a model name or path, got {path_or_name!r}")
+    if dtype is not None:
+        dtype = validation.dtype("dtype", dtype, FLOAT_DTYPES)
+    if isinstance(weight_dtype, str) and weight_dtype == "auto":
+        weight_dtype = fastest_weight_dtype()
+    if weight_dtype is not None:
+        weight_dtype = validation.dtype("weight_dtype", weight_dtype, FLOAT_DTYPES)
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise InputError(f"mesh must be a jax.sharding.Mesh (eaglejax.make_mesh), "
+                         f"got {type(mesh).__name__}")
+    if jax.default_backend() == "cpu":
+        build.start_builds()  # the native kernels compile while the model loads
+    target = _load(path_or_name, dtype, mesh)
+    return target if weight_dtype is None else target.with_weight_dtype(weight_dtype)
+
+
+def _load(path_or_name: str | Path, dtype: jnp.dtype | str | None, mesh: Mesh | None) -> Target:
+    resolved = resolve_builtin(str(path_or_name)) if isinstance(path_or_name, str) else None
+    path = Path(resolved or path_or_name).expanduser()
+    if not path.exists():
+        raise LoadError(f"{path}: no such file or directory, and not a built-in model name "
+                        f"(built-in: smollm2-135m-instruct)")
+    dtype = jnp.dtype(dtype) if dtype is not None else None
+    if path.is_dir() and checkpoint.is_checkpoint(path):
+        config, params, tokenizer, eos_ids = checkpoint.load_checkpoint(path, dtype, mesh)
+        target = Target(config, params, tokenizer, str(path), eos_ids)
+        return target if mesh is None else target.on_mesh(mesh)
+    dtype = dtype or default_dtype()
+    if path.is_dir():
+        if (path / "params").is_dir() and not (path / "config.json").exists():
+            raise LoadError(f"{path / checkpoint.MANIFEST}: missing, so {path} is not a "
+                            f"complete eaglejax checkpoint (its save was interrupted, or the "
+                            f"manifest was deleted)")
+        return _load_hf_dir(path, dtype, mesh)
+    require_regular_file(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == GGUF_MAGIC or path.suffix == ".gguf":
+        return _load_gguf(path, dtype, mesh)
+    raise LoadError(f"{path}: not a GGUF file, Hugging Face directory or eaglejax checkpoint")
+
+
+def _load_hf_dir(path: Path, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
+    config_path = path / "config.json"
+    config = ModelConfig.from_hf_dict(read_json(config_path), str(config_path))
+    weights = HFWeights(path)
+    placement = _placement(config, mesh)
+    params = params_from_hf(weights.get, weights.shapes(), config, str(path), dtype,
+                            placement and placement.place)
+    config, mesh = (placement.config, placement.mesh) if placement else (config, None)
+    if (path / "tokenizer.json").exists():
+        tokenizer = Tokenizer.from_hf_dir(path)
+        return Target(config, params, tokenizer, str(path), tuple(tokenizer.eos_token_ids),
+                      mesh=mesh)
+    return Target(config, params, None, str(path), _config_eos_ids(path), mesh=mesh)
+
+
+def _placement(config: ModelConfig, mesh: Mesh | None):
+    """The plan for putting this model on `mesh`, or None without one."""
+    if mesh is None:
+        return None
+
+    return TargetPlacement.plan(config, mesh)
+
+
+def _config_eos_ids(path: Path) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, else config.json (an int or a list)."""
+    for name in ("generation_config.json", "config.json"):
+        if (path / name).exists():
+            eos = read_json(path / name).get("eos_token_id")
+            if eos is not None:
+                return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    return ()
+
+
+def _load_gguf(path: Path, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
+    model = read_gguf(path)
+    config = ModelConfig.from_hf_dict(model.config, str(path))
+    shapes = {name: tuple(t.shape) for name, t in model.tensors.items()}
+    placement = _placement(config, mesh)
+    params = params_from_hf(model.tensors.__getitem__, shapes, config, str(path), dtype,
+                            placement and placement.place)
+    config, mesh = (placement.config, placement.mesh) if placement else (config, None)
+    return Target(config, params, model.tokenizer, str(path),
+                  tuple(model.tokenizer.eos_token_ids), mesh=mesh)
