@@ -14,7 +14,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from eaglejax import compilation_cache, generate, load_target, validation
+from eaglejax import compilation_cache, validation
 from eaglejax.bench import bench_plain, bench_speculative, profile_rounds
 from eaglejax.datasets import interleave_categories, mt_bench_questions
 from eaglejax.decoding.spec_config import SpecConfig
@@ -23,8 +23,10 @@ from eaglejax.draft.draft import new_eagle3_draft
 from eaglejax.draft.formats import WRITERS
 from eaglejax.draft.shipped import shipped_head
 from eaglejax.errors import EaglejaxError, InputError
+from eaglejax.generate import generate
 from eaglejax.loading.builtin import builtin_model
 from eaglejax.loading.hf_export import export_hf
+from eaglejax.loading.target_loader import load_target
 from eaglejax.programs import roofline
 from eaglejax.round_split import describe_split
 from eaglejax.sharding import make_mesh
