@@ -14,7 +14,7 @@ from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.head import param_shapes
 from eaglejax.errors import ConfigError, EaglejaxError, LoadError
-from eaglejax.loading.hf_dir import HFWeights
+from eaglejax.loading.hf_dir import HFWeights, read_json
 from eaglejax.loading.weights import check_tensor_shapes
 from eaglejax.models.llama import Params
 
@@ -82,6 +82,16 @@ def mask_token_id(cfg: Mapping[str, Any], source: str) -> tuple[int | None, str 
                               f"got {value!r}")
         return value, key
     return None, None
+
+
+def read_head_config(path: Path) -> tuple[dict[str, Any], str]:
+    """A head directory's config.json and its path as the source errors name; refused when
+    it asks for what no eaglejax head does (`refuse_unsupported`)."""
+    config_path = path / "config.json"
+    source = str(config_path)
+    cfg = read_json(config_path)
+    refuse_unsupported(cfg, source)
+    return cfg, source
 
 
 def refuse_unsupported(cfg: Mapping[str, Any], source: str) -> None:

@@ -22,12 +22,11 @@ from eaglejax.draft.formats.common import (
     flag,
     open_weights,
     parse_decoder,
-    refuse_unsupported,
+    read_head_config,
     validate,
     validate_config,
     weights_source,
 )
-from eaglejax.loading.hf_dir import read_json
 from eaglejax.loading.weights import hf_layer_shapes, layer_params_from_hf
 from eaglejax.models.llama import Params
 
@@ -51,10 +50,7 @@ def expected_shapes(config: DraftConfig) -> Shapes:
 def read_eagle1(path: Path, target: ModelConfig, weights: "HFWeights | None" = None
                 ) -> ReadResult:
     """(config, float32 params, zero d2t) of an EAGLE-1/2 head directory."""
-    config_path = path / "config.json"
-    source = str(config_path)
-    cfg = read_json(config_path)
-    refuse_unsupported(cfg, source)
+    cfg, source = read_head_config(path)
     qkv_bias = cfg.get("qkv_bias")
     decoder = parse_decoder(cfg, source, None if qkv_bias is None else bool(qkv_bias),
                             rope_theta=10000.0, max_position_embeddings=2048)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
@@ -17,15 +17,25 @@ from eaglejax.draft.formats.common import (
     check_t2d,
     check_tensors,
     d2t_from_tensors,
+    flag,
+    prepare_output_dir,
+    t2d_for,
+    to_numpy,
     validate,
     validate_config,
     weights_source,
 )
 from eaglejax.errors import ConfigError
-from eaglejax.loading.weights import hf_layer_shapes, layer_params_from_hf, layer_params_to_hf
+from eaglejax.loading.safetensors_file import save_safetensors
+from eaglejax.loading.weights import (
+    hf_layer_shapes,
+    layer_params_from_hf,
+    layer_params_to_hf,
+)
 from eaglejax.models.llama import Params
 
 if TYPE_CHECKING:
+    from eaglejax.draft.draft import Draft
     from eaglejax.loading.hf_dir import HFWeights
 
 REFERENCE_FIRST = "midlayer."
@@ -144,3 +154,35 @@ def read_eagle3_weights(config: DraftConfig, weights: "HFWeights", path: Path,
     params = params_from_tensors(config, weights.get, first)
     validate(config, params, d2t, target, source, tap_key)
     return config, params, d2t
+
+
+def eagle3_config(cfg: Mapping[str, Any], source: str, decoder: ModelConfig,
+                  taps: tuple[int, ...], weights: "HFWeights", *,
+                  norm_before_residual: bool, mask_token_id: int | None) -> DraftConfig:
+    """The DraftConfig of an EAGLE-3 head from the config keys both layouts share
+    (`draft_vocab_size`, `target_hidden_size`, `fc_norm`, `norm_before_fc`,
+    `norm_before_residual` with the layout's default) and whether its weights carry their own
+    embedding."""
+    return DraftConfig(
+        kind="eagle3", decoder=decoder,
+        draft_vocab_size=int(cfg.get("draft_vocab_size") or decoder.vocab_size),
+        target_hidden_size=int(cfg.get("target_hidden_size") or decoder.hidden_size),
+        tap_layers=taps,
+        fc_norm=flag(cfg, "fc_norm", False, source),
+        input_norm=flag(cfg, "norm_before_fc", False, source),
+        norm_before_residual=flag(cfg, "norm_before_residual", norm_before_residual, source),
+        own_embedding="embed_tokens.weight" in weights.shapes(), mask_token_id=mask_token_id)
+
+
+def write_eagle3_weights(draft: "Draft", path: str | Path, first: str) -> tuple[Path, Params]:
+    """A fresh output directory at `path` holding `draft`'s tensors in the layout whose
+    first layer is named `first` (model.safetensors, with d2t int64 and t2d bool); the
+    directory and the head's parameters as numpy arrays."""
+    c = draft.config
+    out = prepare_output_dir(path)
+    params = to_numpy(draft.params)
+    tensors = tensors_from_params(c, params, first, np.asarray(draft.target.params["embed"]))
+    d2t = np.asarray(draft.d2t).astype(np.int64)
+    tensors["d2t"], tensors["t2d"] = d2t, t2d_for(d2t, c.decoder.vocab_size)
+    save_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
+    return out, params

@@ -14,32 +14,24 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from eaglejax.config import ModelConfig
-from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import (
     ReadResult,
     consumer_layer_config,
     dtype_name,
-    flag,
     layer_ids,
     mask_token_id,
     open_weights,
     parse_decoder,
-    prepare_output_dir,
-    refuse_unsupported,
-    t2d_for,
-    to_numpy,
+    read_head_config,
 )
 from eaglejax.draft.formats.eagle3_tensors import (
     REFERENCE_FIRST,
+    eagle3_config,
     read_eagle3_weights,
-    tensors_from_params,
+    write_eagle3_weights,
 )
 from eaglejax.errors import ConfigError
-from eaglejax.loading.hf_dir import read_json
-from eaglejax.loading.safetensors_file import save_safetensors
 from eaglejax.target import default_tap_layers
 
 if TYPE_CHECKING:
@@ -77,25 +69,13 @@ def _taps(cfg: dict[str, Any], target: ModelConfig, source: str) -> tuple[tuple[
 def read_reference(path: Path, target: ModelConfig, weights: "HFWeights | None" = None
                    ) -> ReadResult:
     """(config, float32 params, int32 d2t) of a reference/SpecForge EAGLE-3 head directory."""
-    config_path = path / "config.json"
-    source = str(config_path)
-    cfg = read_json(config_path)
-    refuse_unsupported(cfg, source)
+    cfg, source = read_head_config(path)
     decoder = parse_decoder({**cfg, "num_hidden_layers": 1}, source,
                             rope_theta=10000.0, max_position_embeddings=2048)
     taps, tap_key = _taps(cfg, target, source)
     weights = open_weights(path, weights)
-    shapes = weights.shapes()
-    config = DraftConfig(
-        kind="eagle3", decoder=decoder,
-        draft_vocab_size=int(cfg.get("draft_vocab_size") or decoder.vocab_size),
-        target_hidden_size=int(cfg.get("target_hidden_size") or decoder.hidden_size),
-        tap_layers=taps,
-        fc_norm=flag(cfg, "fc_norm", False, source),
-        input_norm=flag(cfg, "norm_before_fc", False, source),
-        norm_before_residual=flag(cfg, "norm_before_residual", False, source),
-        own_embedding="embed_tokens.weight" in shapes,
-        mask_token_id=mask_token_id(cfg, source)[0])
+    config = eagle3_config(cfg, source, decoder, taps, weights, norm_before_residual=False,
+                           mask_token_id=mask_token_id(cfg, source)[0])
     return read_eagle3_weights(config, weights, path, target, source, tap_key,
                                REFERENCE_FIRST)
 
@@ -123,13 +103,7 @@ def export_reference(draft: "Draft", path: str | Path) -> Path:
     if why is not None:
         raise ConfigError(f"cannot export {draft.source} in the EAGLE-3 reference layout: {why}; "
                           f"use export_speculators (or the eaglejax format)")
-    out = prepare_output_dir(path)
-    params = to_numpy(draft.params)
-    tensors = tensors_from_params(c, params, REFERENCE_FIRST,
-                                  np.asarray(draft.target.params["embed"]))
-    d2t = np.asarray(draft.d2t).astype(np.int64)
-    tensors["d2t"], tensors["t2d"] = d2t, t2d_for(d2t, c.decoder.vocab_size)
-    save_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
+    out, params = write_eagle3_weights(draft, path, REFERENCE_FIRST)
     config = consumer_layer_config(c.decoder, dtype_name(params))
     config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
                   draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size)

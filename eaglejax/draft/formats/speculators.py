@@ -18,32 +18,24 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from eaglejax.config import ModelConfig
-from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import (
     ReadResult,
     consumer_layer_config,
     dtype_name,
-    flag,
     layer_ids,
     mask_token_id,
     open_weights,
     parse_decoder,
-    prepare_output_dir,
-    refuse_unsupported,
-    t2d_for,
-    to_numpy,
+    read_head_config,
 )
 from eaglejax.draft.formats.eagle3_tensors import (
     SPECULATORS_FIRST,
+    eagle3_config,
     read_eagle3_weights,
-    tensors_from_params,
+    write_eagle3_weights,
 )
 from eaglejax.errors import ConfigError
-from eaglejax.loading.hf_dir import read_json
-from eaglejax.loading.safetensors_file import save_safetensors
 from eaglejax.target import default_tap_layers
 
 if TYPE_CHECKING:
@@ -60,9 +52,7 @@ def is_speculators(cfg: dict) -> bool:
 def read_speculators(path: Path, target: ModelConfig, weights: "HFWeights | None" = None
                      ) -> ReadResult:
     """(config, float32 params, int32 d2t) of a speculators EAGLE-3 head directory."""
-    config_path = path / "config.json"
-    source = str(config_path)
-    cfg = read_json(config_path)
+    cfg, source = read_head_config(path)
     kind = cfg.get("speculators_model_type")
     if kind not in ("eagle3", "peagle"):
         raise ConfigError(f"{source}: speculators_model_type {kind!r} is not supported "
@@ -71,7 +61,6 @@ def read_speculators(path: Path, target: ModelConfig, weights: "HFWeights | None
     if kind == "peagle" and mask_id is None:
         raise ConfigError(f"{source}: a 'peagle' head needs its mask token id "
                           f"('mask_token_id')")
-    refuse_unsupported(cfg, source)
     layer_cfg = cfg.get("transformer_layer_config")
     if not isinstance(layer_cfg, dict):
         raise ConfigError(f"{source}: missing 'transformer_layer_config' object")
@@ -79,17 +68,10 @@ def read_speculators(path: Path, target: ModelConfig, weights: "HFWeights | None
     taps = layer_ids(cfg.get(TAPS_KEY), source, TAPS_KEY)
     tap_key = TAPS_KEY if taps is not None else "the default (2, L//2, L-3)"
     weights = open_weights(path, weights)
-    shapes = weights.shapes()
-    config = DraftConfig(
-        kind="eagle3", decoder=decoder,
-        draft_vocab_size=int(cfg.get("draft_vocab_size") or decoder.vocab_size),
-        target_hidden_size=int(cfg.get("target_hidden_size") or decoder.hidden_size),
-        tap_layers=taps or default_tap_layers(target.num_layers),
-        fc_norm=flag(cfg, "fc_norm", False, source),
-        input_norm=flag(cfg, "norm_before_fc", False, source),
-        # absent: vLLM reads true for eagle3 heads, false for peagle heads
-        norm_before_residual=flag(cfg, "norm_before_residual", kind == "eagle3", source),
-        own_embedding="embed_tokens.weight" in shapes, mask_token_id=mask_id)
+    # norm_before_residual absent: vLLM reads true for eagle3 heads, false for peagle heads
+    config = eagle3_config(cfg, source, decoder, taps or default_tap_layers(target.num_layers),
+                           weights, norm_before_residual=kind == "eagle3",
+                           mask_token_id=mask_id)
     return read_eagle3_weights(config, weights, path, target, source, tap_key,
                                SPECULATORS_FIRST)
 
@@ -106,13 +88,7 @@ def export_speculators(draft: "Draft", path: str | Path, speculative_tokens: int
                "llama/qwen3 layers (biases on q, k, v and o together, or none) cannot hold")
     if why is not None:
         raise ConfigError(f"cannot export {draft.source} in the speculators layout: {why}")
-    out = prepare_output_dir(path)
-    params = to_numpy(draft.params)
-    tensors = tensors_from_params(c, params, SPECULATORS_FIRST,
-                                  np.asarray(draft.target.params["embed"]))
-    d2t = np.asarray(draft.d2t).astype(np.int64)
-    tensors["d2t"], tensors["t2d"] = d2t, t2d_for(d2t, c.decoder.vocab_size)
-    save_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
+    out, _ = write_eagle3_weights(draft, path, SPECULATORS_FIRST)
     (out / "config.json").write_text(json.dumps(_config_json(draft, speculative_tokens),
                                                 indent=2) + "\n")
     return out
