@@ -169,7 +169,6 @@ def check_collectives(mesh_tp, mesh_dp, config) -> None:
 def main() -> None:
     import jax
 
-    from eaglejax.programs import export
     from eaglejax.programs.reference import llama31_8b
     from eaglejax.sharding import make_mesh
 
