@@ -276,6 +276,8 @@ def check_auto(target, cache_dir):
     """The default policy: plain tokens with a head that drafts well and one that never
     does; the modes named in the metrics; what it learnt kept on disk for a new process,
     and a damaged file is learnt anew."""
+    import jax
+
     import eaglejax
     from eaglejax.decoding import autotune
     from spec_helpers import random_eagle3, self_draft
@@ -293,7 +295,7 @@ def check_auto(target, cache_dir):
                                max_new_tokens=1, ignore_eos=True)
     assert one.token_ids == plain[0].token_ids[:1]
     assert one.metrics.speculative == "auto: no decode step"
-    plan = AutoPlan.for_device("cpu")
+    plan = AutoPlan.for_device(jax.default_backend())  # the plan generate() used
     learnt = autotune.recall(target, good, 2, plan)
     # the self-draft's probe accepts deep paths; the random head's trees far less (its
     # lookup branch copies from the repeating text of this random target: AL about 2)
