@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax.decoding.autotune import AutoPlan
 from eaglejax.datasets import Question
+from eaglejax.decoding.autotune import AutoPlan
 from eaglejax.decoding.batch import cache_capacity
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig

@@ -7,7 +7,6 @@ import functools
 import os
 from typing import Sequence
 
-import jax
 import numpy as np
 
 from eaglejax import validation
@@ -15,9 +14,10 @@ from eaglejax.decoding.adaptive import adaptive_decode, describe_mix
 from eaglejax.decoding.batch import decode
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.decoding.speculation import AUTO, check_speculation, resolve_speculation
 from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP
 from eaglejax.draft.draft import Draft
-from eaglejax.errors import ConfigError, InputError
+from eaglejax.errors import InputError
 from eaglejax.loading.target_loader import load_target
 from eaglejax.prompting import cut_at_stop, encode_prompts, stop_criteria
 from eaglejax.sharding.distributed import fetch, prompts_from_first
@@ -95,14 +95,6 @@ def _cached_target(name: str) -> Target:
     return load_target(name, weight_dtype="auto")
 
 
-def _resolve_spec(speculative: SpecConfig | None, draft: "Draft",
-                  batch: int) -> SpecConfig:
-    """The fixed speculation shape to run: `speculative`, else the device's preset."""
-    if isinstance(speculative, SpecConfig):
-        return speculative
-    return SpecConfig.default_for(draft.config.parallel, jax.default_backend(), batch)
-
-
 def _target_source(target: object, draft: object) -> Target | str:
     """The Target to use, or the name or path to load it from (checked, not loaded)."""
     if isinstance(target, Target):
@@ -113,22 +105,6 @@ def _target_source(target: object, draft: object) -> Target | str:
         return os.fspath(target)
     raise InputError(f"target must be a Target, a model name or path, or None, got "
                      f"{type(target).__name__}")
-
-
-def _check_speculation(draft: object, speculative: object) -> None:
-    """InputError unless `draft` is a Draft or None and `speculative` a SpecConfig, "auto"
-    or None, given only with a draft head."""
-    if draft is not None and not isinstance(draft, Draft):
-        raise InputError(f"draft must be a Draft (eaglejax.load_draft(path, target=...)) or "
-                         f"None, got {type(draft).__name__}")
-    is_auto = isinstance(speculative, str) and speculative == "auto"
-    if not (speculative is None or is_auto or isinstance(speculative, SpecConfig)):
-        raise InputError(f"speculative must be a SpecConfig, 'auto' or None, "
-                         f"got {speculative!r:.60}")
-    if draft is None and speculative is not None:
-        shape = speculative.describe() if isinstance(speculative, SpecConfig) else "'auto'"
-        raise InputError(f"speculative ({shape}) needs a draft head: pass "
-                         f"draft=eaglejax.load_draft(...), or leave speculative out")
 
 
 def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
@@ -154,7 +130,7 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     `eaglejax.decoding.autotune`) or None (the preset for this device and batch size,
     `SpecConfig.preset`). Greedy output is identical to plain decoding.
     """
-    _check_speculation(draft, speculative)
+    check_speculation(draft, speculative)
     source = _target_source(target, draft)
     max_new_tokens = validation.integer("max_new_tokens", max_new_tokens, 1)
     sampling = SamplingParams.make(temperature, top_k, top_p)
@@ -165,9 +141,6 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     seeds = validation.row_seeds(seed, len(prompts))
 
     target = source if isinstance(source, Target) else _cached_target(source)
-    if draft is not None and draft.target is not target:
-        raise ConfigError(f"the draft head {draft.source} was loaded for target "
-                          f"{draft.target.source}, not {target.source}; load it with this target")
     criteria = stop_criteria(target, stop, ignore_eos)
     encoded, seeds = prompts_from_first(encode_prompts(prompts, target, chat), seeds)
     batch = len(encoded)
@@ -180,24 +153,16 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
         if n + max_new_tokens > limit:
             raise InputError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} "
                              f"that exceeds the model's context of {limit} tokens")
+    speculative = resolve_speculation(target, draft, speculative, batch, auto_by_default=False)
     shape = None
-    if draft is not None and speculative == "auto":
-        if jax.process_count() > 1:
-            raise InputError("speculative='auto' times this machine alone, and the processes "
-                             "of a multi-process run must agree on one shape: pass a SpecConfig")
+    if speculative == AUTO:
         adaptive = adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens,
                                    criteria)
         run, shape = adaptive.run, describe_mix(adaptive.forwards_by_mode)
     else:
-        spec = None
-        if draft is not None:
-            spec = _resolve_spec(speculative, draft, batch)
-            shape = spec.describe()
-            if spec.is_parallel and not draft.config.parallel:
-                raise ConfigError(f"{spec.describe()} needs a P-EAGLE head (one with a mask "
-                                  f"token); {draft.source} drafts one token per forward: use "
-                                  f"SpecConfig.chain or a tree")
-        run = decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria, spec)
+        shape = None if speculative is None else speculative.describe()
+        run = decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria,
+                     speculative)
     tokens, counts, finish, forwards = fetch(
         (run.state.out.tokens, run.state.out.counts, run.state.out.finish, run.state.forwards))
     hist = None if draft is None else fetch(run.state.accept_hist)

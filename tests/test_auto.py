@@ -258,8 +258,9 @@ def _decode(target, draft, prompts, policy, max_new, **sampling):
 def check_switching(target):
     """Greedy, with every switch between modes: the plain tokens, cut at EOS where plain
     decoding cuts (inside a plain segment or a round), the other rows going on."""
-    import eaglejax
     from spec_helpers import self_draft
+
+    import eaglejax
 
     prompts = _prompts(4, 4)
     free = eaglejax.generate(prompts, target=target, max_new_tokens=48, ignore_eos=True)
@@ -277,10 +278,10 @@ def check_auto(target, cache_dir):
     does; the modes named in the metrics; what it learnt kept on disk for a new process,
     and a damaged file is learnt anew."""
     import jax
+    from spec_helpers import random_eagle3, self_draft
 
     import eaglejax
     from eaglejax.decoding import autotune
-    from spec_helpers import random_eagle3, self_draft
 
     os.environ.update(EAGLEJAX_AUTOTUNE_CACHE="1", EAGLEJAX_CACHE=str(cache_dir))
     prompts = _prompts(5, 2)
@@ -322,7 +323,13 @@ def check_sampling(target):
     head that drafts well, so rounds accept and reject; the rejection paths of each shape
     are tested in test_speculative_sampling)."""
     from spec_helpers import self_draft
-    from test_speculative_sampling import N, PROMPT, assert_follows, exact_marginals, sharpened
+    from test_speculative_sampling import (
+        PROMPT,
+        N,
+        assert_follows,
+        exact_marginals,
+        sharpened,
+    )
 
     from eaglejax.decoding.sampling import SamplingParams
 
@@ -335,9 +342,10 @@ def check_sampling(target):
 
 
 if __name__ == "__main__":  # the fresh-process half of test_adaptive_loop_in_a_fresh_process
-    import eaglejax
     from conftest import make_hf_model
     from spec_helpers import make_selfdraftable
+
+    import eaglejax
 
     check, directory = sys.argv[1], Path(sys.argv[2])
     model = make_hf_model("llama", directory, seed=11, num_hidden_layers=2)

@@ -11,7 +11,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from eaglejax.decoding.autotune import MARGIN, PRIOR_ROUNDS, PROBE_ROUNDS, AutoPlan, Knowledge
+from eaglejax.decoding.autotune import (
+    MARGIN,
+    PRIOR_ROUNDS,
+    PROBE_ROUNDS,
+    AutoPlan,
+    Knowledge,
+)
 from eaglejax.serving.shape_policy import ShapePolicy
 
 PLAN = AutoPlan.for_device("cpu")
@@ -134,9 +140,9 @@ def check_engine(target):
     """Greedy requests get plain decoding's tokens through every switch between modes
     (scripted) and under the default policy; sampled ones run to their limits; the rounds
     reported count every target forward; /metrics names the modes."""
-    import eaglejax
     from spec_helpers import self_draft
 
+    import eaglejax
     from eaglejax.serving.engine import Engine, Request, SamplingOptions
     from eaglejax.serving.metrics import ServingMetrics
 
@@ -196,9 +202,10 @@ def check_engine(target):
 if __name__ == "__main__":  # the fresh-process half of test_engine_in_a_fresh_process
     import os
 
-    import eaglejax
     from conftest import make_hf_model
     from spec_helpers import make_selfdraftable
+
+    import eaglejax
 
     directory = Path(sys.argv[1])
     os.environ.update(EAGLEJAX_AUTOTUNE_CACHE="1", EAGLEJAX_CACHE=str(directory / "cache"))

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import pytest
 
 from eaglejax import cli
-from eaglejax.programs import roofline
 from eaglejax.config import ModelConfig
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.draft import head
 from eaglejax.errors import InputError
 from eaglejax.models import llama
 from eaglejax.models.kv_cache import write_block
+from eaglejax.programs import roofline
 
 CONTEXT = 64
 

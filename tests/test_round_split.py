@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 from spec_helpers import random_eagle3
 
-from eaglejax.decoding.autotune import AutoPlan
 from eaglejax.bench import profile_rounds, shapes_to_profile
+from eaglejax.decoding.autotune import AutoPlan
 from eaglejax.decoding.batch import batch_inputs
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig

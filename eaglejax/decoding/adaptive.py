@@ -25,9 +25,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax.decoding.autotune import PLAIN_WIDTH, AutoPlan, AutoPolicy, recall, remember
-from eaglejax.decoding.batch import (DecodeRun, batch_inputs, cache_capacity, capacity_floor,
-                                     compile_once)
+from eaglejax.decoding.autotune import (
+    PLAIN_WIDTH,
+    AutoPlan,
+    AutoPolicy,
+    recall,
+    remember,
+)
+from eaglejax.decoding.batch import (
+    DecodeRun,
+    batch_inputs,
+    cache_capacity,
+    capacity_floor,
+    compile_once,
+)
 from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.calibration import calibration_loop
 from eaglejax.decoding.plain_segment import plain_segment

@@ -18,8 +18,8 @@ from eaglejax.loading.files import require_regular_file
 from eaglejax.loading.gguf_file import read_gguf
 from eaglejax.loading.hf_dir import HFWeights, read_json
 from eaglejax.loading.weights import params_from_hf
-from eaglejax.native import build
 from eaglejax.models.placement import TargetPlacement
+from eaglejax.native import build
 from eaglejax.target import FLOAT_DTYPES, Target
 from eaglejax.tokenizer import Tokenizer
 

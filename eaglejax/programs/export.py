@@ -33,9 +33,9 @@ from eaglejax.draft import head
 from eaglejax.draft.config import DraftConfig
 from eaglejax.models import kv_cache
 from eaglejax.models.llama import param_shapes
+from eaglejax.models.placement import TargetPlacement
 from eaglejax.programs import hlo
 from eaglejax.programs.reference import eagle3_head
-from eaglejax.models.placement import TargetPlacement
 from eaglejax.sharding.rules import logical_spec
 
 # the Pallas kernels' custom calls, which carry no cross-version compatibility guarantee

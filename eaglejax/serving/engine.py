@@ -26,12 +26,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from eaglejax import validation
-from eaglejax.decoding.autotune import PLAIN_WIDTH, AutoPlan
 from eaglejax.decoding import plain, slots, speculative
+from eaglejax.decoding.autotune import PLAIN_WIDTH, AutoPlan
 from eaglejax.decoding.batch import compile_once
 from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.decoding.speculation import AUTO, resolve_speculation
 from eaglejax.decoding.stopping import (
     FINISH_LENGTH,
     FINISH_NONE,
@@ -39,11 +40,11 @@ from eaglejax.decoding.stopping import (
     StopCriteria,
     StopTable,
 )
-from eaglejax.errors import ConfigError, InputError
+from eaglejax.errors import InputError
+from eaglejax.models.placement import replicate
 from eaglejax.serving.shape_policy import ShapePolicy
 from eaglejax.sharding.distributed import fetch
 from eaglejax.sharding.mesh import mesh_context
-from eaglejax.models.placement import replicate
 from eaglejax.target import Target
 
 if TYPE_CHECKING:
@@ -127,30 +128,13 @@ class Engine:
         limit = target.config.max_position_embeddings
         if capacity > limit:
             raise InputError(f"capacity {capacity} exceeds the model's context of {limit} tokens")
-        if draft is not None and draft.target is not target:
-            raise ConfigError(f"the draft head {draft.source} was loaded for target "
-                              f"{draft.target.source}, not {target.source}")
-        if speculative is not None and draft is None:
-            shape = speculative if isinstance(speculative, str) else speculative.describe()
-            raise InputError(f"speculative ({shape}) needs a draft head")
-        if draft is not None and speculative is None:  # several processes: auto would differ
-            speculative = "auto" if jax.process_count() == 1 else SpecConfig.default_for(
-                draft.config.parallel, jax.default_backend(), num_slots)
+        speculative = resolve_speculation(target, draft, speculative, num_slots,
+                                          auto_by_default=True)
         self.policy: ShapePolicy | None = None
-        if isinstance(speculative, str):
-            if speculative != "auto":
-                raise InputError(f"speculative must be a SpecConfig, 'auto' or None, not "
-                                 f"{speculative!r}")
-            if jax.process_count() > 1:
-                raise InputError("speculative='auto' times this machine alone, and the "
-                                 "processes of a multi-process engine must agree on one "
-                                 "shape: pass a SpecConfig")
+        if speculative == AUTO:
             platform = jax.default_backend()
             self.policy = ShapePolicy(target, draft, AutoPlan.for_device(platform), platform)
             speculative = self.policy.plan.probe  # the state every mode runs on
-        if speculative is not None and speculative.is_parallel and not draft.config.parallel:
-            raise ConfigError(f"{speculative.describe()} needs a P-EAGLE head; {draft.source} "
-                              f"drafts one token per forward")
         self.target, self.draft, self.spec = target, draft, speculative
         self.mesh = target.mesh  # a target on a mesh: the batch follows its sharding rules
         self.num_slots, self.capacity = num_slots, capacity
@@ -269,7 +253,9 @@ class Engine:
             raise InputError("profile an idle engine (requests are queued or running)")
         if self.draft is None:
             return []
-        from eaglejax.bench import profile_rounds  # the benchmark stack, only when asked
+        from eaglejax.bench import (
+            profile_rounds,  # the benchmark stack, only when asked
+        )
         speculative = "auto" if self.policy is not None else self.spec
         self.round_splits = profile_rounds(self.target, self.draft, prompt, speculative,
                                            rounds=rounds, repeats=repeats)

@@ -43,8 +43,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from eaglejax.decoding.autotune import PLAIN_WIDTH, PRIOR_ROUNDS, AutoPlan, AutoPolicy, Knowledge, learn, \
-    recall, remember
+from eaglejax.decoding.autotune import (
+    PLAIN_WIDTH,
+    PRIOR_ROUNDS,
+    AutoPlan,
+    AutoPolicy,
+    Knowledge,
+    learn,
+    recall,
+    remember,
+)
 from eaglejax.native import few_row_matmul
 from eaglejax.target import Target
 
