@@ -33,7 +33,7 @@ from eaglejax.sharding import make_mesh
 from eaglejax.sharding.distributed import initialize
 from eaglejax.training.pipeline import mt_bench_prompts, prepare_rows
 from eaglejax.training.regenerate import RegenConfig
-from eaglejax.training.trainer import TrainConfig, train
+from eaglejax.training.trainer import SCHEDULES, TrainConfig, train
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SPECULATION_FLAGS = ("num_draft_tokens", "parallel", "tree", "static_tree", "auto_tree", "lookup")
@@ -292,7 +292,6 @@ def _add_serve_args(commands) -> None:
 
 
 def _add_train_args(commands) -> None:
-    t, r = TrainConfig(), RegenConfig()
     train = commands.add_parser(
         "train-draft", help="train an EAGLE-3 draft head for a target (resumable)",
         description="Train an EAGLE-3 head with training-time test on ShareGPT-shaped "
@@ -309,22 +308,9 @@ def _add_train_args(commands) -> None:
                        help="target dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
     train.add_argument("--max-conversations", type=int, default=None,
                        help="use the first N conversations (default: all)")
-    train.add_argument("--draft-vocab-size", type=int, default=t.draft_vocab_size)
-    train.add_argument("--seq-len", type=int, default=t.seq_len)
-    train.add_argument("--batch-size", type=int, default=t.batch_size)
-    train.add_argument("--steps", type=int, default=t.steps)
-    train.add_argument("--lr", type=float, default=t.lr, help="peak learning rate")
-    train.add_argument("--warmup-steps", type=int, default=None,
-                       help="linear warm-up steps (default: 5%% of --steps; required with "
-                            "--schedule constant)")
-    train.add_argument("--schedule", choices=["cosine", "constant"], default=t.schedule,
+    train.add_argument("--schedule", choices=SCHEDULES, default=TrainConfig.schedule,
                        help="after warm-up: cosine decay to 10%% at --steps, or constant "
                             "(a constant run can be extended later by asking for more steps)")
-    train.add_argument("--weight-decay", type=float, default=t.weight_decay)
-    train.add_argument("--grad-clip", type=float, default=t.grad_clip)
-    train.add_argument("--ttt-length", type=int, default=t.ttt_length,
-                       help="training-time-test unroll steps")
-    train.add_argument("--num-layers", type=int, default=t.num_layers, help="head decoder layers")
     train.add_argument("--method", choices=["eagle3", "peagle"], default="eagle3",
                        help="eagle3: a head drafting one token per forward (TTT over "
                             "--ttt-length steps); peagle: P-EAGLE, --ttt-length tokens per "
@@ -333,28 +319,17 @@ def _add_train_args(commands) -> None:
     train.add_argument("--mask-token-id", type=int, default=None,
                        help="peagle: the mask slots' token (default: the tokenizer's highest "
                             "special token that text and chat turns never use)")
-    train.add_argument("--cod-rate", type=float, default=t.cod_rate)
-    train.add_argument("--cod-floor", type=float, default=t.cod_floor)
     train.add_argument("--init-from-target", action="store_true",
                        help="warm-start lm_head, final norm and fc from the target")
     train.add_argument("--init-head", default=None, metavar="PATH",
                        help="continue training this EAGLE-3 head (any layout --draft reads), "
                             "keeping its draft vocabulary: fine-tuning or a decay phase")
-    train.add_argument("--seed", type=int, default=t.seed)
-    train.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every)
-    train.add_argument("--eval-every", type=int, default=t.eval_every,
-                       help="steps between acceptance-length evaluations (0: start and end only)")
     train.add_argument("--eval-questions", type=int, default=8,
                        help="MT-bench first turns evaluated (round-robin over categories; "
                             "0: no evaluation)")
-    train.add_argument("--eval-max-new-tokens", type=int, default=t.eval_max_new_tokens)
     train.add_argument("--regenerate", action="store_true",
                        help="replace the assistant turns by the target's own replies first "
                             "(cached on disk, resumable)")
-    train.add_argument("--regen-temperature", type=float, default=r.temperature)
-    train.add_argument("--regen-max-new-tokens", type=int, default=r.max_new_tokens)
-    train.add_argument("--regen-slots", type=int, default=r.num_slots,
-                       help="conversations regenerated at once (continuous batching)")
     train.add_argument("--cut-repeats", type=int, default=0, metavar="N",
                        help="end each conversation where a supervised N-gram repeats an earlier "
                             "one (a small target's greedy loops); 0: off")
@@ -362,7 +337,28 @@ def _add_train_args(commands) -> None:
                        help="regeneration cache folder (default: $EAGLEJAX_CACHE/regenerated "
                             "or ~/.cache/eaglejax/regenerated)")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
+    for dest, (cls, name) in _TRAIN_FLAGS.items():  # bounds and help: the dataclass field
+        field = _config_field(cls, name)
+        train.add_argument(validation.cli_flag(dest), dest=dest, default=field.default,
+                           type=validation.KINDS[field.metadata["bounds"][0]],
+                           help=field.metadata["help"])
     _add_mesh_args(train)
+
+
+# train-draft's flags that set a config field (flag name -> the dataclass and field)
+_TRAIN_FLAGS = {
+    **{name: (TrainConfig, name) for name in (
+        "seq_len", "batch_size", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
+        "ttt_length", "num_layers", "draft_vocab_size", "cod_rate", "cod_floor", "seed",
+        "checkpoint_every", "eval_every", "eval_max_new_tokens")},
+    "regen_temperature": (RegenConfig, "temperature"),
+    "regen_max_new_tokens": (RegenConfig, "max_new_tokens"),
+    "regen_slots": (RegenConfig, "num_slots"),
+}
+
+
+def _config_field(cls: type, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -492,13 +488,9 @@ def _convert_target(args: argparse.Namespace) -> None:
 def _train_draft(args: argparse.Namespace) -> None:
     _check_train_args(args)
     config = TrainConfig(
-        seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
-        warmup_steps=args.warmup_steps, schedule=args.schedule, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, ttt_length=args.ttt_length,
-        draft_vocab_size=args.draft_vocab_size, num_layers=args.num_layers,
-        init_from_target=args.init_from_target, seed=args.seed,
-        checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
-        eval_max_new_tokens=args.eval_max_new_tokens)
+        schedule=args.schedule, init_from_target=args.init_from_target,
+        **{name: getattr(args, dest) for dest, (cls, name) in _TRAIN_FLAGS.items()
+           if cls is TrainConfig and name not in ("cod_rate", "cod_floor")})  # peagle's: below
     regen = RegenConfig(args.regen_temperature, args.regen_max_new_tokens, args.seq_len,
                         args.regen_slots, args.seed) if args.regenerate else None
     target = load_target(args.target, dtype=args.dtype, mesh=_mesh(args))
@@ -526,27 +518,20 @@ def _train_draft(args: argparse.Namespace) -> None:
     print(f"wrote {result.out / 'head'} (load it with --draft){al}")
 
 
-# Least values of train-draft's integer flags (cross-field rules: TrainConfig).
-_TRAIN_MINIMUM = {"seq_len": 1, "batch_size": 1, "steps": 1, "ttt_length": 1,
-                  "draft_vocab_size": 1, "num_layers": 1, "checkpoint_every": 1,
-                  "eval_every": 0, "eval_questions": 0, "eval_max_new_tokens": 1,
-                  "regen_max_new_tokens": 1, "regen_slots": 1, "cut_repeats": 0,
-                  "max_conversations": 1, "warmup_steps": 0}
+# Least values of train-draft's integer flags that set no config field.
+_TRAIN_MINIMUM = {"eval_questions": 0, "cut_repeats": 0, "max_conversations": 1}
 
 
 def _check_train_args(args: argparse.Namespace) -> None:
-    """Check train-draft's flags and paths before a model is loaded or --out is created."""
+    """Check train-draft's flags and paths before a model is loaded or --out is created
+    (the config fields' bounds: `_TRAIN_FLAGS`; cross-field rules: TrainConfig)."""
+    for dest, (cls, name) in _TRAIN_FLAGS.items():
+        validation.check_field(_config_field(cls, name), getattr(args, dest),
+                               validation.cli_flag(dest))
     for name, low in _TRAIN_MINIMUM.items():
         value = getattr(args, name)
-        if value is not None:  # --max-conversations and --warmup-steps default to None
+        if value is not None:  # --max-conversations defaults to None
             validation.integer(validation.cli_flag(name), value, low)
-    validation.seed("--seed", args.seed)
-    validation.real("--lr", args.lr, 0.0, low_open=True)
-    validation.real("--grad-clip", args.grad_clip, 0.0, low_open=True)
-    validation.real("--weight-decay", args.weight_decay, 0.0)
-    validation.real("--regen-temperature", args.regen_temperature, 0.0)
-    validation.real("--cod-rate", args.cod_rate, 0.0, 1.0, low_open=True)
-    validation.real("--cod-floor", args.cod_floor, 0.0, 1.0)
     if args.method != "peagle" and args.mask_token_id is not None:
         raise InputError("--mask-token-id needs --method peagle")
     validation.existing_path("--data", args.data)

@@ -7,6 +7,7 @@ creating any file.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -261,3 +262,45 @@ def new_output_dir(name: str, value: str | os.PathLike) -> Path:
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise InputError(f"{name}: {path} already exists and is not empty; refusing to overwrite")
     return path
+
+
+KINDS = {"integer": int, "real": float, "seed": int}
+
+
+def bounded(default: Any, kind: str, low: float = 0, high: float | None = None, *,
+            low_open: bool = False, help: str | None = None) -> Any:
+    """A dataclass field whose values `check_field` bounds: an "integer" or a "real" in
+    [low, high] ((low, high] when `low_open`; no `high`: unbounded), or a "seed"; a field
+    whose default is None also takes None. `help` is its command-line help, where it has a
+    flag: the bound lives here once, for the dataclass and its flags."""
+    return dataclasses.field(default=default, metadata={
+        "bounds": (kind, low, high, low_open), "help": help})
+
+
+def check_field(field: dataclasses.Field, value: Any, name: str | None = None) -> Any:
+    """`value` checked against `field`'s bounds (a `bounded` field), errors naming `name`
+    (default: the field's name)."""
+    kind, low, high, low_open = field.metadata["bounds"]
+    name = name or field.name
+    if value is None and field.default is None:
+        return None
+    if kind == "seed":
+        return seed(name, value)
+    if kind == "integer" and high is None:
+        if not is_int(value) or not low <= value <= INT32_MAX:
+            raise InputError(f"{name} must be an integer >= {int(low)}, got {_short(value)}")
+        return int(value)
+    if kind == "integer":
+        return integer(name, value, int(low), int(high))
+    return real(name, value, low, FLOAT32_MAX if high is None else high, low_open=low_open)
+
+
+def bounded_fields(cls: type) -> list[dataclasses.Field]:
+    """The `bounded` fields of dataclass `cls`, in order."""
+    return [f for f in dataclasses.fields(cls) if "bounds" in f.metadata]
+
+
+def check_fields(instance: Any) -> None:
+    """Check every `bounded` field of a dataclass instance (from its `__post_init__`)."""
+    for field in bounded_fields(type(instance)):
+        check_field(field, getattr(instance, field.name))

@@ -340,6 +340,24 @@ def test_cli_refuses_bad_arguments_in_one_line_before_loading(argv, flag, tmp_pa
     assert sorted(tmp_path.rglob("*")) == before  # no run folder, no output written
 
 
+@pytest.mark.parametrize("dest", sorted(cli._TRAIN_FLAGS))
+def test_train_flags_take_their_bounds_from_the_config_fields(dest, tmp_path, capsys,
+                                                               no_model_loading):
+    """A value just past a config field's bound: the dataclass and its flag refuse it with
+    the same words (the field's name, the flag's), since the bound lives in one place."""
+    from eaglejax.validation import cli_flag
+
+    cls, name = cli._TRAIN_FLAGS[dest]
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    kind, low, _, low_open = field.metadata["bounds"]
+    bad = -1 if kind == "seed" else low if low_open else low - 1
+    with pytest.raises(InputError) as refused:
+        cls(**{name: bad})
+    code, err = _cli(_TRAIN + ["--out", str(tmp_path / "run"), cli_flag(dest), str(bad)], capsys)
+    assert code == 2
+    assert str(refused.value).replace(name, cli_flag(dest), 1) in err
+
+
 def test_cli_train_draft_bad_seed_exits_2_without_a_run_folder(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "eaglejax.cli", "train-draft", "--data",

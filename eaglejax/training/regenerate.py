@@ -25,6 +25,7 @@ from eaglejax.fingerprints import target_fingerprint
 from eaglejax.serving.engine import Engine, Request, SamplingOptions
 from eaglejax.target import Target
 from eaglejax.training.data import Conversation, parse_record, render_messages
+from eaglejax.validation import bounded, check_fields
 
 CACHE_FORMAT, CACHE_VERSION = "eaglejax-regenerated", 2
 
@@ -36,11 +37,15 @@ class RegenConfig:
     and after a reply cut by `max_new_tokens` or by the context. `num_slots` rows decode at
     once (continuous batching; it never changes the result)."""
 
-    temperature: float = 0.8
-    max_new_tokens: int = 512
-    max_context: int = 1024
-    num_slots: int = 16
-    seed: int = 0
+    temperature: float = bounded(0.8, "real", 0.0, help="sampling temperature (0: greedy)")
+    max_new_tokens: int = bounded(512, "integer", 1, help="tokens per regenerated reply")
+    max_context: int = bounded(1024, "integer", 2)
+    num_slots: int = bounded(16, "integer", 1, help="conversations regenerated at once "
+                                                    "(continuous batching)")
+    seed: int = bounded(0, "seed")
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 def default_cache_dir() -> Path:

@@ -37,8 +37,8 @@ from eaglejax.fingerprints import draft_fingerprint, target_fingerprint
 from eaglejax.generate import generate
 from eaglejax.loading.orbax_io import describe_failure, drop_failed_restore_debris
 from eaglejax.models.llama import Params
-from eaglejax.sharding.mesh import mesh_context
 from eaglejax.models.placement import replicate, split_rows
+from eaglejax.sharding.mesh import mesh_context
 from eaglejax.target import Target
 from eaglejax.training.data import PackedRows
 from eaglejax.training.run import append_log, open_run, read_log, truncate_log
@@ -49,6 +49,7 @@ from eaglejax.training.vocab import (
     supervised_token_counts,
     vocab_from_used,
 )
+from eaglejax.validation import bounded, check_fields
 
 SCHEDULES = ("cosine", "constant")
 # Settings that do not change the trained parameters (a resumed run may change them).
@@ -69,41 +70,42 @@ class TrainConfig:
     depths, a share max(cod_rate^d, cod_floor) of roots at depth d, the mask token's own
     embedding learned (`mask_embed`, starting from the target's row)."""
 
-    seq_len: int = 1024
-    batch_size: int = 4
-    steps: int = 10_000
-    lr: float = 1e-4
-    warmup_steps: int | None = None
+    seq_len: int = bounded(1024, "integer", 1, help="tokens per packed training row")
+    batch_size: int = bounded(4, "integer", 1, help="rows per step")
+    steps: int = bounded(10_000, "integer", 1, help="optimiser steps")
+    lr: float = bounded(1e-4, "real", 0.0, low_open=True, help="peak learning rate")
+    warmup_steps: int | None = bounded(
+        None, "integer", 0, help="linear warm-up steps (default: 5%% of --steps; required "
+                                 "with --schedule constant)")
     schedule: str = "cosine"
-    final_lr_fraction: float = 0.1
-    weight_decay: float = 0.01
-    grad_clip: float = 0.5
+    final_lr_fraction: float = bounded(0.1, "real", 0.0, 1.0)
+    weight_decay: float = bounded(0.01, "real", 0.0, help="AdamW weight decay (matrices)")
+    grad_clip: float = bounded(0.5, "real", 0.0, low_open=True,
+                               help="global gradient-norm clip")
     b1: float = 0.9
     b2: float = 0.95
-    ttt_length: int = 7
+    ttt_length: int = bounded(7, "integer", 1, help="training-time-test unroll steps")
     step_weight: float = 0.8
-    draft_vocab_size: int = 8192
-    num_layers: int = 1
+    draft_vocab_size: int = bounded(8192, "integer", 1, help="the head's output vocabulary")
+    num_layers: int = bounded(1, "integer", 1, help="head decoder layers")
     init_from_target: bool = False
-    seed: int = 0
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
-    eval_every: int = 500
-    eval_max_new_tokens: int = 64
-    eval_num_draft_tokens: int = 5
-    log_every: int = 10
-    mask_token_id: int | None = None
-    cod_rate: float = 0.7
-    cod_floor: float = 0.2
+    seed: int = bounded(0, "seed", help="initialisation and data order")
+    checkpoint_every: int = bounded(50, "integer", 1, help="steps between checkpoints")
+    keep_checkpoints: int = bounded(2, "integer", 1)
+    eval_every: int = bounded(500, "integer", 0, help="steps between acceptance-length "
+                                                     "evaluations (0: start and end only)")
+    eval_max_new_tokens: int = bounded(64, "integer", 1,
+                                       help="new tokens per evaluated question")
+    eval_num_draft_tokens: int = bounded(5, "integer", 1)
+    log_every: int = bounded(10, "integer", 1)
+    mask_token_id: int | None = bounded(None, "integer", 0)
+    cod_rate: float = bounded(0.7, "real", 0.0, 1.0, low_open=True,
+                              help="peagle: depth d is trained on a share cod_rate^d of roots")
+    cod_floor: float = bounded(0.2, "real", 0.0, 1.0,
+                               help="peagle: the least share of roots trained at any depth")
 
     def __post_init__(self):
-        positive = ("seq_len", "batch_size", "steps", "ttt_length", "draft_vocab_size",
-                    "num_layers", "checkpoint_every", "keep_checkpoints", "eval_max_new_tokens",
-                    "eval_num_draft_tokens", "log_every")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} must be an integer >= 1, got {value!r}")
+        check_fields(self)
         if self.seq_len < self.ttt_length + 3:
             raise InputError(f"seq_len ({self.seq_len}) must be at least ttt_length + 3")
         if self.schedule not in SCHEDULES:
@@ -111,21 +113,8 @@ class TrainConfig:
         if self.schedule == "constant" and self.warmup_steps is None:
             raise InputError("a constant schedule needs explicit warmup_steps (the default, "
                              "5% of steps, would change when the run is extended)")
-        if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
+        if self.warmup_steps is not None and not self.warmup_steps < self.steps:
             raise InputError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
-        if self.eval_every < 0:
-            raise InputError(f"eval_every must be >= 0 (0: no periodic evaluation), "
-                             f"got {self.eval_every}")
-        if self.mask_token_id is not None and (not isinstance(self.mask_token_id, int)
-                                               or self.mask_token_id < 0):
-            raise InputError(f"mask_token_id must be a token id >= 0, got {self.mask_token_id!r}")
-        if not (0 < self.cod_rate <= 1 and 0 <= self.cod_floor <= 1):
-            raise InputError(f"cod_rate must be in (0, 1] and cod_floor in [0, 1], got "
-                             f"{self.cod_rate} and {self.cod_floor}")
-        if not (self.lr > 0 and self.grad_clip > 0 and self.weight_decay >= 0
-                and 0 <= self.final_lr_fraction <= 1):
-            raise InputError("lr and grad_clip must be > 0, weight_decay >= 0, "
-                             "final_lr_fraction in [0, 1]")
 
     @property
     def warmup(self) -> int:
