@@ -1,4 +1,5 @@
-"""`speculative="auto"`: the policy that picks each segment's mode (`eaglejax.decoding.autotune`), and
+"""`speculative="auto"`: the policy that picks each segment's mode
+(`eaglejax.decoding.autotune`), and
 the adaptive loop that runs it (`eaglejax.decoding.adaptive`): greedy output identical to
 plain decoding whatever the switches, sampling exact, what it learns kept for later calls."""
 

@@ -8,12 +8,12 @@ would have accepted (`decoding.calibration.calibration_loop`), the other trees d
 fixed shapes do (`speculative.spec_loop`), and plain segments keep the head caught up
 (`decoding.plain_segment`). Between segments the host reads a few counters and times the
 segment (a program's first segment in the process is one target forward, not timed: it
-links then); no token leaves the device. A mode whose program is not compiled yet is switched
-to only where the time it is expected to save over the tokens left exceeds what the last
-compile took (a short first call of a fresh install stays with what it has compiled).
-Greedy output is the plain output; sampled output follows the target's distribution exactly whatever the modes, since each round is exact
-given what came before it (the tokens themselves depend on the modes chosen, and with
-them on the batch).
+links then); no token leaves the device. A mode whose program is not compiled yet is
+switched to only where the time it is expected to save over the tokens left exceeds what
+the last compile took (a short first call of a fresh install stays with what it has
+compiled). Greedy output is the plain output; sampled output follows the target's
+distribution exactly whatever the modes, since each round is exact given what came before
+it (the tokens themselves depend on the modes chosen, and with them on the batch).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
         forwards, hist = int(now_forwards), new_hist
         name = plan.name(mode)
         forwards_by_mode[name] = forwards_by_mode.get(name, 0) + ran
-        policy.observe(mode, seconds if timed else None, ran, (rounds * np.arange(rounds.shape[1])).sum(),
-                       int(rounds.sum()), counts)
+        policy.observe(mode, seconds if timed else None, ran,
+                       (rounds * np.arange(rounds.shape[1])).sum(), int(rounds.sum()), counts)
     return AdaptiveRun(DecodeRun(state, compile_s, prefill_s, decode_s), forwards_by_mode)
 

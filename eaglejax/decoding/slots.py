@@ -4,12 +4,13 @@ A static batch runs until its longest row ends, so rows that stop early idle. He
 loop returns to the host when a row that was running finishes, or after a bounded number
 of rounds (so the host can stream tokens); the host prefills a queued request into a free
 slot (`fill_plain` / `fill_spec` / `fill_target`, one program per prompt-length bucket) and
-goes on, without recompiling. The loop runs only the first `rows` slots (a power of two covering the live
-ones, which the host keeps low), so a lightly loaded batch costs what a small one does.
-Plain and speculative batches alike, and the modes of `auto` over one speculative batch
-(`advance_plain_segment`, `advance_probe`, `advance_spec`, `advance_target`); each row's
-sampling settings, seed, token limit and stop rules are data (`SamplingParams` of [S] arrays, `StopTable`), so a row's tokens
-depend only on its own request, never on its slot or its neighbours.
+goes on, without recompiling. The loop runs only the first `rows` slots (a power of two
+covering the live ones, which the host keeps low), so a lightly loaded batch costs what a
+small one does. Plain and speculative batches alike, and the modes of `auto` over one
+speculative batch (`advance_plain_segment`, `advance_probe`, `advance_spec`,
+`advance_target`); each row's sampling settings, seed, token limit and stop rules are data
+(`SamplingParams` of [S] arrays, `StopTable`), so a row's tokens depend only on its own
+request, never on its slot or its neighbours.
 """
 
 from __future__ import annotations
