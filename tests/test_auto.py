@@ -1,7 +1,7 @@
 """`speculative="auto"`: the policy that picks each segment's mode
-(`eaglejax.decoding.autotune`), and
-the adaptive loop that runs it (`eaglejax.decoding.adaptive`): greedy output identical to
-plain decoding whatever the switches, sampling exact, what it learns kept for later calls."""
+(`eaglejax.decoding.autotune`), and the adaptive loop that runs it
+(`eaglejax.decoding.adaptive`): greedy output identical to plain decoding whatever the
+switches, sampling exact, what it learns kept for later calls."""
 
 import itertools
 import json
