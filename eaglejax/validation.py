@@ -295,12 +295,8 @@ def check_field(field: dataclasses.Field, value: Any, name: str | None = None) -
     return real(name, value, low, FLOAT32_MAX if high is None else high, low_open=low_open)
 
 
-def bounded_fields(cls: type) -> list[dataclasses.Field]:
-    """The `bounded` fields of dataclass `cls`, in order."""
-    return [f for f in dataclasses.fields(cls) if "bounds" in f.metadata]
-
-
 def check_fields(instance: Any) -> None:
     """Check every `bounded` field of a dataclass instance (from its `__post_init__`)."""
-    for field in bounded_fields(type(instance)):
-        check_field(field, getattr(instance, field.name))
+    for field in dataclasses.fields(instance):
+        if "bounds" in field.metadata:
+            check_field(field, getattr(instance, field.name))

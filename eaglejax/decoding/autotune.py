@@ -16,9 +16,8 @@ timed: XLA:CPU finishes linking it then); plain decoding is first timed over
 `PLAIN_TIMING_STEPS` steps, so a call that knows nothing yet spends little of its time
 learning what plain costs, and its cost is never guessed from the trees'; a tree not yet
 run is costed by interpolating between the modes run so far in node count (a verify's cost
-grows with its nodes). Expected tokens/s of a mode
-is acceptance length / round cost (plain decoding: 1 / step cost); speculation must beat
-plain by `MARGIN` to be chosen. Every call opens with a probe of its own text (acceptance
+grows with its nodes). Expected tokens/s of a mode is acceptance length / round cost (plain
+decoding: 1 / step cost); speculation must beat plain by `MARGIN` to be chosen. Every call opens with a probe of its own text (acceptance
 varies far more from prompt to prompt than costs do); then the probe comes back every
 `probe_every` target forwards: the interval doubles (up to `MAX_PROBE_EVERY`) each time a
 probe leaves the choice as it was and falls back to `MIN_PROBE_EVERY` when it changes it,

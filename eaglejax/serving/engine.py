@@ -253,9 +253,7 @@ class Engine:
             raise InputError("profile an idle engine (requests are queued or running)")
         if self.draft is None:
             return []
-        from eaglejax.bench import (
-            profile_rounds,  # the benchmark stack, only when asked
-        )
+        from eaglejax.bench import profile_rounds  # the benchmark stack, only when asked
         speculative = "auto" if self.policy is not None else self.spec
         self.round_splits = profile_rounds(self.target, self.draft, prompt, speculative,
                                            rounds=rounds, repeats=repeats)
