@@ -124,3 +124,14 @@ def release_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture
+def fresh_layer_traces():
+    """For a test that patches what a decoder layer reads while it is traced: the layer's
+    traces (kept across jits by `llama.decoder_layer_call`) are dropped before and after."""
+    from eaglejax.models import llama
+
+    llama.decoder_layer_call.clear_cache()
+    yield
+    llama.decoder_layer_call.clear_cache()

@@ -135,7 +135,7 @@ def test_chunked_prefill_equals_unchunked(chunk, target_of):
     _valid_close(got.taps, want.taps, lengths, target.config.num_layers, "taps")
 
 
-def test_chunked_prefill_with_blocked_attention(target_of, monkeypatch):
+def test_chunked_prefill_with_blocked_attention(target_of, monkeypatch, fresh_layer_traces):
     """Tiny key blocks and no size floor: every chunk after the first reads the cache
     through the online softmax, several blocks deep."""
     monkeypatch.setattr(attention_module, "KEY_BLOCK", 8)

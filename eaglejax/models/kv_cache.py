@@ -49,6 +49,7 @@ def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, he
                    constrain(jnp.zeros((batch,), jnp.int32), ("batch",)))
 
 
+@jax.jit  # traced once per shape: every layer of a cache shares it
 def write_block(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """Write new [B,T,kv,D] into buffer [B',kv,S,D] at slots start[b] .. start[b]+T-1
     (slots past the capacity are dropped); a buffer of more rows (B' > B: a serving batch's

@@ -11,6 +11,7 @@ them (the caller commits what it accepts). `forward_chunked` runs a long prompt 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -20,6 +21,7 @@ from eaglejax.config import ModelConfig
 from eaglejax.models.attention import AttentionImpl, attention, resolve_impl
 from eaglejax.models.kv_cache import KVCache, write_block
 from eaglejax.models.rope import apply_rope, inverse_frequencies, rope_tables
+from eaglejax import native
 from eaglejax.native import cache_attention, embedding_rows as embedding_rows_kernel, few_row_matmul
 from eaglejax.sharding.rules import over_mesh
 
@@ -296,6 +298,20 @@ def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax
     return attention_output_and_mlp(config, h, layer, attn), k, v, k_cache, v_cache
 
 
+@functools.partial(jax.jit, static_argnames=("config", "impl", "kernels"))
+def decoder_layer_call(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
+                       layer: Params, k_cache: jax.Array, v_cache: jax.Array,
+                       cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl,
+                       kernels: bool):
+    """`decoder_layer` as a nested program: a model's layers share one shape, so a forward
+    traces one layer and calls it per layer (30x less tracing for SmolLM2; XLA inlines the
+    calls, so the program runs as the unrolled one). `kernels` (`native.kernels_allowed()`)
+    keys the trace, so a trace with the native kernels never serves one without; code that
+    swaps a function or constant the layer reads calls `decoder_layer_call.clear_cache()`."""
+    del kernels
+    return decoder_layer(config, rope, h, layer, k_cache, v_cache, cache_lengths, mask, impl)
+
+
 def rope_for(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The RoPE cos/sin tables of `config` at positions [B,T]."""
     return rope_tables(positions, inverse_frequencies(config.head_dim, config.rope_theta,
@@ -331,8 +347,9 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     streams, k_new, v_new, k_bufs, v_bufs = [], [], [], [], []
     for layer, k_cache, v_cache in zip(params["layers"], cache.k, cache.v):
         streams.append(h)
-        h, k, v, k_buf, v_buf = decoder_layer(config, rope, h, layer, k_cache, v_cache,
-                                              cache.lengths, mask, attn_impl)
+        h, k, v, k_buf, v_buf = decoder_layer_call(config, rope, h, layer, k_cache, v_cache,
+                                                  cache.lengths, mask, attn_impl,
+                                                  native.kernels_allowed())
         for out, x in ((k_new, k), (v_new, v), (k_bufs, k_buf), (v_bufs, v_buf)):
             out.append(x)
     streams.append(h)

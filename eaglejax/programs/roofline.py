@@ -194,11 +194,13 @@ def _attention(kind: str) -> Iterator[None]:
     saved = llama.attention
     if kind == "fused":
         llama.attention = fused_attention_traffic
+    llama.decoder_layer_call.clear_cache()  # its traces hold the attention they called
     try:
         with native.xla_only():
             yield
     finally:
         llama.attention = saved
+        llama.decoder_layer_call.clear_cache()
 
 
 def _cost(step: Callable, args: tuple, donate: int) -> Cost:
