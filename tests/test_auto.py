@@ -139,30 +139,17 @@ def test_every_call_first_probes_its_own_text():
 
 def test_plain_is_first_timed_briefly_and_never_costed_from_the_trees():
     """Once the probe is timed, plain decoding's cost is still unknown (a round's time says
-    nothing of a step's), so switching to it is always worth its compile; its first segment
-    is short, the later ones full width."""
+    nothing of a step's), so plain is tried next; its first segment is short, the later ones
+    full width."""
     policy = AutoPolicy(PLAN, Knowledge())
     policy.observe(PROBE, 2 * 0.03, 2, 2.0, 2, _counts(1.5, 1.8, 2))
     assert policy.round_seconds(PROBE) == pytest.approx(0.03)
     assert policy.round_seconds(SMALL) == pytest.approx(0.03)  # a tree: the nearest known
     assert policy.round_seconds(PLAIN) is None and policy.expected_rates()[PLAIN] is None
-    assert policy.next_mode() == PLAIN and policy.worth_compiling(PLAIN, [PROBE], 100.0, 1)
+    assert policy.next_mode() == PLAIN
     assert policy.segment_rounds(PLAIN) == PLAIN_TIMING_STEPS < PLAIN_WIDTH
     policy.observe(PLAIN, PLAIN_TIMING_STEPS * 0.016, PLAIN_TIMING_STEPS, 0, 0)
     assert policy.segment_rounds(PLAIN) == PLAIN_WIDTH
-
-
-def test_a_switch_that_would_compile_must_pay_for_it():
-    """Plain at 50 tok/s and the 6-node tree at 2.0 / 0.03 = 66.7 (a saving of 5 ms a
-    token): over 100 tokens left it saves 0.5 s, worth a 0.4 s compile, not a 0.6 s one;
-    a mode of unknown rate is always worth it."""
-    policy = _learnt(plain_s=0.02, probe_s=0.075, al_small=2.0)
-    policy.knowledge.round_s[PLAN.name(SMALL)] = [0.03]
-    assert policy.fastest([PLAIN, PROBE]) == PLAIN
-    assert policy.worth_compiling(SMALL, [PLAIN, PROBE], 0.4, 100)
-    assert not policy.worth_compiling(SMALL, [PLAIN, PROBE], 0.6, 100)
-    assert policy.worth_compiling(SMALL, [PLAIN, PROBE], 0.6, 200)
-    assert AutoPolicy(PLAN, Knowledge()).worth_compiling(SMALL, [PLAIN], 100.0, 1)
 
 
 def test_acceptance_is_a_decayed_mean_and_a_prior_weighs_little():
@@ -229,9 +216,6 @@ class Scripted(AutoPolicy):
     def segment_rounds(self, mode: int) -> int:
         return self.now[1]
 
-    def worth_compiling(self, *args) -> bool:
-        return True  # every scripted switch happens, compiled or not
-
 
 # every mode after every other, budgets that cut segments short and long
 SCRIPT = [(PROBE, 1), (PLAIN, 3), (SMALL, 2), (PLAIN, 1), (LARGE, 1), (PROBE, 2), (SMALL, 1),
@@ -256,12 +240,26 @@ def _decode(target, draft, prompts, policy, max_new, **sampling):
     return [np.asarray(out.tokens)[i, :counts[i]].tolist() for i in range(len(prompts))], run
 
 
+class Recorded(Scripted):
+    """`Scripted`, noting each segment in `events`."""
+
+    def __init__(self, plan: AutoPlan, script: list[tuple[int, int]], events: list[str]):
+        super().__init__(plan, script)
+        self.events = events
+
+    def next_mode(self) -> int:
+        self.events.append("segment")
+        return super().next_mode()
+
+
 def check_switching(target):
     """Greedy, with every switch between modes: the plain tokens, cut at EOS where plain
-    decoding cuts (inside a plain segment or a round), the other rows going on."""
+    decoding cuts (inside a plain segment or a round), the other rows going on. Every
+    program is compiled before the first segment: a switch never compiles."""
     from spec_helpers import self_draft
 
     import eaglejax
+    from eaglejax.decoding import adaptive
 
     prompts = _prompts(4, 4)
     free = eaglejax.generate(prompts, target=target, max_new_tokens=48, ignore_eos=True)
@@ -269,9 +267,20 @@ def check_switching(target):
     target = eaglejax.Target(target.config, target.params, None, target.source, (eos,))
     plain = eaglejax.generate(prompts, target=target, max_new_tokens=48)
     assert plain[1].finish_reason == "eos" and plain[0].finish_reason == "length"
-    tokens, run = _decode(target, self_draft(target), prompts, Scripted(PLAN, SCRIPT), 48)
+    events: list[str] = []
+    compile_once = adaptive.compile_once
+    adaptive.compile_once = lambda fn, *a, **k: events.append("compile") or compile_once(
+        fn, *a, **k)
+    try:
+        tokens, run = _decode(target, self_draft(target), prompts,
+                              Recorded(PLAN, SCRIPT, events), 48)
+    finally:
+        adaptive.compile_once = compile_once
     assert tokens == [p.token_ids for p in plain]
     assert set(run.forwards_by_mode) == {PLAN.name(m) for m in range(4)}
+    first = events.index("segment")
+    assert events[:first] == ["compile"] * (1 + len(PLAN.modes))  # the prefill, every mode
+    assert set(events[first:]) == {"segment"}
 
 
 def check_auto(target, cache_dir):

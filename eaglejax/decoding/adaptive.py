@@ -8,10 +8,9 @@ would have accepted (`decoding.calibration.calibration_loop`), the other trees d
 fixed shapes do (`speculative.spec_loop`), and plain segments keep the head caught up
 (`decoding.plain_segment`). Between segments the host reads a few counters and times the
 segment (a program's first segment in the process is one target forward, not timed: it
-links then); no token leaves the device. A mode whose program is not compiled yet is
-switched to only where the time it is expected to save over the tokens left exceeds what
-the last compile took (a short first call of a fresh install stays with what it has
-compiled). Greedy output is the plain output; sampled output follows the target's
+links then); no token leaves the device. Every mode's program is compiled before the first
+segment, so a switch never compiles (a later process loads them from the disk cache).
+Greedy output is the plain output; sampled output follows the target's
 distribution exactly whatever the modes, since each round is exact given what came before
 it (the tokens themselves depend on the modes chosen, and with them on the batch).
 """
@@ -135,43 +134,39 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
                                                 **common)
         return spec_loop, args, dict(spec=spec, greedy=greedy, **common)
 
-    compiled: set[int] = set()  # modes whose program this call compiled (and ran once)
+    for mode in range(len(plan.modes)):
+        fn, args, static = segment(mode, state, jnp.int32(0))
+        compile_s += compile_once(fn, *args, **static)
+    ran: set[int] = set()  # modes this call ran
     forwards_by_mode: dict[str, int] = {}
-    decode_s, forwards, tokens_left = 0.0, 0, max_new_tokens
-    last_compile_s = compile_s  # what the next compile is expected to cost
+    decode_s, forwards = 0.0, 0
     running = bool(jax.device_get(jnp.any(state.out.running)))  # max_new_tokens=1: done
     hist = np.zeros(state.accept_hist.shape, np.int64)
     while running:
         mode = policy.next_mode()
-        if mode not in compiled and compiled and not policy.worth_compiling(
-                mode, compiled, last_compile_s, tokens_left):
-            mode = policy.fastest(compiled)  # a short call does not pay for a compile
         until = jnp.int32(forwards + policy.segment_rounds(mode))
         fn, args, static = segment(mode, state, until)
         timed = True
-        if mode not in compiled:
-            last_compile_s = compile_once(fn, *args, **static)
-            compile_s += last_compile_s
-            compiled.add(mode)
+        if mode not in ran:
+            ran.add(mode)
             if not _ran_before(fn, args, static):  # one forward, not timed (see there)
                 timed, until = False, jnp.int32(forwards + 1)
                 fn, args, static = segment(mode, state, until)
         start = time.perf_counter()
         result = fn(*args, **static)
         state, counts = result if mode == policy.probe else (result, None)
-        now_forwards, rows_running, new_hist, produced = jax.device_get(
-            (state.forwards, state.out.running, state.accept_hist, state.out.counts))
+        now_forwards, rows_running, new_hist = jax.device_get(
+            (state.forwards, state.out.running, state.accept_hist))
         running = bool(rows_running.any())
-        tokens_left = int((max_new_tokens - produced)[rows_running].max(initial=0))
         if counts is not None:
             counts = jax.device_get(counts.sum(axis=0))
         seconds = time.perf_counter() - start
         decode_s += seconds
-        ran, rounds = int(now_forwards) - forwards, new_hist - hist
+        segment_forwards, rounds = int(now_forwards) - forwards, new_hist - hist
         forwards, hist = int(now_forwards), new_hist
         name = plan.name(mode)
-        forwards_by_mode[name] = forwards_by_mode.get(name, 0) + ran
-        policy.observe(mode, seconds if timed else None, ran,
+        forwards_by_mode[name] = forwards_by_mode.get(name, 0) + segment_forwards
+        policy.observe(mode, seconds if timed else None, segment_forwards,
                        (rounds * np.arange(rounds.shape[1])).sum(), int(rounds.sum()), counts)
     return AdaptiveRun(DecodeRun(state, compile_s, prefill_s, decode_s), forwards_by_mode)
 

@@ -35,8 +35,7 @@ Measured (BENCHMARKS.md, 2-core Intel Xeon 6/167, SmolLM2 in bfloat16 storage wi
 shipped EAGLE-3 head, 16 prompts from a cold start, first calls included): `auto` at
 1.31x plain decoding on MT-bench and 1.42-1.44x on a Spec-Bench-style mix, 0.94-0.95x the
 best fixed tree, 0.98-1.02x plain on the worst prompt, never more than 0.04 s beyond plain's
-time on a call (session 21; a process's first call may stay on the probe rather than pay a
-compile).
+time on a call (session 21).
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import jax
@@ -251,23 +249,6 @@ class AutoPolicy:
                         and rates[mode] is not None and rates[mode] >= EXPLORE * rates[0]:
                     return mode
         return self.best
-
-    def fastest(self, modes: Iterable[int]) -> int:
-        """The mode of `modes` with the best expected rate (plain decoding when none is
-        known)."""
-        rates = self.expected_rates()
-        return max(modes, key=lambda m: (rates[m] or 0.0, m == 0))
-
-    def worth_compiling(self, mode: int, compiled: Iterable[int], compile_s: float,
-                        tokens_left: int) -> bool:
-        """Whether switching to `mode`, whose program would first compile (an estimated
-        `compile_s`), saves more time over the `tokens_left` tokens a row still has to
-        produce than the compile costs, against the fastest of the `compiled` modes."""
-        rates = self.expected_rates()
-        current = rates[self.fastest(compiled)]
-        if rates[mode] is None or not current:
-            return True
-        return tokens_left * (1.0 / current - 1.0 / rates[mode]) > compile_s
 
     def segment_rounds(self, mode: int) -> int:
         """Target forwards the next segment of `mode` may run: a probe runs `PROBE_ROUNDS`
