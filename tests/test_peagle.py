@@ -370,7 +370,8 @@ def test_parallel_tree_keeps_the_best_lattice_paths():
     import jax
     import jax.numpy as jnp
 
-    from eaglejax.decoding.drafting import Root, draft_parallel_tree
+    from eaglejax.decoding.drafters import Root
+    from eaglejax.decoding.drafters.parallel import draft_parallel_tree
 
     rs = np.random.RandomState(0)
     logits = jnp.asarray(rs.randn(1, 3, 12) * 2, jnp.float32)

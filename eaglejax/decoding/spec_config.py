@@ -82,9 +82,11 @@ class SpecConfig:
     lookup_replaces: bool = False
 
     def __post_init__(self):
-        if self.method not in ("chain", "parallel", "tree", "parallel_tree", "static"):
-            raise InputError(f"method must be 'chain', 'parallel', 'tree', 'parallel_tree' or "
-                             f"'static', got {self.method!r}")
+        from eaglejax.decoding.drafters import methods  # (they import this module)
+
+        if self.method not in methods():
+            raise InputError(f"method must be one of {', '.join(map(repr, methods()))} (the "
+                             f"registered drafters), got {self.method!r}")
         _positive_int("num_draft_tokens", self.num_draft_tokens, 64)
         if self.method in ("tree", "parallel_tree"):
             _positive_int("top_k", self.top_k, 64)

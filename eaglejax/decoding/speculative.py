@@ -31,7 +31,8 @@ import numpy as np
 from eaglejax.config import ModelConfig
 from eaglejax.decoding import lookup
 from eaglejax.decoding.acceptance import verify
-from eaglejax.decoding.drafting import Drafted, Head, Root, draft_round
+from eaglejax.decoding.drafters import Head, Root
+from eaglejax.decoding.drafting import Drafted, draft_round
 from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
 from eaglejax.decoding.prefill import PREFILL_CHUNK, Prefilled, prefill_target
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
