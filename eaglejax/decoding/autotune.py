@@ -33,9 +33,9 @@ To force a shape, pass a `SpecConfig` instead of "auto".
 
 Measured (BENCHMARKS.md, 2-core Intel Xeon 6/167, SmolLM2 in bfloat16 storage with its
 shipped EAGLE-3 head, 16 prompts from a cold start, first calls included): `auto` at
-1.31x plain decoding on MT-bench and 1.42-1.44x on a Spec-Bench-style mix, 0.94-0.95x the
-best fixed tree, 0.98-1.02x plain on the worst prompt, never more than 0.04 s beyond plain's
-time on a call (session 21).
+1.33-1.43x plain decoding on MT-bench (0.96-0.99x the best fixed tree) and 1.46x on a
+Spec-Bench-style mix (0.94x), 0.96-1.02x plain on the worst prompt, never more than 0.08 s
+beyond plain's time on a call (session 22).
 """
 
 from __future__ import annotations
