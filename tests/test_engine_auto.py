@@ -163,6 +163,8 @@ def check_engine(target):
     got = shared.run([Request(i, p, n, ignore_eos=True) for i, (p, n) in
                       enumerate(zip(prompts, limits))])  # rows that share a step: target alone
     assert [got[i].token_ids for i in range(len(plain))] == plain
+    # each request's own rounds (a slot's last request's are not the next one's)
+    assert all(1 <= got[i].rounds <= limits[i] - 1 for i in range(len(plain)) if limits[i] > 1)
     assert shared._stale.any() and set(shared.policy.forwards_by_mode) >= {"plain"}
     # a request that joins a row left behind decodes plainly: its head is never prefilled
     assert fills[0] == "fill_spec" and fills.count("fill_target") >= 3, fills

@@ -89,13 +89,15 @@ def fill_target(params: Params, config: ModelConfig, state: speculative.SpecStat
                 sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable, *,
                 greedy: bool, attn_impl: AttentionImpl = "auto") -> speculative.SpecState:
     """`fill_plain` into a speculative batch: the target alone, for a row that decodes
-    plainly to its end (`advance_target`); the slot's head rows are left as they are."""
+    plainly to its end (`advance_target`); the slot's head rows are left as they are, its
+    rounds by accepted tokens cleared (the slot's last request's are not this one's)."""
     decoding = plain.DecodeState(state.target_cache, state.last_token, state.out,
                                  state.row_keys, state.forwards)
     done = fill_plain(params, config, decoding, slot, prompt, prompt_length, row_key, sampling,
                       max_new_tokens, stop, greedy=greedy, attn_impl=attn_impl)
     return state._replace(target_cache=done.cache, last_token=done.last_token, out=done.out,
-                          row_keys=done.row_keys, forwards=done.forwards)
+                          row_keys=done.row_keys, forwards=done.forwards,
+                          accept_hist=state.accept_hist.at[slot].set(0))
 
 
 def _first_rows(state: State, rows: int) -> State:
