@@ -59,18 +59,19 @@ def test_every_registered_method_has_examples():
 
 
 def _one_round(target, draft, spec: SpecConfig, greedy: bool):
-    """Prefill a batch, draft and verify one round; the round's `Drafted`."""
+    """Prefill a batch, draft and verify one round; the round's `Drafted` and its root
+    tokens (the last accepted ones)."""
     sampling = SamplingParams.make(0.0 if greedy else 0.8, 0, 0.95)
     prompt, lengths, keys, sampling, max_new = batch_inputs(target, _prompts(), [0, 1, 2],
                                                             sampling, 16)
-    models = (target.params, target.config, draft.params, draft.config)
+    config, draft_config = target.config, draft.config
     common = dict(greedy=greedy, stop=StopCriteria(), spec=spec)
 
     @jax.jit
     def run(params, draft_params, prompt, lengths, keys, sampling, max_new):
-        state = prefill_state(params, models[1], draft_params, models[3], prompt, lengths,
+        state = prefill_state(params, config, draft_params, draft_config, prompt, lengths,
                               keys, sampling, max_new, capacity=64, max_tokens=16, **common)
-        play = verified_round(params, models[1], draft_params, models[3], draft.d2t, sampling,
+        play = verified_round(params, config, draft_params, draft_config, draft.d2t, sampling,
                               max_new, **common)
         return play(state)[1].drafted, state.last_token
 
