@@ -32,7 +32,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kMaxD = 256;
-constexpr int kQueryGroup = 4;  // queries accumulated together in the value pass
+constexpr int kKeys = 8;  // keys scored together (independent accumulators)
 
 struct Job {
   const float *q, *k_cache, *v_cache, *k_new, *v_new;
@@ -42,6 +42,55 @@ struct Job {
   int64_t B, T, Hq, Hkv, S, D;
   std::vector<float> rotated_q;  // the fused entry's rotated queries (q points here)
 };
+
+// Scores of NK keys k[j] (D values each) for the kLanes queries of qt ([D][kLanes]):
+// out[j * kLanes + lane] = scale * (q . k[j]), each summed over d in order.
+template <int NK>
+inline void scores(const float* const* k, const float* qt, int64_t D, float scale, float* out) {
+  Vec acc[NK] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const Vec qv = load(qt + d * kLanes);
+    for (int j = 0; j < NK; ++j) acc[j] += k[j][d] * qv;
+  }
+  for (int j = 0; j < NK; ++j) store(out + j * kLanes, acc[j] * scale);
+}
+
+// Queries [i0, i0 + NG) of a task: out_row(i) = sum over keys s, in order, of
+// weights[s][i] * value_row(s), divided by denom[i]; NV vectors per value row (0: nv, known
+// only at run time).
+template <int NV, int NG, typename ValueRow, typename OutRow>
+inline void value_group(const ValueRow& value_row, const float* weights, const Vec& denom,
+                        const OutRow& out_row, int64_t keys, int64_t i0, int nv) {
+  constexpr int kMaxVectors = kMaxD / kLanes;
+  const int vectors = NV ? NV : nv;
+  Vec acc[NG][NV ? NV : kMaxVectors] = {};
+  for (int64_t s = 0; s < keys; ++s) {
+    const float* value = value_row(s);
+    for (int g = 0; g < NG; ++g) {
+      const float w = weights[s * kLanes + i0 + g];
+      for (int c = 0; c < vectors; ++c) acc[g][c] += w * load(value + c * kLanes);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const int64_t i = i0 + g;
+    const float inv = denom[i] > 0.0f ? 1.0f / denom[i] : 1.0f;
+    float* o = out_row(i);
+    for (int c = 0; c < vectors; ++c) store(o + c * kLanes, acc[g][c] * inv);
+  }
+}
+
+// Every query of a task through value_group, as many queries per pass over V as keep the
+// accumulators in registers.
+template <int NV, typename ValueRow, typename OutRow>
+void value_pass(const ValueRow& value_row, const float* weights, const Vec& denom,
+                const OutRow& out_row, int64_t keys, int64_t count, int nv = NV) {
+  constexpr int kGroup = NV == 0 ? 1 : std::max(1, std::min(4, 16 / NV));
+  int64_t i0 = 0;
+  for (; i0 + kGroup <= count; i0 += kGroup) {
+    value_group<NV, kGroup>(value_row, weights, denom, out_row, keys, i0, nv);
+  }
+  for (; i0 < count; ++i0) value_group<NV, 1>(value_row, weights, denom, out_row, keys, i0, nv);
+}
 
 // Query vectors (kLanes queries each) of one row and KV head: query i = (t, g), t-major.
 inline int64_t query_vectors(const Job& job) {
@@ -75,17 +124,15 @@ void run_task(const Job& job, int64_t task, std::vector<float>& buffer) {
   const Vec hidden = Vec{} - std::numeric_limits<float>::infinity();
 
   // Scores: for each key, q . k summed over d in order, the queries in parallel lanes.
-  constexpr int kKeys = 4;
-  for (int64_t s0 = 0; s0 < keys; s0 += kKeys) {
-    const int nk = static_cast<int>(std::min<int64_t>(kKeys, keys - s0));
+  int64_t s0 = 0;
+  for (; s0 + kKeys <= keys; s0 += kKeys) {
     const float* k[kKeys];
-    for (int j = 0; j < nk; ++j) k[j] = key_row(kc, job.k_new, s0 + j);
-    Vec acc[kKeys] = {};
-    for (int64_t d = 0; d < D; ++d) {
-      const Vec qv = load(qt + d * kLanes);
-      for (int j = 0; j < nk; ++j) acc[j] += k[j][d] * qv;
-    }
-    for (int j = 0; j < nk; ++j) store(weights + (s0 + j) * kLanes, acc[j] * scale);
+    for (int j = 0; j < kKeys; ++j) k[j] = key_row(kc, job.k_new, s0 + j);
+    scores<kKeys>(k, qt, D, scale, weights + s0 * kLanes);
+  }
+  for (; s0 < keys; ++s0) {
+    const float* k[1] = {key_row(kc, job.k_new, s0)};
+    scores<1>(k, qt, D, scale, weights + s0 * kLanes);
   }
   // New token j is hidden from query i unless mask[b, t(i), j].
   for (int64_t j = 0; j < T; ++j) {
@@ -108,24 +155,15 @@ void run_task(const Job& job, int64_t task, std::vector<float>& buffer) {
     store(p, e);
     denom += e;
   }
-  // Values: each output accumulated in key order, kQueryGroup queries per pass over V.
-  const int nv = static_cast<int>(D / kLanes);
-  for (int64_t i0 = 0; i0 < count; i0 += kQueryGroup) {
-    const int64_t n = std::min<int64_t>(kQueryGroup, count - i0);
-    Vec acc[kQueryGroup][kMaxD / kLanes] = {};
-    for (int64_t s = 0; s < keys; ++s) {
-      const float* value = key_row(vc, job.v_new, s);
-      for (int64_t g = 0; g < n; ++g) {
-        const float w = weights[s * kLanes + i0 + g];
-        for (int c = 0; c < nv; ++c) acc[g][c] += w * load(value + c * kLanes);
-      }
-    }
-    for (int64_t g = 0; g < n; ++g) {
-      const int64_t i = i0 + g;
-      const float inv = denom[i] > 0.0f ? 1.0f / denom[i] : 1.0f;
-      float* o = job.out + ((b * T + t_of(i)) * job.Hq + h * G + (first + i) % G) * D;
-      for (int c = 0; c < nv; ++c) store(o + c * kLanes, acc[g][c] * inv);
-    }
+  // Values: each output accumulated in key order, a few queries per pass over V.
+  const auto value_row = [&](int64_t s) { return key_row(vc, job.v_new, s); };
+  const auto out_row = [&](int64_t i) {
+    return job.out + ((b * T + t_of(i)) * job.Hq + h * G + (first + i) % G) * D;
+  };
+  switch (D / kLanes) {
+    case 4: value_pass<4>(value_row, weights, denom, out_row, keys, count); break;
+    case 8: value_pass<8>(value_row, weights, denom, out_row, keys, count); break;
+    default: value_pass<0>(value_row, weights, denom, out_row, keys, count, D / kLanes); break;
   }
 }
 

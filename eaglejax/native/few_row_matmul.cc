@@ -268,8 +268,11 @@ void amx_block(const uint16_t* w, const uint32_t* packed, float* y, int64_t M, i
   const int64_t blocks = K / kTileK, stride = kColumnTiles * 256;
   int64_t kb = 0;
   for (; kb + 2 <= blocks; kb += 2) {
-    for (int64_t r = 0; r < kTileN; ++r) {  // the next 16 rows' weights at these k
-      __builtin_prefetch(rows + (kTileN + r) * K + kb * kTileK);
+    // The next 16 rows' weights at these k, into L2 only (prefetcht1): a fetch into L1
+    // holds one of its few fill buffers until the line arrives, and a decode step ran 7-10%
+    // slower that way (BENCHMARKS.md, session 23).
+    for (int64_t r = 0; r < kTileN; ++r) {
+      __builtin_prefetch(rows + (kTileN + r) * K + kb * kTileK, 0, 2);
     }
     EAGLEJAX_AMX_STEP(0, rows + kb * kTileK, packed + kb * stride);
     EAGLEJAX_AMX_STEP(1, rows + (kb + 1) * kTileK, packed + (kb + 1) * stride);
