@@ -270,7 +270,7 @@ def _add_serve_args(commands) -> None:
                     "/v1/completions, /v1/chat/completions (streaming too), /health and "
                     "/metrics. Every prompt bucket is compiled at start-up.")
     # --max-new-tokens: max_tokens for requests that give none
-    _add_model_args(serve, weight_dtype=None)
+    _add_model_args(serve)
     serve.add_argument("--no-draft", action="store_true",
                        help="decode plainly even where eaglejax ships a head for --model")
     serve.add_argument("--host", default="127.0.0.1",

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import eaglejax
 from eaglejax.cli import main
+from eaglejax.loading.target_loader import fastest_weight_dtype
 from eaglejax.serving.engine import Engine
 from eaglejax.serving.server import create_app
 from eaglejax.serving.textstream import TextStream
@@ -417,7 +418,9 @@ def test_serve_command_warms_up_serves_and_stops(hf_family, target, tmp_path):
         output = proc.communicate(timeout=TIMEOUT_S)[0]
     assert proc.returncode == 0, output
     assert "compiling: 100%" in output and "warmed up in" in output
-    expected = eaglejax.generate(["w5 w9"], target=target, max_new_tokens=6)[0]
+    storage = fastest_weight_dtype()  # the server stores its matrices as decodes fastest
+    stored = target if storage is None else target.with_weight_dtype(storage)
+    expected = eaglejax.generate(["w5 w9"], target=stored, max_new_tokens=6)[0]
     assert reply.choices[0].message.content == expected.text
 
 
