@@ -3,7 +3,8 @@ batches of `eaglejax.generate()` and against `transformers serve`, side by side 
 
     python examples/load_test.py [--concurrency 1 4 16 32] [--max-tokens 64]
         [--draft checkpoints/smollm2-135m-instruct-eagle3] [--shape auto | tree:4,4,6]
-        [--runs plain speculative static transformers] [--json OUT]
+        [--runs plain speculative static transformers] [--weight-dtype auto | float32]
+        [--json OUT]
 
 MT-bench first turns (categories interleaved), chat template, greedy, `--max-tokens` new
 tokens (EOS honoured: the same for every server, since greedy replies are identical). At
@@ -171,6 +172,9 @@ def parse_args() -> argparse.Namespace:
                         help="the speculative server's shape: auto (default: the mode per "
                              "engine step), tree:K,D,N or chain:K")
     parser.add_argument("--capacity", type=int, default=1024)
+    parser.add_argument("--weight-dtype", default="auto",
+                        help="the eaglejax servers' matrix storage (default: auto, as "
+                             "`eaglejax serve`)")
     parser.add_argument("--runs", nargs="+", default=["plain", "speculative", "static"],
                         choices=["plain", "speculative", "static", "transformers"])
     parser.add_argument("--json", default=None)
@@ -187,7 +191,8 @@ def main() -> None:
     shape_flag = {"auto": [], "tree": ["--tree", numbers],
                   "chain": ["--num-draft-tokens", numbers]}[kind]
     serve = [sys.executable, "-m", "eaglejax.cli", "serve", "--model", MODEL,
-             "--num-slots", str(most), "--capacity", str(args.capacity)]
+             "--num-slots", str(most), "--capacity", str(args.capacity),
+             "--weight-dtype", args.weight_dtype]
     servers = {}
     if "plain" in args.runs:
         servers["eaglejax plain"] = serve + ["--no-draft"]
@@ -216,7 +221,7 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=60)
     if "static" in args.runs:
-        target = eaglejax.load_target(MODEL)
+        target = eaglejax.load_target(MODEL, weight_dtype=args.weight_dtype)
         draft = eaglejax.load_draft(args.draft, target=target)
         if kind == "tree":
             spec = eaglejax.SpecConfig.tree(*(int(x) for x in numbers.split(",")))
