@@ -2,6 +2,7 @@
 `generate()` gives it alone, plain or speculative, whatever its neighbours' settings, the
 slot count or the rounds per call; per-request stops, cancellation and bad requests."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -145,3 +146,11 @@ def test_bad_requests_name_themselves(target, draft):
     spec_engine = Engine(target, draft, speculative=lookup_chain, num_slots=1, capacity=CAPACITY)
     with pytest.raises(InputError, match="request 's': .*a lookup branch with sampling"):
         spec_engine.submit(Request("s", [1], 4, SamplingOptions(1.0)))
+
+
+def test_warmup_returns_with_nothing_left_running(target):
+    """`warmup` waits for the programs it ran (they run asynchronously): what the first
+    request waits for is its own work."""
+    engine = Engine(target, None, num_slots=2, capacity=64)
+    engine.warmup(progress=False)
+    assert all(leaf.is_ready() for leaf in jax.tree.leaves(engine.state))

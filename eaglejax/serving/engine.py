@@ -289,6 +289,10 @@ class Engine:
                     and self.policy.max_speculative_rows is not None):
                 self._fill(rows - 1, request, target_only=True)  # rows left behind
                 self.cancel(request.key)
+        # Programs run asynchronously: the last warm-up prefills (the longest prompts) would
+        # otherwise still be running when the server reports ready, and the first request
+        # waited for them (~2 s of its time to first token on a 2-core CPU).
+        jax.block_until_ready(self.state)
 
     # ------------------------------------------------------------------------ internals
 
