@@ -79,12 +79,16 @@ inline void value_group(const ValueRow& value_row, const float* weights, const V
   }
 }
 
+// Vector registers the value pass may fill with accumulators: half of the 32 (AVX-512) or
+// 16 (AVX2), the rest holding a value row's vectors.
+constexpr int kAccumulatorRegisters = kLanes == 16 ? 16 : 8;
+
 // Every query of a task through value_group, as many queries per pass over V as keep the
 // accumulators in registers.
 template <int NV, typename ValueRow, typename OutRow>
 void value_pass(const ValueRow& value_row, const float* weights, const Vec& denom,
                 const OutRow& out_row, int64_t keys, int64_t count, int nv = NV) {
-  constexpr int kGroup = NV == 0 ? 1 : std::max(1, std::min(4, 16 / NV));
+  constexpr int kGroup = NV == 0 ? 1 : std::max(1, std::min(4, kAccumulatorRegisters / NV));
   int64_t i0 = 0;
   for (; i0 + kGroup <= count; i0 += kGroup) {
     value_group<NV, kGroup>(value_row, weights, denom, out_row, keys, i0, nv);
