@@ -57,7 +57,7 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
                         help="store the weight matrices in this dtype and compute in --dtype "
                              "(bfloat16 halves the bytes a CPU decode step reads; see "
                              "BENCHMARKS.md for its speed and agreement); auto: what decodes "
-                             "fastest here (bfloat16 on CPUs with AMX tiles, else as loaded; "
+                             "fastest here (bfloat16 on CPUs with AVX-512, else as loaded; "
                              f"default: {weight_dtype or 'as loaded'})")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="render prompts with the model's chat template (default: on)")

@@ -196,12 +196,13 @@ def test_a_head_is_stored_as_its_target_is(target_of, tmp_path):
 
 
 @pytest.mark.parametrize("flags,native,expected", [
-    (["avx512f", "amx_bf16", "amx_tile"], True, jnp.bfloat16),
-    (["avx512f", "avx512_bf16"], True, None),  # no tile unit: not measured faster
+    (["avx512f", "amx_bf16", "amx_tile"], True, jnp.bfloat16),  # the tile unit multiplies
+    (["avx512f", "avx512_bf16"], True, jnp.bfloat16),  # the kernel widens in registers
+    (["avx2", "fma"], True, None),  # not measured faster
     (["avx512f", "amx_bf16", "amx_tile"], False, None),  # no native kernels: XLA widens
 ])
-def test_auto_storage_is_bfloat16_only_where_the_tile_unit_runs_it(monkeypatch, flags, native,
-                                                                   expected):
+def test_auto_storage_is_bfloat16_where_the_native_kernels_read_it_fast(monkeypatch, flags,
+                                                                        native, expected):
     from eaglejax.loading import target_loader as loading
 
     monkeypatch.setattr(loading.hardware, "isa_features", lambda: flags)
