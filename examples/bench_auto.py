@@ -2,7 +2,7 @@
 choose, prompt by prompt: does adapting while decoding pay on each prompt?
 
     python examples/bench_auto.py --draft checkpoints/smollm2-135m-instruct-eagle3 \\
-        [--weight-dtype bfloat16] [--prompts mt_bench|mix] [--num-prompts 16]
+        [--weight-dtype float32] [--prompts mt_bench|mix] [--num-prompts 16]
         [--max-new-tokens 128] [--json]
 
 Greedy, batch 1, MT-bench first turns (round-robin over categories) or the Spec-Bench-style
@@ -42,8 +42,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--draft", required=True, help="draft head path")
-    parser.add_argument("--weight-dtype", default=None,
-                        help="the target's weight storage, e.g. bfloat16 (default: as loaded)")
+    parser.add_argument("--weight-dtype", default="auto",
+                        help="the target's weight storage, e.g. float32 (default: auto, what "
+                             "decodes fastest here, as `eaglejax generate` stores it)")
     parser.add_argument("--prompts", choices=["mt_bench", "mix"], default="mt_bench",
                         help="MT-bench first turns in category order, or the Spec-Bench-style "
                              "mix of examples/peers (coding, extraction, math, writing, "
@@ -81,7 +82,7 @@ def main() -> None:
     report = summarize(per_prompt, names)
     report.update(machine=hardware.machine_report(bandwidth=False),
                   max_new_tokens=args.max_new_tokens, draft=args.draft, prompts=len(questions),
-                  weight_dtype=args.weight_dtype or "as loaded")
+                  weight_dtype=str(target.weight_dtype))
     if args.json:
         print(json.dumps(report, indent=2))
         return

@@ -48,11 +48,17 @@ namespace ffi = xla::ffi;
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int kRowsX = 6;   // x rows per tile: 6 x 4 accumulators + 4 w + 1 x registers
+// x rows x w rows per tile: 8 x 3 accumulators + 3 w + 1 x registers. Every further pass
+// over a tile's w rows widens them again and runs on fewer accumulators: 7-8 rows in one
+// pass instead of 6 + 1-2 made those products 12-17% faster on AMD Zen 4.
+constexpr int kRowsX = 8;
+constexpr int kRowsW = 3;
 #else
 constexpr int kRowsX = 3;   // 3 x 4 accumulators in 16 registers
+constexpr int kRowsW = 4;
 #endif
-constexpr int kRowsW = 4;   // w rows per tile (8 when M <= 2)
+constexpr int kRowsWSmall = 8;  // w rows per tile when M <= 2 (few accumulators)
+constexpr int64_t kRunUnit = kRowsW * kRowsWSmall;  // a thread's runs: whole tiles of both
 // Hardware prefetching alone leaves the core waiting on memory (with 3 or more x rows a tile
 // computes long between loads; with 1-2 rows of bfloat16 storage the streams run ahead of
 // it: 8-10% slower on AMD Zen 4): fetch each w stream this many elements ahead as well.
@@ -133,6 +139,8 @@ void columns(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t
   for (; m0 + kRowsX <= M; m0 += kRowsX) tile<kRowsX, RW, W>(x, w, y, K, N, m0, n0);
   switch (M - m0) {
 #if defined(__AVX512F__)
+    case 7: tile<7, RW, W>(x, w, y, K, N, m0, n0); break;
+    case 6: tile<6, RW, W>(x, w, y, K, N, m0, n0); break;
     case 5: tile<5, RW, W>(x, w, y, K, N, m0, n0); break;
     case 4: tile<4, RW, W>(x, w, y, K, N, m0, n0); break;
     case 3: tile<3, RW, W>(x, w, y, K, N, m0, n0); break;
@@ -156,8 +164,8 @@ void run_chunk(const Job<W>& job, int64_t chunk) {
   const int64_t begin = chunk * job.run_rows, end = std::min(job.N, begin + job.run_rows);
   int64_t n0 = begin;
   if (job.M <= 2) {  // few accumulators: take more w rows per tile
-    for (; n0 + 2 * kRowsW <= end; n0 += 2 * kRowsW) {
-      columns_small<2 * kRowsW, W>(job.x, job.w, job.y, job.M, job.K, job.N, n0);
+    for (; n0 + kRowsWSmall <= end; n0 += kRowsWSmall) {
+      columns_small<kRowsWSmall, W>(job.x, job.w, job.y, job.M, job.K, job.N, n0);
     }
   }
   for (; n0 + kRowsW <= end; n0 += kRowsW) {
@@ -418,7 +426,7 @@ ffi::Error few_row_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuffer
     job->M = M;
     job->K = K;
     job->N = N;
-    job->run_rows = rows_per_run(N, 2 * kRowsW, pool.num_threads());
+    job->run_rows = rows_per_run(N, kRunUnit, pool.num_threads());
     parallel_tasks(pool, (N + job->run_rows - 1) / job->run_rows, [job] {
       return [job](int64_t chunk) { run_chunk(*job, chunk); };
     });
