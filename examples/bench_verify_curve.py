@@ -2,7 +2,7 @@
 and argmax at every one, as verification needs) over a fixed context, in single-token
 forwards; every size measured in turn, several passes, the median per size.
 
-    python examples/bench_verify_curve.py [--weight-dtype bfloat16] [--context 200] [--json]
+    python examples/bench_verify_curve.py [--weight-dtype float32] [--context 200] [--json]
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from eaglejax.timing import single_forward_ms
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--weight-dtype", default=None, help="e.g. bfloat16 (default: as loaded)")
+    parser.add_argument("--weight-dtype", default="auto",
+                        help="e.g. float32 (default: auto, as `eaglejax generate` stores it)")
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--passes", type=int, default=5)
@@ -35,7 +36,7 @@ def main() -> None:
             times[t].append(single_forward_ms(target, args.context, capacity, tokens=t,
                                               repeats=10))
     ms = {t: float(np.median(v)) for t, v in times.items()}
-    report = {"model": target.source, "weight_dtype": args.weight_dtype or "as loaded",
+    report = {"model": target.source, "weight_dtype": str(target.weight_dtype),
               "context": args.context, "machine": machine_report(),
               "forward_ms": ms, "in_single_steps": {t: ms[t] / ms[1] for t in sizes}}
     if args.json:
