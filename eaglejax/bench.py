@@ -155,12 +155,13 @@ def compare_drafts(target: Target, runs: Sequence[tuple[Any, SpecConfig | str | 
             for i, (draft, _) in enumerate(runs)]
 
 
-def shapes_to_profile(draft, speculative: SpecConfig | str | None) -> list[SpecConfig]:
+def shapes_to_profile(target: Target, draft,
+                      speculative: SpecConfig | str | None) -> list[SpecConfig]:
     """The shapes `speculative` may run: itself, the device preset for None, every
-    speculative mode of the plan for "auto"."""
+    speculative mode of `target`'s plan for "auto"."""
     platform = jax.default_backend()
     if speculative == "auto":
-        return [spec for spec in AutoPlan.for_device(platform).modes if spec is not None]
+        return [spec for spec in AutoPlan.for_target(target).modes if spec is not None]
     if speculative is None:
         return [SpecConfig.default_for(draft.config.parallel, platform)]
     return [speculative]
@@ -177,7 +178,7 @@ def profile_rounds(target: Target, draft, prompt: str | list[int],
     [ids] = encode_prompts([prompt], target, chat)
     return [round_split(target, draft, spec, ids, sampling=params, rounds=rounds,
                         repeats=repeats)
-            for spec in shapes_to_profile(draft, speculative)]
+            for spec in shapes_to_profile(target, draft, speculative)]
 
 
 def _speculative_report(header: dict[str, Any], floor_ms: float, draft,

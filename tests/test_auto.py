@@ -43,6 +43,32 @@ def test_the_cpu_plan():
     assert [PLAN.count_column(m) for m in range(4)] == [None, 12, 13, None]
 
 
+def test_the_plan_where_multiply_adds_bound_the_verify():
+    """Without the tile unit the probe keeps to 12 nodes: the tree of 8 with the branch
+    grafted; the candidates are 6 and 8 nodes with the branch in place of their weakest."""
+    plan = AutoPlan.for_device("cpu", probe_nodes=12)
+    assert [plan.nodes(m) for m in range(4)] == [1, 6, 8, 12]
+    assert all(spec.lookup_replaces for spec in plan.modes[1:3])
+    assert not plan.probe.lookup_replaces and plan.probe.total_tokens == 8
+    assert plan.sizes == (6, 8)
+    assert [plan.count_column(m) for m in range(4)] == [None, 8, 9, None]
+
+
+@pytest.mark.parametrize("flags,storage,nodes", [
+    (["avx512f", "amx_bf16", "amx_tile"], "bfloat16", 16),  # the tile unit multiplies
+    (["avx512f", "amx_bf16", "amx_tile"], "float32", 12),  # FMA-bound
+    (["avx512f", "avx512_bf16"], "bfloat16", 12),  # FMA-bound (AMD Zen 4)
+])
+def test_the_probe_follows_what_bounds_the_verify(monkeypatch, target_of, flags, storage,
+                                                  nodes):
+    from eaglejax.decoding import autotune
+
+    monkeypatch.setattr(autotune.hardware, "isa_features", lambda: flags)
+    assert autotune.cpu_probe_nodes(storage) == nodes
+    target = target_of("llama").with_weight_dtype(storage)
+    assert AutoPlan.for_target(target).probe.num_nodes == nodes
+
+
 def _counts(al_small: float, al_large: float, rounds: int) -> np.ndarray:
     counts = np.zeros(len(PLAN.sizes) * 5)
     counts[PLAN.count_column(SMALL)] = (al_small - 1) * rounds
@@ -306,7 +332,7 @@ def check_auto(target, cache_dir):
                                max_new_tokens=1, ignore_eos=True)
     assert one.token_ids == plain[0].token_ids[:1]
     assert one.metrics.speculative == "auto: no decode step"
-    plan = AutoPlan.for_device(jax.default_backend())  # the plan generate() used
+    plan = AutoPlan.for_target(target)  # the plan generate() used
     learnt = autotune.recall(target, good, 2, plan)
     # the self-draft's probe accepts deep paths; the random head's trees far less (its
     # lookup branch copies from the repeating text of this random target: AL about 2)

@@ -93,7 +93,7 @@ def adaptive_decode(target: Target, draft: "Draft", encoded: list[list[int]],
     calls learnt; see the module docstring); what it learnt is kept for the next call."""
     batch = len(encoded)
     if policy is None:
-        plan = AutoPlan.for_device(jax.default_backend())
+        plan = AutoPlan.for_target(target)
         policy = AutoPolicy(plan, recall(target, draft, batch, plan))
     with mesh_context(target.mesh):
         run = _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens,

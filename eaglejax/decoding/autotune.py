@@ -46,6 +46,7 @@ import json
 from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from eaglejax import hardware, native
@@ -75,6 +76,11 @@ LOOKUP, LOOKUP_NGRAM = 4, 3  # every mode's lookup branch
 # On a CPU, verify blocks of up to 16 tokens run the native kernels and larger ones XLA's
 # dot at several times the cost per row: the probe (largest tree + LOOKUP) stays within 16.
 CPU_PROBE_NODES = 16
+# Where the CPU's multiply-adds bound a verify (float32 storage, or bfloat16 without the AMX
+# tile unit), 16 tokens cost 2.0-2.4 single steps (1.67 through the tile unit) and the
+# probe's rounds, never the choice there, took 3-20% of `auto`'s forwards: it stays within
+# 12 (tree 8 + LOOKUP; BENCHMARKS.md, session 24).
+FMA_BOUND_PROBE_NODES = 12
 HALF_LIFE = 64  # target forwards after which an acceptance count weighs half
 PRIOR_ROUNDS = 2  # what a new call's inherited acceptance weighs, in row-rounds
 MIN_PROBE_EVERY, MAX_PROBE_EVERY = 32, 512  # target forwards between probes
@@ -83,6 +89,14 @@ SPEC_ROUNDS = 8  # rounds per segment of another speculative mode (per call: ~2-
 PLAIN_WIDTH = 16  # plain steps per plain segment
 PLAIN_TIMING_STEPS = 4  # steps of the plain segment that first times plain decoding
 TIMINGS_KEPT = 5  # per mode, the latest round times whose median is its cost
+
+
+def cpu_probe_nodes(weight_dtype: jnp.dtype | str) -> int:
+    """The probe's most nodes on this CPU for matrices stored in `weight_dtype`: 16 where the
+    AMX tile unit multiplies bfloat16 storage, else 12 (the multiply-adds bound the verify)."""
+    tile_unit = {"amx_bf16", "amx_tile"} <= set(hardware.isa_features())
+    return CPU_PROBE_NODES if tile_unit and jnp.dtype(weight_dtype) == jnp.bfloat16 \
+        else FMA_BOUND_PROBE_NODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,21 +113,30 @@ class AutoPlan:
         return self.modes[-1]
 
     @classmethod
-    def for_device(cls, platform: str, top_k: int | None = None,
-                   depth: int | None = None) -> "AutoPlan":
-        """The probe is the largest tree of the batch-1 preset (within `CPU_PROBE_NODES` with
-        its branch on a CPU), the candidates the two sizes below it."""
+    def for_device(cls, platform: str, top_k: int | None = None, depth: int | None = None,
+                   *, probe_nodes: int = CPU_PROBE_NODES) -> "AutoPlan":
+        """The probe is the largest tree of the batch-1 preset (within `probe_nodes` with its
+        branch on a CPU), the candidates the two sizes below it (a tree of 8 nodes or fewer:
+        the one below and its own size, with the branch in place of its weakest nodes)."""
         preset = SpecConfig.preset(platform, 1)
         top_k, depth = top_k or preset.top_k, depth or preset.depth
         most = max_nodes(top_k, depth)
         if platform == "cpu":
-            most = min(most, CPU_PROBE_NODES - LOOKUP)
+            most = min(most, probe_nodes - LOOKUP)
         sizes = tuple(s for s in SIZES if LOOKUP < s <= most)
+        below = sizes[-3:-1] if sizes[-1] > 8 else sizes[-2:]
         candidates = tuple(SpecConfig.tree(top_k, depth, s).with_lookup(LOOKUP, LOOKUP_NGRAM,
                                                                           replaces=True)
-                           for s in sizes[-3:-1])
+                           for s in below)
         probe = SpecConfig.tree(top_k, depth, sizes[-1]).with_lookup(LOOKUP, LOOKUP_NGRAM)
         return cls((None, *candidates, probe), sizes)
+
+    @classmethod
+    def for_target(cls, target: Target) -> "AutoPlan":
+        """The plan for `target` on the default device: on a CPU, the probe's size follows
+        what bounds a verify of its matrices (`cpu_probe_nodes`)."""
+        return cls.for_device(jax.default_backend(),
+                              probe_nodes=cpu_probe_nodes(target.weight_dtype))
 
     def name(self, mode: int) -> str:
         spec = self.modes[mode]

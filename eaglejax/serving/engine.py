@@ -133,7 +133,7 @@ class Engine:
         self.policy: ShapePolicy | None = None
         if speculative == AUTO:
             platform = jax.default_backend()
-            self.policy = ShapePolicy(target, draft, AutoPlan.for_device(platform), platform)
+            self.policy = ShapePolicy(target, draft, AutoPlan.for_target(target), platform)
             speculative = self.policy.plan.probe  # the state every mode runs on
         self.target, self.draft, self.spec = target, draft, speculative
         self.mesh = target.mesh  # a target on a mesh: the batch follows its sharding rules
