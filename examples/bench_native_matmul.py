@@ -1,10 +1,12 @@
 """Few-row float32 products on CPU: XLA's dot vs eaglejax's native kernel, side by side.
 
-    python examples/bench_native_matmul.py [--rows 1 2 4 6 8 9 12 16] [--repeats 9] [--json]
+    python examples/bench_native_matmul.py [--rows 1 2 4 6 8 9 12 16] [--repeats 9]
+        [--weight-dtype float32] [--json]
 
 1. Products: the 121 projection matrices of one SmolLM2-135M-Instruct decode step (30 layers
-   x qkv, o, gate/up, down, and the tied LM head; 538 MB of float32) times M rows, in one
-   jitted function per path, the two paths alternating repeat by repeat.
+   x qkv, o, gate/up, down, and the tied LM head; 538 MB of float32, half in bfloat16
+   storage) times M rows, in one jitted function per path, the two paths alternating repeat
+   by repeat. The matrices are stored as `generate` stores them (`--weight-dtype auto`).
 2. The target forward over 1, 6 and 9 new tokens after a 200-token context with each path
    (a decode step, a K=5 chain verification, an 8-node tree verification plus its root),
    alternating likewise; the ratios to the 1-token forward of the same path are the verify
@@ -76,14 +78,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 9, 12, 16])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--weight-dtype", default="auto",
+                        help="e.g. float32 (default: auto, as `eaglejax generate` stores it)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if not few_row_matmul.available():
         raise SystemExit("the native kernel is not available here (no C++ compiler, a failed "
                          "build, or EAGLEJAX_NATIVE=0)")
-    target = eaglejax.load_target("smollm2-135m-instruct")
+    target = eaglejax.load_target("smollm2-135m-instruct", weight_dtype=args.weight_dtype)
     mats = step_matrices(target.params)
-    report = {"machine": hardware.machine_report(), "products_ms": {}, "forward_ms": {}}
+    report = {"machine": hardware.machine_report(), "weight_dtype": str(target.weight_dtype),
+              "products_ms": {}, "forward_ms": {}}
     native_products = products_fn()
     with native.xla_only():
         xla = products_fn()
@@ -113,7 +118,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores")
+    print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, "
+          f"{report['weight_dtype']} storage")
     print("rows  XLA ms  native ms  (121 SmolLM2 products)")
     for m, t in report["products_ms"].items():
         print(f"{m:4d}  {t['xla']:6.1f}  {t['native']:9.1f}")

@@ -35,7 +35,9 @@ Measured (BENCHMARKS.md, 2-core Intel Xeon 6/167, SmolLM2 in bfloat16 storage wi
 shipped EAGLE-3 head, 16 prompts from a cold start, first calls included): `auto` at
 1.33-1.43x plain decoding on MT-bench (0.96-0.99x the best fixed tree) and 1.46x on a
 Spec-Bench-style mix (0.94x), 0.96-1.02x plain on the worst prompt, never more than 0.08 s
-beyond plain's time on a call (session 22).
+beyond plain's time on a call (session 22). On a 2-core AMD EPYC Zen 4 (bfloat16 storage, no
+tile unit: the 12-node probe), 1.31x on MT-bench (0.96x the best) and 1.37x on the mix
+(0.92x), speculating in every MT-bench category (session 24).
 """
 
 from __future__ import annotations
@@ -77,9 +79,10 @@ LOOKUP, LOOKUP_NGRAM = 4, 3  # every mode's lookup branch
 # dot at several times the cost per row: the probe (largest tree + LOOKUP) stays within 16.
 CPU_PROBE_NODES = 16
 # Where the CPU's multiply-adds bound a verify (float32 storage, or bfloat16 without the AMX
-# tile unit), 16 tokens cost 2.0-2.4 single steps (1.67 through the tile unit) and the
-# probe's rounds, never the choice there, took 3-20% of `auto`'s forwards: it stays within
-# 12 (tree 8 + LOOKUP; BENCHMARKS.md, session 24).
+# tile unit), 16 tokens cost 2.0-2.4 single steps (1.67 through the tile unit): the probe
+# stays within 12 (tree 8 + LOOKUP). On an AMD Zen 4 the 16-node probe decoded at 0.85x
+# plain as a fixed shape, the 12-node one at 1.02x, and `auto` went from 1.27x to 1.31x
+# plain on MT-bench (BENCHMARKS.md, session 24).
 FMA_BOUND_PROBE_NODES = 12
 HALF_LIFE = 64  # target forwards after which an acceptance count weighs half
 PRIOR_ROUNDS = 2  # what a new call's inherited acceptance weighs, in row-rounds
