@@ -26,7 +26,6 @@ import os
 
 os.environ["EAGLEJAX_AUTOTUNE_CACHE"] = "0"
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import eaglejax  # noqa: E402

@@ -313,7 +313,6 @@ def check_auto(target, cache_dir):
     """The default policy: plain tokens with a head that drafts well and one that never
     does; the modes named in the metrics; what it learnt kept on disk for a new process,
     and a damaged file is learnt anew."""
-    import jax
     from spec_helpers import random_eagle3, self_draft
 
     import eaglejax

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 
-import jax
 import jax.numpy as jnp
 import pytest
 from spec_helpers import random_eagle3
