@@ -10,6 +10,7 @@ phase's figure is its marginal cost in this loop, not a kernel's time in isolati
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -17,14 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax.decoding import plain
+from eaglejax.decoding import loops
 from eaglejax.decoding.batch import batch_inputs, cache_capacity
 from eaglejax.decoding.buckets import bucket
+from eaglejax.decoding.bundle import Bundle
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
-from eaglejax.decoding.speculative import PHASES, spec_loop, spec_prefill
+from eaglejax.decoding.speculative import PHASES
 from eaglejax.decoding.stopping import StopCriteria
-from eaglejax.sharding.mesh import mesh_context
 from eaglejax.target import Target
 
 if TYPE_CHECKING:
@@ -62,24 +63,23 @@ def round_split(target: Target, draft: "Draft", spec: SpecConfig, prompt: list[i
     spec.check_sampling(greedy)
     max_new = rounds * (spec.max_depth + 1) + 1
     capacity = cache_capacity(len(prompt), max_new, spec.num_nodes)
-    inputs = batch_inputs(target, [prompt], [0], sampling, max_new)
-    common = dict(stop=StopCriteria(), attn_impl=target.attn_impl)
-    sized = dict(capacity=capacity, max_tokens=bucket(max_new, 16), greedy=greedy, **common)
-    args = (target.params, target.config)
-    heads = (draft.params, draft.config)
-    with mesh_context(target.mesh):
-        spec_state = spec_prefill(*args, *heads, *inputs, spec=spec, **sized)
-        plain_inputs = inputs._replace(max_new=jnp.int32(rounds + 1))
-        plain_state = plain.prefill(*args, *plain_inputs, **sized)
-        copy = lambda state: jax.tree.map(jnp.copy, state)  # noqa: E731  (loops donate it)
-        runs = {"plain": lambda: plain.decode_loop(*args, copy(plain_state), sampling,
-                                                   plain_inputs.max_new, greedy=greedy,
-                                                   **common)}
-        for phase in PHASES if split else PHASES[-1:]:
-            runs[phase] = lambda phase=phase: spec_loop(
-                *args, *heads, draft.d2t, copy(spec_state), sampling, inputs.max_new,
-                jnp.int32(rounds), spec=spec, greedy=greedy, through=phase, **common)
-        seconds = _timed_runs(runs, repeats)
+    speculating, plainly = Bundle.of(target, draft, spec), Bundle.of(target)
+    inputs = batch_inputs(speculating, [prompt], [0], sampling, max_new)
+    sized = dict(capacity=capacity, max_tokens=bucket(max_new, 16), greedy=greedy,
+                 stop=StopCriteria())
+    spec_state = speculating.run(loops.prefill, *inputs, **sized)
+    plain_inputs = inputs._replace(max_new=plainly.put(np.int32(rounds + 1)))
+    plain_state = plainly.run(loops.prefill, *plain_inputs, **sized)
+    copy = lambda state: jax.tree.map(jnp.copy, state)  # noqa: E731  (loops donate it)
+    runs = {"plain": lambda: plainly.run(loops.decode_loop, copy(plain_state), inputs.sampling,
+                                         plain_inputs.max_new, greedy=greedy,
+                                         stop=StopCriteria())}
+    for phase in PHASES if split else PHASES[-1:]:
+        truncated = speculating.with_loop(dataclasses.replace(speculating.loop, through=phase))
+        runs[phase] = lambda truncated=truncated: truncated.run(
+            loops.decode_loop, copy(spec_state), inputs.sampling, inputs.max_new,
+            truncated.put(np.int32(rounds)), greedy=greedy, stop=StopCriteria())
+    seconds = _timed_runs(runs, repeats)
     plain_ms = 1e3 * seconds["plain"]
     round_ms = 1e3 * seconds[PHASES[-1]]
     whole = {"speculative": spec.describe(), "prompt_tokens": len(prompt), "rounds": rounds,

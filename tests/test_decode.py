@@ -162,7 +162,7 @@ def test_prompts_of_new_lengths_reuse_the_compiled_loop(target_of):
     where attention reads the whole cache (XLA's operations only) the cache stays sized by
     the call."""
     from eaglejax import native
-    from eaglejax.decoding import plain
+    from eaglejax.decoding import loops
     from eaglejax.decoding.batch import SHARED_CAPACITY, cache_capacity, capacity_floor
 
     target = target_of("llama")
@@ -172,8 +172,8 @@ def test_prompts_of_new_lengths_reuse_the_compiled_loop(target_of):
         assert capacity_floor(target) == 0
     assert cache_capacity(300, 128, 16, SHARED_CAPACITY) == SHARED_CAPACITY
     assert cache_capacity(1000, 128, 16, SHARED_CAPACITY) == 1280  # 1024 + 128 + 16, in 128s
-    before = plain.decode_loop._cache_size()
+    before = loops.decode_loop._cache_size()
     rows = [eaglejax.generate([[3 + i % 90 for i in range(n)]], target=target, max_new_tokens=8,
                               ignore_eos=True)[0] for n in (5, 40, 200)]
     assert all(len(r.token_ids) == 8 for r in rows)
-    assert plain.decode_loop._cache_size() - before == 1
+    assert loops.decode_loop._cache_size() - before == 1

@@ -16,9 +16,9 @@ import pytest
 import eaglejax
 from eaglejax import SpecConfig
 from eaglejax.decoding.batch import batch_inputs
+from eaglejax.decoding.bundle import Bundle
 from eaglejax.decoding.drafters import methods
 from eaglejax.decoding.sampling import SamplingParams
-from eaglejax.decoding.speculative import prefill_state, verified_round
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.draft.draft import new_eagle3_draft
 from tolerances import ONE_ROUNDING_UNITS, assert_close_scaled
@@ -62,20 +62,19 @@ def _one_round(target, draft, spec: SpecConfig, greedy: bool):
     """Prefill a batch, draft and verify one round; the round's `Drafted` and its root
     tokens (the last accepted ones)."""
     sampling = SamplingParams.make(0.0 if greedy else 0.8, 0, 0.95)
-    prompt, lengths, keys, sampling, max_new = batch_inputs(target, _prompts(), [0, 1, 2],
+    models = Bundle.of(target, draft, spec)
+    prompt, lengths, keys, sampling, max_new = batch_inputs(models, _prompts(), [0, 1, 2],
                                                             sampling, 16)
-    config, draft_config = target.config, draft.config
-    common = dict(greedy=greedy, stop=StopCriteria(), spec=spec)
+    loop, common = models.loop, dict(greedy=greedy, stop=StopCriteria())
 
     @jax.jit
-    def run(params, draft_params, prompt, lengths, keys, sampling, max_new):
-        state = prefill_state(params, config, draft_params, draft_config, prompt, lengths,
-                              keys, sampling, max_new, capacity=64, max_tokens=16, **common)
-        play = verified_round(params, config, draft_params, draft_config, draft.d2t, sampling,
-                              max_new, **common)
+    def run(weights, prompt, lengths, keys, sampling, max_new):
+        state = loop.prefill_state(weights, prompt, lengths, keys, sampling, max_new,
+                                   capacity=64, max_tokens=16, **common)
+        play = loop.verified_step(weights, sampling, max_new, **common)
         return play(state)[1].drafted, state.last_token
 
-    return run(target.params, draft.params, prompt, lengths, keys, sampling, max_new)
+    return run(models.weights, prompt, lengths, keys, sampling, max_new)
 
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])

@@ -152,14 +152,16 @@ def check_engine(target):
     plain = [eaglejax.generate([p], target=target, max_new_tokens=n, ignore_eos=True)[0].token_ids
              for p, n in zip(prompts, limits)]
     from eaglejax.decoding import slots
+    from eaglejax.decoding.loops import SpecLoop
 
     draft = self_draft(target)
     shared = Engine(target, draft, num_slots=2, capacity=96, rounds_per_call=8)
     fills = []
-    for name in ("fill_spec", "fill_target"):  # count the prefills of each kind
+    for name in ("fill", "fill_target"):  # count the prefills of each kind
         fill = getattr(slots, name)
-        setattr(slots, name, lambda *a, _fill=fill, _name=name, **k: (fills.append(_name),
-                                                                       _fill(*a, **k))[1])
+        setattr(slots, name, lambda *a, _fill=fill, _name=name, **k: (fills.append(
+            "fill_spec" if _name == "fill" and isinstance(a[0], SpecLoop) else _name),
+            _fill(*a, **k))[1])
     got = shared.run([Request(i, p, n, ignore_eos=True) for i, (p, n) in
                       enumerate(zip(prompts, limits))])  # rows that share a step: target alone
     assert [got[i].token_ids for i in range(len(plain))] == plain

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import eaglejax
-from eaglejax.decoding import plain
+from eaglejax.decoding import loops
+from eaglejax.decoding.loops import PlainLoop, SpecLoop, Weights
 from eaglejax.decoding.prefill import PREFILL_CHUNK, prefill_target
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.sampling import SamplingParams
-from eaglejax.decoding.speculative import spec_loop, spec_prefill
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.draft.head import draft_forward, draft_forward_chunked
 from eaglejax.models import attention as attention_module
@@ -214,20 +214,17 @@ def _decode_chunked(target, draft, prompts, max_new, chunk, spec=None):
         prompt[i, :len(ids)] = ids
     capacity = n_prompt + 16 + (spec.num_nodes if spec else 0)
     keys = jax.vmap(jax.random.PRNGKey)(jnp.zeros((batch,), jnp.uint32))
-    args = (target.params, target.config)
     run = (jnp.asarray(prompt), jnp.asarray([len(p) for p in prompts], jnp.int32), keys,
            SamplingParams.make(), jnp.int32(max_new))
-    common = dict(greedy=True, stop=StopCriteria(), attn_impl=target.attn_impl)
+    common = dict(greedy=True, stop=StopCriteria())
     if spec is None:
-        state = plain.prefill(*args, *run, capacity=capacity, max_tokens=16,
-                              prefill_chunk=chunk, **common)
-        state = plain.decode_loop(*args, state, run[3], run[4], **common)
+        loop, weights = PlainLoop(target.config, target.attn_impl), Weights(target.params)
     else:
-        draft_args = (draft.params, draft.config)
-        state = spec_prefill(*args, *draft_args, *run, capacity=capacity, max_tokens=16,
-                             spec=spec, prefill_chunk=chunk, **common)
-        state = spec_loop(*args, *draft_args, draft.d2t, state, run[3], run[4], spec=spec,
-                          **common)
+        loop = SpecLoop(target.config, draft.config, spec, target.attn_impl)
+        weights = Weights(target.params, draft.params, draft.d2t)
+    state = loops.prefill(loop, weights, *run, capacity=capacity, max_tokens=16,
+                          prefill_chunk=chunk, **common)
+    state = loops.decode_loop(loop, weights, state, run[3], run[4], **common)
     return [row[:n].tolist() for row, n in zip(np.asarray(state.out.tokens),
                                                 np.asarray(state.out.counts))]
 

@@ -254,7 +254,9 @@ def test_the_loop_drafts_what_parallel_logits_proposes(target, tmp_path, attn_im
 
     from eaglejax import SpecConfig
     from eaglejax.decoding.sampling import SamplingParams
-    from eaglejax.decoding.speculative import catch_up, spec_prefill
+    from eaglejax.decoding import loops
+    from eaglejax.decoding.loops import SpecLoop, Weights
+    from eaglejax.decoding.speculative import catch_up
     from eaglejax.decoding.stopping import StopCriteria
     from eaglejax.draft.head import to_target_logits
 
@@ -262,11 +264,11 @@ def test_the_loop_drafts_what_parallel_logits_proposes(target, tmp_path, attn_im
     draft = load_draft(tmp_path / "head", target=target)
     rs = np.random.RandomState(5)
     prompt = rs.randint(0, V, (1, 11))
-    state = spec_prefill(target.params, target.config, draft.params, draft.config,
-                         jnp.asarray(prompt, jnp.int32), jnp.asarray([11], jnp.int32),
-                         jnp.zeros((1, 2), jnp.uint32), SamplingParams.make(), jnp.int32(8),
-                         capacity=128, max_tokens=16, spec=SpecConfig.parallel(K), greedy=True,
-                         stop=StopCriteria(), attn_impl=attn_impl)
+    loop = SpecLoop(target.config, draft.config, SpecConfig.parallel(K), attn_impl)
+    state = loops.prefill(loop, Weights(target.params, draft.params, draft.d2t),
+                          jnp.asarray(prompt, jnp.int32), jnp.asarray([11], jnp.int32),
+                          jnp.zeros((1, 2), jnp.uint32), SamplingParams.make(), jnp.int32(8),
+                          capacity=128, max_tokens=16, greedy=True, stop=StopCriteria())
     # s: the prompt, the first token, then 6 more; draft row p consumes s[p+1] and the
     # target's taps at p
     s = np.concatenate([prompt, [[int(state.last_token[0])]], rs.randint(0, V, (1, 6))], 1)

@@ -3,6 +3,7 @@ split is reported for a real compiled loop."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax.numpy as jnp
@@ -14,7 +15,9 @@ from eaglejax.decoding.autotune import AutoPlan
 from eaglejax.decoding.batch import batch_inputs
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
-from eaglejax.decoding.speculative import PHASES, spec_loop, spec_prefill
+from eaglejax.decoding import loops
+from eaglejax.decoding.bundle import Bundle
+from eaglejax.decoding.speculative import PHASES
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.round_split import PHASE_NAMES, describe_split
 
@@ -49,19 +52,22 @@ def test_each_truncated_loop_keeps_the_work_of_its_phases(target_of):
     target = target_of("llama")
     draft = random_eagle3(target, draft_vocab=60)
     sampling = SamplingParams.make()
-    inputs = batch_inputs(target, [PROMPT], [0], sampling, 32)
-    common = dict(spec=SPEC, greedy=True, stop=StopCriteria(), attn_impl=target.attn_impl)
-    args = (target.params, target.config, draft.params, draft.config)
-    state = spec_prefill(*args, *inputs, capacity=128, max_tokens=32, **common)
-    counts = [_products_in_loop(spec_loop.lower(*args, draft.d2t, state, sampling, inputs.max_new,
-                                        jnp.int32(4), through=phase, **common)
-                        .compile().as_text())
-              for phase in PHASES]
+    models = Bundle.of(target, draft, SPEC)
+    inputs = batch_inputs(models, [PROMPT], [0], sampling, 32)
+    common = dict(greedy=True, stop=StopCriteria())
+    state = models.run(loops.prefill, *inputs, capacity=128, max_tokens=32, **common)
+
+    def truncated(phase):
+        return dataclasses.replace(models.loop, through=phase)
+
+    counts = [_products_in_loop(loops.decode_loop.lower(
+        truncated(phase), models.weights, state, sampling, inputs.max_new, jnp.int32(4),
+        **common).compile().as_text()) for phase in PHASES]
     loop, drafted, verified, accepted, whole = counts
     assert loop < drafted < verified <= accepted < whole, dict(zip(PHASES, counts))
     with pytest.raises(ValueError, match="through='commit'"):
-        spec_loop.lower(*args, draft.d2t, state, sampling, inputs.max_new, jnp.int32(4),
-                        through="commit", **common)
+        loops.decode_loop.lower(truncated("commit"), models.weights, state, sampling,
+                                inputs.max_new, jnp.int32(4), **common)
 
 
 def test_bench_profiles_every_shape_it_may_run(target_of):

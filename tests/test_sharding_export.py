@@ -131,7 +131,7 @@ def check_exports(mesh, config) -> None:
         "prefill", "decode", "spec_prefill[chain5]", "spec_loop[chain5]",
         "spec_prefill[tree60]", "spec_loop[tree60]"]
     # the weights stay abstract and sharded: the vocabulary split over tp
-    embed = programs[0].args[0]["embed"]
+    embed = programs[0].args[1].target["embed"]  # (loop, weights, ...)
     assert embed.shape == (128256, 4096) and embed.dtype == "bfloat16"
     assert embed.sharding.shard_shape(embed.shape) == (128256 // mesh.size, 4096)
     exported = export.export_programs(programs, ("cuda", "tpu"))

@@ -151,22 +151,24 @@ def test_the_decoding_loop_never_widens_the_16_bit_embedding_table(target_of):
     decoding loop it hoists that copy out as invariant: one per program call (22 ms for
     SmolLM2, 8-13% of `auto`'s 16-step plain segments). The compiled loop's scratch memory
     stays below one widened table; XLA's own gather (the negative control) does not."""
-    from eaglejax.decoding import plain
+    from eaglejax.decoding import loops
+    from eaglejax.decoding.loops import PlainLoop, Weights
     from eaglejax.decoding.sampling import SamplingParams
     from eaglejax.decoding.stopping import StopCriteria
 
     stored = target_of("llama").with_weight_dtype("bfloat16")
     greedy, stop = SamplingParams.make(), StopCriteria((), ())
     prompt = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
-    state = plain.prefill(stored.params, stored.config, prompt, jnp.asarray([4]), jax.random.split(jax.random.key(0), 1),
-                          greedy, jnp.asarray([8]), capacity=16, max_tokens=8, greedy=True,
-                          stop=stop)
+    plain = PlainLoop(stored.config, stored.attn_impl)
+    state = loops.prefill(plain, Weights(stored.params), prompt, jnp.asarray([4]),
+                          jax.random.split(jax.random.key(0), 1), greedy, jnp.asarray([8]),
+                          capacity=16, max_tokens=8, greedy=True, stop=stop)
     widened_table = 4 * stored.params["embed"].size
 
     def scratch() -> int:  # traced afresh each time (jit caches traces per function)
-        loop = jax.jit(lambda params, state, sampling, limit: plain.decode_loop.__wrapped__(
-            params, stored.config, state, sampling, limit, greedy=True, stop=stop))
-        compiled = loop.lower(stored.params, state, greedy, jnp.asarray([8])).compile()
+        loop = jax.jit(lambda weights, state, sampling, limit: loops.decode_loop.__wrapped__(
+            plain, weights, state, sampling, limit, greedy=True, stop=stop))
+        compiled = loop.lower(Weights(stored.params), state, greedy, jnp.asarray([8])).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
     assert scratch() < widened_table

@@ -5,7 +5,7 @@ Every mode is one compiled program over the same speculative state (prefilled on
 probe's shape: its cache, history and lookup context are the largest any mode needs), run
 until a target-forward budget or every row's end: the probe counts what each candidate
 would have accepted (`decoding.calibration.calibration_loop`), the other trees decode as
-fixed shapes do (`speculative.spec_loop`), and plain segments keep the head caught up
+fixed shapes do (`loops.decode_loop`), and plain segments keep the head caught up
 (`decoding.plain_segment`). Between segments the host reads a few counters and times the
 segment (a program's first segment in the process is one target forward, not timed: it
 links then); no token leaves the device. Every mode's program is compiled before the first
@@ -31,20 +31,14 @@ from eaglejax.decoding.autotune import (
     recall,
     remember,
 )
-from eaglejax.decoding.batch import (
-    DecodeRun,
-    batch_inputs,
-    cache_capacity,
-    capacity_floor,
-    compile_once,
-)
+from eaglejax.decoding import loops
+from eaglejax.decoding.batch import DecodeRun, batch_inputs, cache_capacity, capacity_floor
 from eaglejax.decoding.buckets import bucket
+from eaglejax.decoding.bundle import Bundle
 from eaglejax.decoding.calibration import calibration_loop
 from eaglejax.decoding.plain_segment import plain_segment
 from eaglejax.decoding.sampling import SamplingParams
-from eaglejax.decoding.speculative import spec_loop, spec_prefill
 from eaglejax.decoding.stopping import StopCriteria
-from eaglejax.sharding.mesh import mesh_context
 from eaglejax.target import Target
 
 if TYPE_CHECKING:
@@ -95,9 +89,8 @@ def adaptive_decode(target: Target, draft: "Draft", encoded: list[list[int]],
     if policy is None:
         plan = AutoPlan.for_target(target)
         policy = AutoPolicy(plan, recall(target, draft, batch, plan))
-    with mesh_context(target.mesh):
-        run = _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens,
-                               criteria, policy)
+    run = _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria,
+                           policy)
     remember(target, draft, batch, policy.plan, policy.knowledge)
     return run
 
@@ -106,37 +99,32 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
                      policy) -> AdaptiveRun:
     plan = policy.plan
     greedy = bool(sampling.temperature == 0)
-    probe = plan.probe
+    probe = Bundle.of(target, draft, plan.probe)
     capacity = cache_capacity(max(len(ids) for ids in encoded), max_new_tokens,
-                              probe.num_nodes, capacity_floor(target))
-    prompt, prompt_lengths, row_keys, sampling, max_new = batch_inputs(
-        target, encoded, seeds, sampling, max_new_tokens)
-    common = dict(stop=criteria, attn_impl=target.attn_impl)
-    models = (target.params, target.config, draft.params, draft.config)
-    prefill_args = (*models, prompt, prompt_lengths, row_keys, sampling, max_new)
-    prefill_static = dict(capacity=capacity, max_tokens=bucket(max_new_tokens, 16), spec=probe,
-                          greedy=greedy, **common)
-    compile_s = compile_once(spec_prefill, *prefill_args, **prefill_static)
-    start = time.perf_counter()
-    state = jax.block_until_ready(spec_prefill(*prefill_args, **prefill_static))
-    prefill_s = time.perf_counter() - start
+                              probe.loop.scratch_rows, capacity_floor(target))
+    inputs = batch_inputs(probe, encoded, seeds, sampling, max_new_tokens)
+    sampling, max_new = inputs.sampling, inputs.max_new
+    prefilled = probe.compile_then_run(loops.prefill, *inputs, capacity=capacity,
+                                       max_tokens=bucket(max_new_tokens, 16), greedy=greedy,
+                                       stop=criteria)
+    state, compile_s, prefill_s = prefilled
 
     def segment(mode: int, state, until: jax.Array):
-        """The program of `mode`, its arguments and static arguments."""
+        """The program of `mode`, its bundle, arguments and static arguments."""
         spec = plan.modes[mode]
+        args = (state, sampling, max_new, until)
         if spec is None:
-            return plain_segment, (*models, state, sampling, max_new, until), dict(
-                width=PLAIN_WIDTH, lookup_context=bool(probe.lookup),
-                greedy=greedy, **common)
-        args = (*models, draft.d2t, state, sampling, max_new, until)
+            return plain_segment, probe, args, dict(width=PLAIN_WIDTH, greedy=greedy,
+                                                    stop=criteria)
         if mode == policy.probe:
-            return calibration_loop, args, dict(spec=spec, sizes=plan.sizes, greedy=greedy,
-                                                **common)
-        return spec_loop, args, dict(spec=spec, greedy=greedy, **common)
+            return calibration_loop, probe, args, dict(sizes=plan.sizes, greedy=greedy,
+                                                       stop=criteria)
+        return loops.decode_loop, probe.with_spec(spec), args, dict(greedy=greedy,
+                                                                    stop=criteria)
 
     for mode in range(len(plan.modes)):
-        fn, args, static = segment(mode, state, jnp.int32(0))
-        compile_s += compile_once(fn, *args, **static)
+        fn, models, args, static = segment(mode, state, jnp.int32(0))
+        compile_s += models.compile(fn, *args, **static)
     ran: set[int] = set()  # modes this call ran
     forwards_by_mode: dict[str, int] = {}
     decode_s, forwards = 0.0, 0
@@ -145,15 +133,15 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
     while running:
         mode = policy.next_mode()
         until = jnp.int32(forwards + policy.segment_rounds(mode))
-        fn, args, static = segment(mode, state, until)
+        fn, models, args, static = segment(mode, state, until)
         timed = True
         if mode not in ran:
             ran.add(mode)
-            if not _ran_before(fn, args, static):  # one forward, not timed (see there)
+            if not _ran_before(fn, (models.loop, *args), static):  # one forward, untimed
                 timed, until = False, jnp.int32(forwards + 1)
-                fn, args, static = segment(mode, state, until)
+                fn, models, args, static = segment(mode, state, until)
         start = time.perf_counter()
-        result = fn(*args, **static)
+        result = models.run(fn, *args, **static)
         state, counts = result if mode == policy.probe else (result, None)
         now_forwards, rows_running, new_hist = jax.device_get(
             (state.forwards, state.out.running, state.accept_hist))

@@ -3,25 +3,22 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax import compilation_cache, native
-from eaglejax.decoding import plain
+from eaglejax import native
+from eaglejax.decoding import loops
+from eaglejax.decoding.bundle import Bundle
 from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.calibration import calibration_loop
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
-from eaglejax.decoding.speculative import spec_loop, spec_prefill
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.models.attention import resolve_impl
 from eaglejax.native import cache_attention
-from eaglejax.sharding.mesh import mesh_context
-from eaglejax.models.placement import replicate
 from eaglejax.target import Target
 
 if TYPE_CHECKING:
@@ -58,37 +55,11 @@ class DecodeRun(NamedTuple):
     prefill_s and decode_s) and, when asked for, the calibration counts [B,S*(1+L)]
     (`decoding.calibration`)."""
 
-    state: object
+    state: loops.State
     compile_s: float
     prefill_s: float
     decode_s: float
     calibration: jax.Array | None = None
-
-
-class Timed(NamedTuple):
-    """A jitted call's result, the seconds spent compiling it and running it."""
-
-    result: object
-    compile_s: float
-    run_s: float
-
-
-def compile_once(fn, *args, **kwargs) -> float:
-    """Compile jitted `fn` for these arguments ahead of time (a lookup when this process
-    already did; maybe a persistent cache load); the seconds it took. A call with the same
-    arguments reuses the program."""
-    start = time.perf_counter()
-    with compilation_cache.caching_every_program():
-        fn.lower(*args, **kwargs).compile()
-    return time.perf_counter() - start
-
-
-def compile_then_run(fn, *args, **kwargs) -> Timed:
-    """`compile_once`, then run: compiling and running are timed apart."""
-    compile_s = compile_once(fn, *args, **kwargs)
-    start = time.perf_counter()
-    result = jax.block_until_ready(fn(*args, **kwargs))
-    return Timed(result, compile_s, time.perf_counter() - start)
 
 
 class Inputs(NamedTuple):
@@ -102,19 +73,17 @@ class Inputs(NamedTuple):
     max_new: jax.Array
 
 
-def batch_inputs(target: Target, encoded: list[list[int]], seeds: list[int],
+def batch_inputs(models: Bundle, encoded: list[list[int]], seeds: list[int],
                  sampling: SamplingParams, max_new_tokens: int) -> Inputs:
-    """`Inputs` for token-id prompts (prompt length bucketed to a multiple of 16)."""
+    """`Inputs` for token-id prompts (prompt length bucketed to a multiple of 16), placed
+    for `models`."""
     lengths = [len(ids) for ids in encoded]
     prompt = np.zeros((len(encoded), bucket(max(lengths), 16)), np.int32)
     for i, ids in enumerate(encoded):
         prompt[i, :len(ids)] = ids
-    inputs = Inputs(jnp.asarray(prompt), jnp.asarray(lengths, jnp.int32),
-                    jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.uint32)), sampling,
-                    jnp.int32(max_new_tokens))
-    if target.mesh is not None:  # every process passes the same inputs, replicated
-        inputs = Inputs(*replicate(tuple(inputs), target.mesh))
-    return inputs
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.uint32))
+    return Inputs(*models.put((prompt, np.asarray(lengths, np.int32), keys, sampling,
+                               np.int32(max_new_tokens))))
 
 
 def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seeds: list[int],
@@ -123,44 +92,25 @@ def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seed
     """Prefill and decode validated token-id prompts in one compiled batch; with
     `calibration_sizes`, greedily with `spec`'s largest tree, counting what each smaller
     size would have accepted (`decoding.calibration`)."""
-    lengths = [len(ids) for ids in encoded]
-    max_tokens = bucket(max_new_tokens, 16)
-    capacity = cache_capacity(max(lengths), max_new_tokens, spec.num_nodes if spec else 0,
-                              capacity_floor(target))
+    models = Bundle.of(target, draft if spec is not None else None, spec)
     greedy = bool(sampling.temperature == 0)
     if spec is not None:
         spec.check_sampling(greedy)
-    common = dict(stop=criteria, attn_impl=target.attn_impl)
-    args = (target.params, target.config)
-    prompt, prompt_lengths, row_keys, sampling, max_new = batch_inputs(
-        target, encoded, seeds, sampling, max_new_tokens)
-    with mesh_context(target.mesh):
-        return _decode_compiled(target, draft, args, prompt, prompt_lengths, row_keys, sampling,
-                                max_new, capacity, max_tokens, greedy, spec, calibration_sizes,
-                                common)
-
-
-def _decode_compiled(target, draft, args, prompt, prompt_lengths, row_keys, sampling, max_new,
-                     capacity, max_tokens, greedy, spec, calibration_sizes, common) -> DecodeRun:
-    if draft is None:
-        prefilled = compile_then_run(
-            plain.prefill, *args, prompt, prompt_lengths, row_keys, sampling, max_new,
-            capacity=capacity, max_tokens=max_tokens, greedy=greedy, **common)
-        decoded = compile_then_run(plain.decode_loop, *args, prefilled.result, sampling,
-                                    max_new, greedy=greedy, **common)
-    else:
-        prefilled = compile_then_run(
-            spec_prefill, *args, draft.params, draft.config, prompt, prompt_lengths, row_keys,
-            sampling, max_new, capacity=capacity, max_tokens=max_tokens, spec=spec,
-            greedy=greedy, **common)
-        loop_args = (*args, draft.params, draft.config, draft.d2t, prefilled.result, sampling,
-                     max_new)
-        if calibration_sizes:
-            decoded = compile_then_run(calibration_loop, *loop_args, spec=spec,
-                                        sizes=calibration_sizes, **common)
-            state, counts = decoded.result
-            return DecodeRun(state, prefilled.compile_s + decoded.compile_s, prefilled.run_s,
-                             decoded.run_s, counts)
-        decoded = compile_then_run(spec_loop, *loop_args, spec=spec, greedy=greedy, **common)
+    lengths = [len(ids) for ids in encoded]
+    capacity = cache_capacity(max(lengths), max_new_tokens, models.loop.scratch_rows,
+                              capacity_floor(target))
+    inputs = batch_inputs(models, encoded, seeds, sampling, max_new_tokens)
+    prefilled = models.compile_then_run(
+        loops.prefill, *inputs, capacity=capacity, max_tokens=bucket(max_new_tokens, 16),
+        greedy=greedy, stop=criteria)
+    loop_args = (prefilled.result, inputs.sampling, inputs.max_new)
+    if calibration_sizes:
+        decoded = models.compile_then_run(calibration_loop, *loop_args,
+                                          sizes=calibration_sizes, stop=criteria)
+        state, counts = decoded.result
+        return DecodeRun(state, prefilled.compile_s + decoded.compile_s, prefilled.run_s,
+                         decoded.run_s, counts)
+    decoded = models.compile_then_run(loops.decode_loop, *loop_args, greedy=greedy,
+                                      stop=criteria)
     return DecodeRun(decoded.result, prefilled.compile_s + decoded.compile_s,
                      prefilled.run_s, decoded.run_s)

@@ -13,7 +13,7 @@ hung under the deepest of those nodes already holding their prefix; every node o
 twin with the same path in the grafted largest tree, so its acceptance is exact too.
 `calibration_loop` is the speculative loop with these counters beside its state: `auto`
 runs it as its probe (`decoding.adaptive`); the loop that decodes a fixed shape
-(`speculative.spec_loop`) carries none of them.
+(`loops.decode_loop`) carries none of them.
 """
 
 from __future__ import annotations
@@ -23,16 +23,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from eaglejax.config import ModelConfig
 from eaglejax.decoding.acceptance import greedy_accepted_nodes
+from eaglejax.decoding.loops import SpecLoop, Weights, goes_on
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
-from eaglejax.decoding.speculative import Round, SpecState, goes_on, verified_round
+from eaglejax.decoding.speculative import Round, SpecState
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.decoding.tree import Tree
-from eaglejax.draft.config import DraftConfig
-from eaglejax.models.attention import AttentionImpl
-from eaglejax.models.llama import Params
 
 
 def _deepest(tree: Tree, nodes: jax.Array) -> jax.Array:
@@ -91,25 +88,22 @@ def round_counts(done: Round, spec: SpecConfig, sizes: tuple[int, ...]) -> jax.A
     return done.running[:, None] * jnp.concatenate(counts, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "greedy",
-                                             "stop", "attn_impl", "sizes"),
+@functools.partial(jax.jit, static_argnames=("loop", "greedy", "stop", "sizes"),
                    donate_argnames=("state",))
-def calibration_loop(params: Params, config: ModelConfig, draft_params: Params,
-                     draft_config: DraftConfig, d2t: jax.Array, state: SpecState,
+def calibration_loop(loop: SpecLoop, weights: Weights, state: SpecState,
                      sampling: SamplingParams, max_new_tokens: jax.Array,
-                     until: jax.Array | None = None, *, spec: SpecConfig, stop: StopCriteria,
-                     sizes: tuple[int, ...], greedy: bool = True,
-                     attn_impl: AttentionImpl = "auto") -> tuple[SpecState, jax.Array]:
-    """Speculative decoding with the largest dynamic tree `spec` (a lookup branch, if any,
-    grafted) until every row finishes (or the state has run `until` target forwards), and
-    the summed `round_counts` [B,S*(1+L)]: exact for greedy rounds; for sampled ones, what
-    each smaller tree would have accepted had the target's choice been its argmax."""
+                     until: jax.Array | None = None, *, stop: StopCriteria,
+                     sizes: tuple[int, ...], greedy: bool = True
+                     ) -> tuple[SpecState, jax.Array]:
+    """Speculative decoding with the largest dynamic tree `loop.spec` (a lookup branch, if
+    any, grafted) until every row finishes (or the state has run `until` target forwards),
+    and the summed `round_counts` [B,S*(1+L)]: exact for greedy rounds; for sampled ones,
+    what each smaller tree would have accepted had the target's choice been its argmax."""
+    spec = loop.spec
     if spec.method != "tree" or spec.lookup_replaces:
         raise ValueError(f"calibration counts need a dynamic tree whose lookup branch (if any) "
                          f"is grafted, not {spec.describe()}")
-    play = verified_round(params, config, draft_params, draft_config, d2t, sampling,
-                          max_new_tokens, spec=spec, greedy=greedy, stop=stop,
-                          attn_impl=attn_impl)
+    play = loop.verified_step(weights, sampling, max_new_tokens, greedy=greedy, stop=stop)
 
     def step(carry: tuple[SpecState, jax.Array]) -> tuple[SpecState, jax.Array]:
         s, counts = carry

@@ -1,12 +1,11 @@
-"""Plain (non-speculative) decoding: a jitted prefill and a jitted `lax.while_loop` decode.
+"""Plain (non-speculative) decoding: the prefill state and one decode step, which
+`decoding.loops.PlainLoop` runs (compiled: `loops.prefill`, `loops.decode_loop`).
 
-The host starts the loop and collects the result; no token ever makes a host round trip.
 Rows are right-padded with per-row lengths, so padding never changes any row's tokens.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -25,7 +24,7 @@ from eaglejax.models.llama import Params, forward, lm_head
 class DecodeState(NamedTuple):
     """Everything the plain loop carries."""
 
-    cache: kv_cache.KVCache
+    target_cache: kv_cache.KVCache
     last_token: jax.Array  # [B] the newest token, already recorded, not yet in the cache
     out: Output
     row_keys: jax.Array  # [B] PRNG keys, one per row
@@ -48,38 +47,17 @@ def prefill_state(params: Params, config: ModelConfig, prompt: jax.Array,
     return DecodeState(cache, first, out, row_keys, jnp.int32(0))
 
 
-def prefill(*args, **kwargs) -> DecodeState:
-    """`prefill_state`, compiled (as program "jit_prefill")."""
-    return prefill_state(*args, **kwargs)
-
-
-prefill.__wrapped__ = prefill_state  # its signature: static arguments by name or position
-prefill = jax.jit(prefill, static_argnames=("config", "capacity", "max_tokens", "greedy",
-                                            "stop", "attn_impl", "prefill_chunk"))
-
-
 def decode_step(params: Params, config: ModelConfig, s: DecodeState, sampling: SamplingParams,
                 max_new_tokens: jax.Array, *, greedy: bool, stop: StopCriteria | StopTable,
                 attn_impl: AttentionImpl = "auto") -> DecodeState:
     """One target forward: every running row gains a token (finished rows stay as they are)."""
     running = s.out.running
-    out = forward(params, config, s.last_token[:, None], s.cache.lengths[:, None], s.cache,
+    cache = s.target_cache
+    out = forward(params, config, s.last_token[:, None], cache.lengths[:, None], cache,
                   attn_impl=attn_impl)
-    cache = out.cache._replace(lengths=s.cache.lengths + running.astype(jnp.int32))
+    cache = out.cache._replace(lengths=cache.lengths + running.astype(jnp.int32))
     token = sample_tokens(lm_head(params, out.hidden[:, 0]), sampling,
                           row_step_keys(s.row_keys, s.out.counts), greedy)
     return DecodeState(cache, jnp.where(running, token, s.last_token),
                        record(s.out, token, running, stop, max_new_tokens), s.row_keys,
                        s.forwards + 1)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "greedy", "stop", "attn_impl"),
-                   donate_argnames=("state",))
-def decode_loop(params: Params, config: ModelConfig, state: DecodeState, sampling: SamplingParams,
-                max_new_tokens: jax.Array, *, greedy: bool, stop: StopCriteria,
-                attn_impl: AttentionImpl = "auto") -> DecodeState:
-    """Decode one token per step until every row has finished."""
-    step = functools.partial(decode_step, params, config, sampling=sampling,
-                             max_new_tokens=max_new_tokens, greedy=greedy, stop=stop,
-                             attn_impl=attn_impl)
-    return jax.lax.while_loop(lambda s: jnp.any(s.out.running), step, state)

@@ -17,42 +17,36 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from eaglejax.config import ModelConfig
 from eaglejax.decoding import lookup
+from eaglejax.decoding.loops import SpecLoop, Weights
 from eaglejax.decoding.output import Output, record, row_step_keys
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
 from eaglejax.decoding.speculative import SpecState, catch_up, target_features
 from eaglejax.decoding.stopping import StopCriteria, StopTable
-from eaglejax.draft.config import DraftConfig
-from eaglejax.models.attention import AttentionImpl
-from eaglejax.models.llama import Params, compute_dtype, forward, lm_head
+from eaglejax.models.llama import compute_dtype, forward, lm_head
 
 
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "width", "lookup_context",
-                                             "greedy", "stop", "attn_impl"),
+@functools.partial(jax.jit, static_argnames=("loop", "width", "greedy", "stop"),
                    donate_argnames=("state",))
-def plain_segment(params: Params, config: ModelConfig, draft_params: Params,
-                  draft_config: DraftConfig, state: SpecState, sampling: SamplingParams,
-                  max_new_tokens: jax.Array, until: jax.Array, *, width: int,
-                  lookup_context: bool, greedy: bool, stop: StopCriteria,
-                  attn_impl: AttentionImpl = "auto") -> SpecState:
+def plain_segment(loop: SpecLoop, weights: Weights, state: SpecState, sampling: SamplingParams,
+                  max_new_tokens: jax.Array, until: jax.Array, *, width: int, greedy: bool,
+                  stop: StopCriteria) -> SpecState:
     """Up to `width` plain steps (fewer when every row finishes or the state has run `until`
-    target forwards), then the head's catch-up over the new tokens; `lookup_context`: the
-    state carries the context a lookup branch searches (written as a round would)."""
-    return plain_steps(params, config, draft_params, draft_config, state, sampling,
-                       max_new_tokens, lambda i, out: state.forwards + i < until, width=width,
-                       lookup_context=lookup_context, greedy=greedy, stop=stop,
-                       attn_impl=attn_impl)
+    target forwards), then the head's catch-up over the new tokens; a state with a lookup
+    context (`loop.spec.lookup`) has it written as a round would."""
+    return plain_steps(loop, weights, state, sampling, max_new_tokens,
+                       lambda i, out: state.forwards + i < until, width=width, greedy=greedy,
+                       stop=stop)
 
 
-def plain_steps(params: Params, config: ModelConfig, draft_params: Params,
-                draft_config: DraftConfig, state: SpecState, sampling: SamplingParams,
+def plain_steps(loop: SpecLoop, weights: Weights, state: SpecState, sampling: SamplingParams,
                 max_new_tokens: jax.Array, more: Callable[[jax.Array, Output], jax.Array], *,
-                width: int, lookup_context: bool, greedy: bool,
-                stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto") -> SpecState:
+                width: int, greedy: bool, stop: StopCriteria | StopTable) -> SpecState:
     """`plain_segment` traced in a caller's program: up to `width` steps while a row runs and
     `more(steps so far, output)`, then the catch-up (rows that took no step keep their
     head state)."""
+    params, config, draft_config = weights.target, loop.config, loop.draft_config
+    draft_params, attn_impl = weights.draft, loop.attn_impl
     batch = state.last_token.shape[0]
     features = config.hidden_size * max(len(draft_config.tap_layers), 1)
 
@@ -86,7 +80,7 @@ def plain_steps(params: Params, config: ModelConfig, draft_params: Params,
     draft_cache = draft_cache._replace(
         lengths=keep(draft_cache.lengths, state.draft_cache.lengths))
     context = state.context
-    if lookup_context:
+    if loop.spec.lookup:
         context = lookup.write_context(context, tokens, state.target_cache.lengths + 1)
     return state._replace(target_cache=cache, draft_cache=draft_cache, last_token=last,
                           draft_logits=keep(draft_logits, state.draft_logits),

@@ -3,12 +3,12 @@
 A static batch runs until its longest row ends, so rows that stop early idle. Here the
 loop returns to the host when a row that was running finishes, or after a bounded number
 of rounds (so the host can stream tokens); the host prefills a queued request into a free
-slot (`fill_plain` / `fill_spec` / `fill_target`, one program per prompt-length bucket) and
+slot (`fill`, or `fill_target` for the target alone; one program per prompt-length bucket) and
 goes on, without recompiling. The loop runs only the first `rows` slots (a power of two
 covering the live ones, which the host keeps low), so a lightly loaded batch costs what a
-small one does. Plain and speculative batches alike, and the modes of `auto` over one
-speculative batch (`advance_plain_segment`, `advance_probe`, `advance_spec`,
-`advance_target`); each row's sampling settings, seed, token limit and stop rules are data
+small one does. Every program takes a loop and its weights first (`decoding.loops`): plain
+and speculative batches alike run `fill` and `advance`, and the modes of `auto` over one
+speculative batch also `advance_plain_segment`, `advance_probe` and `advance_target`; each row's sampling settings, seed, token limit and stop rules are data
 (`SamplingParams` of [S] arrays, `StopTable`), so a row's tokens depend only on its own
 request, never on its slot or its neighbours.
 """
@@ -22,18 +22,14 @@ import jax
 import jax.numpy as jnp
 
 from eaglejax import native
-from eaglejax.config import ModelConfig
 from eaglejax.decoding import plain, speculative
 from eaglejax.decoding.calibration import round_counts
+from eaglejax.decoding.loops import Loop, SpecLoop, Weights
 from eaglejax.decoding.output import Output
 from eaglejax.decoding.plain_segment import plain_steps
 from eaglejax.decoding.sampling import SamplingParams
-from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import FINISH_LENGTH, StopTable
-from eaglejax.draft.config import DraftConfig
 from eaglejax.models import kv_cache
-from eaglejax.models.attention import AttentionImpl
-from eaglejax.models.llama import Params
 from eaglejax.native import cache_attention
 
 State = TypeVar("State", plain.DecodeState, speculative.SpecState)
@@ -49,55 +45,34 @@ def _put_rows(state: State, rows: State, start: jax.Array | int) -> State:
     return filled._replace(forwards=rows.forwards)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "greedy", "attn_impl"),
-                   donate_argnames=("state",))
-def fill_plain(params: Params, config: ModelConfig, state: plain.DecodeState, slot: jax.Array,
-               prompt: jax.Array, prompt_length: jax.Array, row_key: jax.Array,
-               sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable, *,
-               greedy: bool, attn_impl: AttentionImpl = "auto") -> plain.DecodeState:
+@functools.partial(jax.jit, static_argnames=("loop", "greedy"), donate_argnames=("state",))
+def fill(loop: Loop, weights: Weights, state: State, slot: jax.Array, prompt: jax.Array,
+         prompt_length: jax.Array, row_key: jax.Array, sampling: SamplingParams,
+         max_new_tokens: jax.Array, stop: StopTable, *, greedy: bool) -> State:
     """Prefill one right-padded prompt [1,P] (its settings: [1] arrays) into `slot`, with
-    its first token."""
-    row = plain.prefill_state(params, config, prompt, prompt_length, row_key, sampling,
-                              max_new_tokens, capacity=state.cache.capacity,
-                              max_tokens=state.out.tokens.shape[1], greedy=greedy, stop=stop,
-                              attn_impl=attn_impl)
+    its first token (a speculative loop prefills the head too)."""
+    row = loop.prefill_state(weights, prompt, prompt_length, row_key, sampling, max_new_tokens,
+                             capacity=state.target_cache.capacity,
+                             max_tokens=state.out.tokens.shape[1], greedy=greedy, stop=stop)
     return _put_rows(state, row._replace(forwards=state.forwards), slot)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "greedy",
-                                             "attn_impl"),
-                   donate_argnames=("state",))
-def fill_spec(params: Params, config: ModelConfig, draft_params: Params,
-              draft_config: DraftConfig, state: speculative.SpecState, slot: jax.Array,
-              prompt: jax.Array, prompt_length: jax.Array, row_key: jax.Array,
-              sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable, *,
-              spec: SpecConfig, greedy: bool,
-              attn_impl: AttentionImpl = "auto") -> speculative.SpecState:
-    """`fill_plain` for a speculative batch: the target and the head prefilled."""
-    row = speculative.prefill_state(
-        params, config, draft_params, draft_config, prompt, prompt_length, row_key, sampling,
-        max_new_tokens, capacity=state.target_cache.capacity,
-        max_tokens=state.out.tokens.shape[1], spec=spec, greedy=greedy, stop=stop,
-        attn_impl=attn_impl)
-    return _put_rows(state, row._replace(forwards=state.forwards), slot)
+def _target_part(state: speculative.SpecState) -> plain.DecodeState:
+    """The fields of a speculative state that plain decoding carries."""
+    return plain.DecodeState(*(getattr(state, name) for name in plain.DecodeState._fields))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "greedy", "attn_impl"),
-                   donate_argnames=("state",))
-def fill_target(params: Params, config: ModelConfig, state: speculative.SpecState,
+@functools.partial(jax.jit, static_argnames=("loop", "greedy"), donate_argnames=("state",))
+def fill_target(loop: SpecLoop, weights: Weights, state: speculative.SpecState,
                 slot: jax.Array, prompt: jax.Array, prompt_length: jax.Array, row_key: jax.Array,
                 sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable, *,
-                greedy: bool, attn_impl: AttentionImpl = "auto") -> speculative.SpecState:
-    """`fill_plain` into a speculative batch: the target alone, for a row that decodes
-    plainly to its end (`advance_target`); the slot's head rows are left as they are, its
-    rounds by accepted tokens cleared (the slot's last request's are not this one's)."""
-    decoding = plain.DecodeState(state.target_cache, state.last_token, state.out,
-                                 state.row_keys, state.forwards)
-    done = fill_plain(params, config, decoding, slot, prompt, prompt_length, row_key, sampling,
-                      max_new_tokens, stop, greedy=greedy, attn_impl=attn_impl)
-    return state._replace(target_cache=done.cache, last_token=done.last_token, out=done.out,
-                          row_keys=done.row_keys, forwards=done.forwards,
-                          accept_hist=state.accept_hist.at[slot].set(0))
+                greedy: bool) -> speculative.SpecState:
+    """`fill` into a speculative batch: the target alone, for a row that decodes plainly to
+    its end (`advance_target`); the slot's head rows are left as they are, its rounds by
+    accepted tokens cleared (the slot's last request's are not this one's)."""
+    done = fill(loop.target_alone(), weights, _target_part(state), slot, prompt, prompt_length,
+                row_key, sampling, max_new_tokens, stop, greedy=greedy)
+    return state._replace(**done._asdict(), accept_hist=state.accept_hist.at[slot].set(0))
 
 
 def _first_rows(state: State, rows: int) -> State:
@@ -110,11 +85,10 @@ def _first_rows(state: State, rows: int) -> State:
         return state
     part = jax.tree.map(lambda x: x[:rows], state._replace(forwards=None))._replace(
         forwards=state.forwards)
-    field = "cache" if "cache" in state._fields else "target_cache"
-    whole = getattr(state, field)
+    whole = state.target_cache
     if not _read_in_place(whole):
         return part
-    return part._replace(**{field: whole._replace(lengths=getattr(part, field).lengths)})
+    return part._replace(target_cache=whole._replace(lengths=part.target_cache.lengths))
 
 
 def _read_in_place(cache: kv_cache.KVCache) -> bool:
@@ -160,105 +134,75 @@ def _while_none_ended(started: jax.Array, max_rounds: jax.Array
         started & ~out.running)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "greedy", "attn_impl", "rows"),
+def _first_settings(rows: int, *settings):
+    """The per-slot settings of the first `rows` slots."""
+    return jax.tree.map(lambda x: x[:rows], settings)
+
+
+@functools.partial(jax.jit, static_argnames=("loop", "greedy", "rows"),
                    donate_argnames=("state",))
-def advance_plain(params: Params, config: ModelConfig, state: plain.DecodeState,
-                  sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable,
-                  max_rounds: jax.Array, *, greedy: bool, rows: int,
-                  attn_impl: AttentionImpl = "auto") -> plain.DecodeState:
-    """Decode (one token a step) the first `rows` slots until a running row finishes or
-    `max_rounds` steps ran; sampling, max_new_tokens and stop are per slot."""
-    sampling, max_new_tokens, stop = jax.tree.map(lambda x: x[:rows],
-                                                  (sampling, max_new_tokens, stop))
-    step = functools.partial(plain.decode_step, params, config, sampling=sampling,
-                             max_new_tokens=max_new_tokens, greedy=greedy, stop=stop,
-                             attn_impl=attn_impl)
+def advance(loop: Loop, weights: Weights, state: State, sampling: SamplingParams,
+            max_new_tokens: jax.Array, stop: StopTable, max_rounds: jax.Array, *,
+            greedy: bool, rows: int) -> State:
+    """Run `loop`'s steps (plain steps, or rounds of draft, verify and accept) over the first
+    `rows` slots until a running row finishes or `max_rounds` steps ran; sampling,
+    max_new_tokens and stop are per slot."""
+    sampling, max_new_tokens, stop = _first_settings(rows, sampling, max_new_tokens, stop)
+    step = loop.step(weights, sampling, max_new_tokens, greedy=greedy, stop=stop)
     return _until_a_row_ends(step, state, max_rounds, rows)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "greedy",
-                                             "attn_impl", "rows"),
-                   donate_argnames=("state",))
-def advance_spec(params: Params, config: ModelConfig, draft_params: Params,
-                 draft_config: DraftConfig, d2t: jax.Array, state: speculative.SpecState,
-                 sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable,
-                 max_rounds: jax.Array, *, spec: SpecConfig, greedy: bool, rows: int,
-                 attn_impl: AttentionImpl = "auto") -> speculative.SpecState:
-    """`advance_plain` for a speculative batch: rounds of draft, verify and accept."""
-    sampling, max_new_tokens, stop = jax.tree.map(lambda x: x[:rows],
-                                                  (sampling, max_new_tokens, stop))
-    step = speculative.round_step(params, config, draft_params, draft_config, d2t, sampling,
-                                  max_new_tokens, spec=spec, greedy=greedy, stop=stop,
-                                  attn_impl=attn_impl)
-    return _until_a_row_ends(step, state, max_rounds, rows)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def release(state: State, slot: jax.Array) -> State:
+@functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))
+def release(loop: Loop, weights: Weights, state: State, slot: jax.Array) -> State:
     """Mark `slot`'s row finished, so the loop stops spending work on it."""
     out = state.out
     return state._replace(out=out._replace(finish=out.finish.at[slot].set(FINISH_LENGTH)))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "width", "lookup_context",
-                                             "greedy", "attn_impl", "rows"),
+@functools.partial(jax.jit, static_argnames=("loop", "width", "greedy", "rows"),
                    donate_argnames=("state",))
-def advance_plain_segment(params: Params, config: ModelConfig, draft_params: Params,
-                          draft_config: DraftConfig, state: speculative.SpecState,
+def advance_plain_segment(loop: SpecLoop, weights: Weights, state: speculative.SpecState,
                           sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable,
-                          max_rounds: jax.Array, *, width: int, lookup_context: bool,
-                          greedy: bool, rows: int, attn_impl: AttentionImpl = "auto"
+                          max_rounds: jax.Array, *, width: int, greedy: bool, rows: int
                           ) -> speculative.SpecState:
     """Plain steps in a speculative batch (`decoding.plain_segment`: at most `width`, then
     the head catches up), until a running row finishes or `max_rounds` steps ran."""
-    sampling, max_new_tokens, stop = jax.tree.map(lambda x: x[:rows],
-                                                  (sampling, max_new_tokens, stop))
+    sampling, max_new_tokens, stop = _first_settings(rows, sampling, max_new_tokens, stop)
     part = _first_rows(state, rows)
-    part = plain_steps(params, config, draft_params, draft_config, part, sampling,
-                       max_new_tokens, _while_none_ended(part.out.running, max_rounds),
-                       width=width, lookup_context=lookup_context, greedy=greedy, stop=stop,
-                       attn_impl=attn_impl)
+    part = plain_steps(loop, weights, part, sampling, max_new_tokens,
+                       _while_none_ended(part.out.running, max_rounds), width=width,
+                       greedy=greedy, stop=stop)
     return _put_back(state, part, rows)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "sizes",
-                                             "greedy", "attn_impl", "rows"),
+@functools.partial(jax.jit, static_argnames=("loop", "sizes", "greedy", "rows"),
                    donate_argnames=("state",))
-def advance_probe(params: Params, config: ModelConfig, draft_params: Params,
-                  draft_config: DraftConfig, d2t: jax.Array, state: speculative.SpecState,
+def advance_probe(loop: SpecLoop, weights: Weights, state: speculative.SpecState,
                   sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable,
-                  max_rounds: jax.Array, *, spec: SpecConfig, sizes: tuple[int, ...],
-                  greedy: bool, rows: int, attn_impl: AttentionImpl = "auto"
+                  max_rounds: jax.Array, *, sizes: tuple[int, ...], greedy: bool, rows: int
                   ) -> tuple[speculative.SpecState, jax.Array]:
-    """`advance_spec` with the largest tree `spec`, also counting per slot what each smaller
+    """`advance` with the largest tree `loop.spec`, also counting per slot what each smaller
     tree would have accepted (`decoding.calibration.round_counts`, summed: [S,C], zero for
     the slots past `rows`)."""
-    sampling, max_new_tokens, stop = jax.tree.map(lambda x: x[:rows],
-                                                  (sampling, max_new_tokens, stop))
-    play = speculative.verified_round(params, config, draft_params, draft_config, d2t, sampling,
-                                      max_new_tokens, spec=spec, greedy=greedy, stop=stop,
-                                      attn_impl=attn_impl)
+    sampling, max_new_tokens, stop = _first_settings(rows, sampling, max_new_tokens, stop)
+    play = loop.verified_step(weights, sampling, max_new_tokens, greedy=greedy, stop=stop)
 
     def step(s, counts):
         s, done = play(s)
-        return s, counts + round_counts(done, spec, sizes)
+        return s, counts + round_counts(done, loop.spec, sizes)
 
-    counts = jnp.zeros((rows, len(sizes) * (1 + spec.lookup)), jnp.int32)
+    counts = jnp.zeros((rows, len(sizes) * (1 + loop.spec.lookup)), jnp.int32)
     state, counts = _counting_until_a_row_ends(step, state, counts, max_rounds, rows)
     return state, jnp.pad(counts, ((0, state.out.finish.shape[0] - rows), (0, 0)))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "greedy", "attn_impl", "rows"),
+@functools.partial(jax.jit, static_argnames=("loop", "greedy", "rows"),
                    donate_argnames=("state",))
-def advance_target(params: Params, config: ModelConfig, state: speculative.SpecState,
+def advance_target(loop: SpecLoop, weights: Weights, state: speculative.SpecState,
                    sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable,
-                   max_rounds: jax.Array, *, greedy: bool, rows: int,
-                   attn_impl: AttentionImpl = "auto") -> speculative.SpecState:
-    """`advance_plain` in a speculative batch: the target alone, the head left behind (its
-    rows may not speculate again; `serving.engine` lets them decode plainly to the end)."""
-    decoding = plain.DecodeState(state.target_cache, state.last_token, state.out,
-                                 state.row_keys, state.forwards)
-    done = advance_plain(params, config, decoding, sampling, max_new_tokens, stop, max_rounds,
-                         greedy=greedy, rows=rows, attn_impl=attn_impl)
-    return state._replace(target_cache=done.cache, last_token=done.last_token, out=done.out,
-                          forwards=done.forwards)
+                   max_rounds: jax.Array, *, greedy: bool, rows: int) -> speculative.SpecState:
+    """`advance` of the target alone in a speculative batch, the head left behind (its rows
+    may not speculate again; `serving.engine` lets them decode plainly to the end)."""
+    done = advance(loop.target_alone(), weights, _target_part(state), sampling,
+                   max_new_tokens, stop, max_rounds, greedy=greedy, rows=rows)
+    return state._replace(**done._asdict())

@@ -21,7 +21,6 @@ copied from it onto every round's tree (`decoding.lookup`).
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -67,7 +66,7 @@ class SpecState(NamedTuple):
     context: jax.Array  # [B,C] x_0..x_n per row when spec.lookup, else [B,0]
 
 
-# A round's phases in order; `spec_loop(..., through=phase)` stops each round after it (the
+# A round's phases in order; `SpecLoop(..., through=phase)` stops each round after it (the
 # rounds of "loop" only split keys and count), for timing what each phase costs
 # (`eaglejax.round_split`). "accept" includes the commit and the output's recording.
 PHASES = ("loop", "draft", "verify", "accept", "catch_up")
@@ -194,43 +193,6 @@ def prefill_state(params: Params, config: ModelConfig, draft_params: Params,
                                        first[:, None], prompt_lengths)
     return SpecState(cache, draft_cache, first, draft_logits, draft_hidden, output, row_keys,
                      jnp.zeros((batch, spec.max_depth + 1), jnp.int32), jnp.int32(0), context)
-
-
-def spec_prefill(*args, **kwargs) -> SpecState:
-    """`prefill_state`, compiled (as program "jit_spec_prefill")."""
-    return prefill_state(*args, **kwargs)
-
-
-spec_prefill.__wrapped__ = prefill_state  # its signature: static arguments by name or position
-spec_prefill = jax.jit(spec_prefill, static_argnames=(
-    "config", "draft_config", "capacity", "max_tokens", "spec", "greedy", "stop", "attn_impl",
-    "prefill_chunk"))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "spec", "greedy",
-                                             "stop", "attn_impl", "through"),
-                   donate_argnames=("state",))
-def spec_loop(params: Params, config: ModelConfig, draft_params: Params,
-              draft_config: DraftConfig, d2t: jax.Array, state: SpecState,
-              sampling: SamplingParams, max_new_tokens: jax.Array,
-              until: jax.Array | None = None, *, spec: SpecConfig, greedy: bool,
-              stop: StopCriteria, attn_impl: AttentionImpl = "auto",
-              through: str = "catch_up") -> SpecState:
-    """Speculate (chain, dynamic tree or static tree, per `spec`) until every row finishes,
-    or (given `until`) until the state has run `until` target forwards (`round_step` is one
-    round). `through` (one of `PHASES`) other than "catch_up" runs truncated rounds, for
-    timing only."""
-    step = round_step(params, config, draft_params, draft_config, d2t, sampling, max_new_tokens,
-                      spec=spec, greedy=greedy, stop=stop, attn_impl=attn_impl,
-                      through=through)
-    return jax.lax.while_loop(lambda s: goes_on(s, until), step, state)
-
-
-def goes_on(state: SpecState, until: jax.Array | None) -> jax.Array:
-    """Whether a loop runs another round: a row is running and (given `until`) the state has
-    run fewer than `until` target forwards."""
-    running = jnp.any(state.out.running)
-    return running if until is None else running & (state.forwards < until)
 
 
 def round_step(*args, **kwargs) -> Callable[[SpecState], SpecState]:

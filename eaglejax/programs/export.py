@@ -1,7 +1,7 @@
 """The compiled decoding loops as programs to inspect without the hardware they target.
 
-`loop_programs` pairs each jitted loop (plain `prefill` / `decode_loop`, speculative
-`spec_prefill` / `spec_loop`) with ABSTRACT arguments: weights are `jax.ShapeDtypeStruct`s
+`loop_programs` pairs the compiled loop programs (`decoding.loops.prefill` and
+`decode_loop`, for the plain loop and speculative ones) with ABSTRACT arguments: weights are `jax.ShapeDtypeStruct`s
 carrying their mesh shardings (`TargetPlacement`), never materialised, so an 8B model costs
 nothing but tracing. `export_programs` serialises them with `jax.export` for "cuda" or
 "tpu" (the Pallas kernels inside as Triton / Mosaic custom calls, from a CPU host);
@@ -22,12 +22,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eaglejax import native
 from eaglejax.config import ModelConfig
-from eaglejax.decoding import plain
+from eaglejax.decoding import loops
 from eaglejax.decoding.batch import cache_capacity
+from eaglejax.decoding.loops import PlainLoop, SpecLoop, Weights
 from eaglejax.decoding.prefill import PREFILL_CHUNK
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
-from eaglejax.decoding.speculative import spec_loop, spec_prefill
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.draft import head
 from eaglejax.draft.config import DraftConfig
@@ -85,9 +85,9 @@ class LoopShapes:
     prompt_len: int = 128
     max_new_tokens: int = 128
 
-    def capacity(self, spec: SpecConfig | None) -> int:
-        return cache_capacity(self.prompt_len, self.max_new_tokens,
-                              spec.num_nodes if spec else 0)
+    def capacity(self, scratch_rows: int) -> int:
+        """Cache rows for a loop that needs `scratch_rows` beyond the tokens."""
+        return cache_capacity(self.prompt_len, self.max_new_tokens, scratch_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,9 +140,7 @@ def _on_mesh(state: Any, mesh: Mesh) -> Any:
         return _abstract(x.shape, x.dtype, NamedSharding(mesh, spec))
 
     parts = state._asdict()
-    for name in ("cache", "target_cache"):
-        if name in parts:
-            parts[name] = cache(parts[name], "kv_heads")
+    parts["target_cache"] = cache(parts["target_cache"], "kv_heads")
     if "draft_cache" in parts:
         parts["draft_cache"] = cache(parts["draft_cache"], None)
     for name, value in parts.items():
@@ -170,34 +168,30 @@ def loop_programs(config: ModelConfig, mesh: Mesh, shapes: LoopShapes = LoopShap
                           jax.ShapeDtypeStruct((), jnp.int32)), mesh)
     prompt, lengths, keys, sampling, max_new = inputs
     max_tokens = -(-shapes.max_new_tokens // 16) * 16
-    common = dict(greedy=greedy, stop=StopCriteria(), attn_impl=attn_impl)
+    common = dict(greedy=greedy, stop=StopCriteria())
     programs = []
 
-    def add(name, fn, args, kwargs, tokens):
-        programs.append(Program(name, fn, args, kwargs, mesh, tokens))
-        return programs[-1]
+    def add_loop(names, loop, weights):
+        """The loop's prefill and decode_loop, the latter on the state the former leaves."""
+        prefill = Program(names[0], loops.prefill,
+                          (loop, weights, prompt, lengths, keys, sampling, max_new),
+                          dict(capacity=shapes.capacity(loop.scratch_rows),
+                               max_tokens=max_tokens, **common),
+                          mesh, min(shapes.prompt_len, PREFILL_CHUNK))
+        state = _on_mesh(prefill.out_shapes(), mesh)
+        programs.extend([prefill, Program(names[1], loops.decode_loop,
+                                          (loop, weights, state, sampling, max_new), common,
+                                          mesh, loop.scratch_rows or 1)])
 
-    first = add("prefill", plain.prefill, (params, placed, prompt, lengths, keys, sampling,
-                                           max_new),
-                dict(capacity=shapes.capacity(None), max_tokens=max_tokens, **common),
-                min(shapes.prompt_len, PREFILL_CHUNK))
-    state = first.out_shapes()
-    add("decode", plain.decode_loop, (params, placed, _on_mesh(state, mesh), sampling,
-                                      max_new), common, 1)
+    add_loop(("prefill", "decode"), PlainLoop(placed, attn_impl), Weights(params))
     if not specs:
         return programs
     draft_config = draft_config or eagle3_head(config)
     draft_params, d2t = abstract_draft(draft_config, mesh, dtype)
     for spec_name, spec in specs.items():
-        kwargs = dict(capacity=shapes.capacity(spec), max_tokens=max_tokens, spec=spec,
-                      **common)
-        first = add(f"spec_prefill[{spec_name}]", spec_prefill,
-                    (params, placed, draft_params, draft_config, prompt, lengths, keys,
-                     sampling, max_new), kwargs, min(shapes.prompt_len, PREFILL_CHUNK))
-        state = first.out_shapes()
-        add(f"spec_loop[{spec_name}]", spec_loop,
-            (params, placed, draft_params, draft_config, d2t, _on_mesh(state, mesh), sampling,
-             max_new), dict(spec=spec, **common), spec.num_nodes)
+        add_loop((f"spec_prefill[{spec_name}]", f"spec_loop[{spec_name}]"),
+                 SpecLoop(placed, draft_config, spec, attn_impl),
+                 Weights(params, draft_params, d2t))
     return programs
 
 

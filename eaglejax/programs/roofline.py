@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from eaglejax import native
 from eaglejax.config import ModelConfig
-from eaglejax.decoding import plain, speculative
+from eaglejax.decoding.loops import Loop, PlainLoop, SpecLoop, Weights
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopCriteria
@@ -225,23 +225,28 @@ def _inputs(batch: int) -> tuple[Any, ...]:
             keys, jax.eval_shape(SamplingParams.make), jax.ShapeDtypeStruct((), i32))
 
 
+def _step_cost(loop: Loop, weights: Weights, batch: int, context: int) -> Cost:
+    """One greedy step of `loop` (`Loop.step`) over caches of `context` slots, from the
+    state its prefill leaves (traced abstractly)."""
+    prompt, lengths, keys, sampling, max_new = _inputs(batch)
+    common = dict(greedy=True, stop=StopCriteria())
+    state = jax.eval_shape(lambda w, *inputs: loop.prefill_state(
+        w, *inputs, capacity=context, max_tokens=MAX_TOKENS, **common),
+        weights, prompt, lengths, keys, sampling, max_new)
+
+    def step(weights, state, sampling, max_new):
+        return loop.step(weights, sampling, max_new, **common)(state)
+
+    return _cost(step, (weights, state, sampling, max_new), donate=1)
+
+
 @functools.cache
 def plain_step_cost(config: ModelConfig, batch: int, context: int) -> Cost:
     """One plain decode step (`plain.decode_step`, greedy: a 1-token target forward,
     lm_head, argmax, the token recorded) over caches of `context` slots (cached: a cost
     depends on the shapes only)."""
-    params = _abstract(llama.param_info(config))
-    prompt, lengths, keys, sampling, max_new = _inputs(batch)
-    common = dict(greedy=True, stop=StopCriteria(), attn_impl="xla")
-    state = jax.eval_shape(functools.partial(
-        plain.prefill_state, config=config, capacity=context, max_tokens=MAX_TOKENS,
-        **common), params, prompt=prompt, prompt_lengths=lengths, row_keys=keys,
-        sampling=sampling, max_new_tokens=max_new)
-
-    def step(params, state, sampling, max_new):
-        return plain.decode_step(params, config, state, sampling, max_new, **common)
-
-    return _cost(step, (params, state, sampling, max_new), donate=1)
+    weights = Weights(_abstract(llama.param_info(config)))
+    return _step_cost(PlainLoop(config, "xla"), weights, batch, context)
 
 
 @functools.cache
@@ -250,22 +255,9 @@ def spec_round_cost(config: ModelConfig, draft: DraftConfig, spec: SpecConfig, b
     """One speculative round (`speculative.verified_round`, greedy: draft, verify every node
     in one target forward, commit, catch the head up) over caches of `context` slots
     (cached)."""
-    params = _abstract(llama.param_info(config))
-    draft_params = _abstract(head.param_info(draft))
-    d2t = jax.ShapeDtypeStruct((draft.draft_vocab_size,), jnp.int32)
-    prompt, lengths, keys, sampling, max_new = _inputs(batch)
-    common = dict(spec=spec, greedy=True, stop=StopCriteria(), attn_impl="xla")
-    state = jax.eval_shape(functools.partial(
-        speculative.prefill_state, config=config, draft_config=draft, capacity=context,
-        max_tokens=MAX_TOKENS, **common), params, draft_params=draft_params, prompt=prompt,
-        prompt_lengths=lengths, row_keys=keys, sampling=sampling, max_new_tokens=max_new)
-
-    def step(params, draft_params, d2t, state, sampling, max_new):
-        play = speculative.verified_round(params, config, draft_params, draft, d2t, sampling,
-                                          max_new, **common)
-        return play(state)[0]
-
-    return _cost(step, (params, draft_params, d2t, state, sampling, max_new), donate=3)
+    weights = Weights(_abstract(llama.param_info(config)), _abstract(head.param_info(draft)),
+                      jax.ShapeDtypeStruct((draft.draft_vocab_size,), jnp.int32))
+    return _step_cost(SpecLoop(config, draft, spec, "xla"), weights, batch, context)
 
 
 # --- the prediction ----------------------------------------------------------------------

@@ -16,35 +16,30 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from eaglejax import validation
-from eaglejax.decoding import plain, slots, speculative
+from eaglejax.decoding import slots
 from eaglejax.decoding.autotune import PLAIN_WIDTH, AutoPlan
-from eaglejax.decoding.batch import compile_once
 from eaglejax.decoding.buckets import bucket
+from eaglejax.decoding.bundle import Bundle
+from eaglejax.decoding.loops import State
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculation import AUTO, resolve_speculation
 from eaglejax.decoding.stopping import (
-    FINISH_LENGTH,
     FINISH_NONE,
     FINISH_REASONS,
     StopCriteria,
     StopTable,
 )
 from eaglejax.errors import InputError
-from eaglejax.models.placement import replicate
 from eaglejax.serving.shape_policy import ShapePolicy
-from eaglejax.sharding.distributed import fetch
-from eaglejax.sharding.mesh import mesh_context
 from eaglejax.target import Target
 
 if TYPE_CHECKING:
@@ -136,7 +131,9 @@ class Engine:
             self.policy = ShapePolicy(target, draft, AutoPlan.for_target(target), platform)
             speculative = self.policy.plan.probe  # the state every mode runs on
         self.target, self.draft, self.spec = target, draft, speculative
-        self.mesh = target.mesh  # a target on a mesh: the batch follows its sharding rules
+        # The loop and weights every program runs (on a target's mesh, the batch follows
+        # its sharding rules).
+        self.models = Bundle.of(target, draft, speculative)
         self.num_slots, self.capacity = num_slots, capacity
         self.rounds_per_call = np.int32(rounds_per_call)
         self.eos_ids = tuple(sorted(set(target.eos_token_ids)))
@@ -223,8 +220,8 @@ class Engine:
                 return
         for i in range(self.num_slots):
             if self._key_of(i) == key:
-                with mesh_context(self.mesh):
-                    self.state = slots.release(self.state, self._inputs(np.int32(i)))
+                self.state = self.models.run(slots.release, self.state,
+                                             self.models.put(np.int32(i)))
                 self._free(i)
                 return
 
@@ -305,42 +302,16 @@ class Engine:
         warm = list(modes) if len(modes) > 1 else []
         return warm + ([TARGET_ONLY] if self.policy.max_speculative_rows is not None else [])
 
-    def _empty_state(self) -> plain.DecodeState | speculative.SpecState:
+    def _empty_state(self) -> State:
         """A batch of free slots (all finished), shaped as a prefill of `num_slots` rows."""
-        prompt = jnp.zeros((self.num_slots, MIN_PROMPT_BUCKET), jnp.int32)
-        lengths = jnp.ones((self.num_slots,), jnp.int32)
-        keys = jax.vmap(jax.random.PRNGKey)(jnp.zeros((self.num_slots,), jnp.uint32))
-        sampling = SamplingParams(jnp.zeros(self.num_slots), jnp.zeros(self.num_slots, jnp.int32),
-                                  jnp.ones(self.num_slots))
-        max_new = jnp.ones((self.num_slots,), jnp.int32)
-        stop = self._table([StopCriteria()] * self.num_slots)
-        t = self.target
-        common = dict(capacity=self._cache_capacity, max_tokens=self.capacity, greedy=True,
-                      stop=stop, attn_impl=t.attn_impl)
-        if self.spec is None:
-            shapes = jax.eval_shape(lambda: plain.prefill_state(
-                t.params, t.config, prompt, lengths, keys, sampling, max_new, **common))
-        else:
-            d = self.draft
-            shapes = jax.eval_shape(lambda: speculative.prefill_state(
-                t.params, t.config, d.params, d.config, prompt, lengths, keys, sampling,
-                max_new, spec=self.spec, **common))
-
-        def free_slots():
-            state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            finish = jnp.full((self.num_slots,), FINISH_LENGTH, jnp.int32)
-            return state._replace(out=state.out._replace(finish=finish))
-
-        if self.mesh is None:
-            return free_slots()
-        with mesh_context(self.mesh):  # global arrays (every process), replicated at first
-            return jax.jit(free_slots, out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
+        return self.models.empty_state(self.num_slots, capacity=self._cache_capacity,
+                                       max_tokens=self.capacity,
+                                       stop=self._table([StopCriteria()] * self.num_slots))
 
     @property
     def _cache_capacity(self) -> int:
         """Cache rows per slot: the tokens plus a speculative round's scratch rows."""
-        extra = self.spec.num_nodes if self.spec is not None else 0
-        return -(-(self.capacity + extra) // 128) * 128
+        return -(-(self.capacity + self.models.loop.scratch_rows) // 128) * 128
 
     def _key_of(self, slot: int) -> Hashable | None:
         live = self.slots[slot]
@@ -368,27 +339,17 @@ class Engine:
         row = slice(slot, slot + 1)
         sampling = SamplingParams(self._temperature[row], self._top_k[row], self._top_p[row])
         stop = StopTable(*(x[row] for x in self._stop_table))
-        args = self._inputs((np.int32(slot), prompt, np.array([n], np.int32),
-                             jax.random.PRNGKey(np.uint32(s.seed))[None], sampling,
-                             self._max_new[row], stop))
-        t, greedy = self.target, s.temperature == 0
+        args = self.models.put((np.int32(slot), prompt, np.array([n], np.int32),
+                                jax.random.PRNGKey(np.uint32(s.seed))[None], sampling,
+                                self._max_new[row], stop))
+        greedy = bool(s.temperature == 0)
         if target_only is None:
             self._stale[slot] = False  # the slot's last request's, not this one's
             live = self._filled()
             live[slot] = True
             target_only = self.policy is not None and self._target_alone(live)
-        with mesh_context(self.mesh):
-            if self.spec is None:
-                self.state = slots.fill_plain(t.params, t.config, self.state, *args,
-                                              greedy=greedy, attn_impl=t.attn_impl)
-            elif target_only:
-                self.state = slots.fill_target(t.params, t.config, self.state, *args,
-                                               greedy=greedy, attn_impl=t.attn_impl)
-            else:
-                d = self.draft
-                self.state = slots.fill_spec(t.params, t.config, d.params, d.config,
-                                             self.state, *args, spec=self.spec, greedy=greedy,
-                                             attn_impl=t.attn_impl)
+        fill = slots.fill_target if target_only and self.spec is not None else slots.fill
+        self.state = self.models.run(fill, self.state, *args, greedy=greedy)
         self.slots[slot] = _Live(request)
         self._plain_steps[slot], self._stale[slot] = 0, bool(target_only)
         if self.policy is not None:
@@ -428,11 +389,12 @@ class Engine:
         else:
             keys = [self.slots[i].request.key for i in np.flatnonzero(live)]
             mode, budget = self.policy.choose(keys, rows)
-        before = fetch((self.state.forwards, self.state.accept_hist, self.state.out.counts))
+        watched = lambda: (self.state.forwards, self.state.accept_hist,  # noqa: E731
+                           self.state.out.counts)
+        before = self.models.fetch(watched())
         start = time.perf_counter()
         counts = self._run(mode, np.int32(min(int(max_rounds), budget)), greedy, rows)
-        after = fetch((self.state.forwards, self.state.accept_hist, self.state.out.counts,
-                       counts))
+        after = self.models.fetch((*watched(), counts))
         seconds = time.perf_counter() - start
         rounds = after[1] - before[1]  # [S, depth + 1]: this step's rounds by accepted tokens
         if mode in (0, TARGET_ONLY):
@@ -450,57 +412,49 @@ class Engine:
         """One compiled call over the first `rows` slots: the fixed shape (`mode` None), or
         `auto`'s mode, then compiled ahead the first time (a step's time is its run's); the
         probe's counts ([S,C]), else None."""
-        fn, args, static = self._program(mode, max_rounds, greedy, rows)
-        with mesh_context(self.mesh):
-            if self.policy is not None and (mode, rows, greedy) not in self._compiled:
-                compile_once(fn, *args, **static)
-                self._compiled.add((mode, rows, greedy))
-            result = fn(*args, **static)
+        fn, models, static = self._program(mode, greedy, rows)
+        sampling = SamplingParams(self._temperature, self._top_k, self._top_p)
+        args = (self.state, *self.models.put((sampling, self._max_new, self._stop_table,
+                                              max_rounds)))
+        if self.policy is not None and (mode, rows, greedy) not in self._compiled:
+            models.compile(fn, *args, **static)
+            self._compiled.add((mode, rows, greedy))
+        result = models.run(fn, *args, **static)
         if fn is slots.advance_probe:
             self.state, counts = result
             return counts
         self.state = result
         return None
 
-    def _program(self, mode: int | None, max_rounds: np.int32, greedy: bool, rows: int):
-        """The compiled function of a `_run`, its arguments and static arguments."""
-        common = dict(greedy=greedy, rows=rows, attn_impl=self.target.attn_impl)
-        sampling = SamplingParams(self._temperature, self._top_k, self._top_p)
-        t, d = self.target, self.draft
-        args = self._inputs((sampling, self._max_new, self._stop_table, max_rounds))
-        if self.policy is None and self.spec is None:
-            return slots.advance_plain, (t.params, t.config, self.state, *args), common
+    def _program(self, mode: int | None, greedy: bool, rows: int
+                 ) -> tuple[Callable, Bundle, dict[str, Any]]:
+        """The compiled function of a `_run`, the loop and weights it runs and its static
+        arguments: the fixed shape's `advance` (`mode` None), or `auto`'s mode."""
+        static = dict(greedy=greedy, rows=rows)
+        if mode is None:
+            return slots.advance, self.models, static
         if mode == TARGET_ONLY:
-            return slots.advance_target, (t.params, t.config, self.state, *args), common
-        spec = self.spec if mode is None else self.policy.plan.modes[mode]
-        models = (t.params, t.config, d.params, d.config)
-        if spec is None:
-            return slots.advance_plain_segment, (*models, self.state, *args), dict(
-                width=PLAIN_WIDTH, lookup_context=bool(self.spec.lookup), **common)
-        if mode is not None and mode == len(self.policy.plan.modes) - 1:
-            return slots.advance_probe, (*models, d.d2t, self.state, *args), dict(
-                spec=spec, sizes=self.policy.plan.sizes, **common)
-        return slots.advance_spec, (*models, d.d2t, self.state, *args), dict(spec=spec,
-                                                                             **common)
-
-    def _inputs(self, tree):
-        """Host inputs of a compiled call: device arrays, or global ones replicated on the
-        mesh (every process passes the same values)."""
-        if self.mesh is None:
-            return jax.tree.map(jnp.asarray, tree)
-        return replicate(tree, self.mesh)
+            return slots.advance_target, self.models, static
+        spec = self.policy.plan.modes[mode]
+        if spec is None:  # plain steps that keep the head caught up
+            return slots.advance_plain_segment, self.models, dict(width=PLAIN_WIDTH, **static)
+        if mode == len(self.policy.plan.modes) - 1:
+            return slots.advance_probe, self.models, dict(sizes=self.policy.plan.sizes,
+                                                          **static)
+        return slots.advance, self.models.with_spec(spec), static
 
     def _filled(self) -> np.ndarray:
         return np.array([s is not None for s in self.slots])
 
     def _finish(self) -> np.ndarray:
-        return fetch(self.state.out.finish)
+        return self.models.fetch(self.state.out.finish)
 
     def _collect(self) -> list[Update]:
         """Updates for the slots with unreported tokens or a new finish; frees finished slots."""
         out = self.state.out
         hist = getattr(self.state, "accept_hist", None)
-        tokens, counts, finish, hist = fetch((out.tokens, out.counts, out.finish, hist))
+        tokens, counts, finish, hist = self.models.fetch((out.tokens, out.counts, out.finish,
+                                                          hist))
         rounds = hist.sum(axis=1) + self._plain_steps if hist is not None else counts - 1
         updates = []
         for i, live in enumerate(self.slots):
