@@ -256,7 +256,7 @@ def test_the_loop_drafts_what_parallel_logits_proposes(target, tmp_path, attn_im
     from eaglejax.decoding.sampling import SamplingParams
     from eaglejax.decoding import loops
     from eaglejax.decoding.loops import SpecLoop, Weights
-    from eaglejax.decoding.speculative import catch_up
+    from eaglejax.decoding.drafters.head_state import catch_up
     from eaglejax.decoding.stopping import StopCriteria
     from eaglejax.draft.head import to_target_logits
 
@@ -274,12 +274,12 @@ def test_the_loop_drafts_what_parallel_logits_proposes(target, tmp_path, attn_im
     s = np.concatenate([prompt, [[int(state.last_token[0])]], rs.randint(0, V, (1, 6))], 1)
     taps = np.asarray(target.features(s, draft.config.tap_layers))
     want = draft.parallel_logits(s[:, 1:12], taps[:, :11], K)
-    got = to_target_logits(state.draft_logits, draft.d2t, V)
+    got = to_target_logits(state.drafter.logits, draft.d2t, V)
     assert_head_close(_draft_columns(draft, got), _draft_columns(draft, want), draft)
     # a round whose 5-row block (positions 11..15) kept 3 rows: the other 2 are garbage
     kept = 3
     garbage = np.r_[1, 1, 1, 9, 9][None, :, None]
-    cache, logits, _ = catch_up(draft.params, draft.config, target.params, state.draft_cache,
+    cache, logits, _ = catch_up(draft.params, draft.config, target.params, state.drafter.cache,
                                  jnp.asarray(s[:, 12:17], jnp.int32),
                                  jnp.asarray(taps[:, 11:16] * garbage), jnp.asarray([kept]),
                                  attn_impl, slots=K - 1)

@@ -2,9 +2,9 @@
 a chain, P-EAGLE's parallel chain or lattice tree, a dynamic tree, a static tree), plus an
 optional context-lookup branch.
 
-Every drafter starts from the head's proposal for the token after the root (the last
+Every drafter here starts from the head's proposal for the token after the root (the last
 accepted token x_n): its draft-vocabulary logits and the un-normed hidden state that
-produced them. A node at depth d is the candidate for x_{n+d}; the head consumes it at
+produced them (`drafters.head_state`). A node at depth d is the candidate for x_{n+d}; the head consumes it at
 draft position n + d - 1 together with its parent's output hidden state.
 Tree nodes are run through the head with a tree mask over the committed draft cache,
 re-feeding the frontier's expanded ancestors each round (their K/V are recomputed, so
@@ -13,12 +13,12 @@ the cache is only read and never holds speculative rows).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
 from eaglejax.decoding import lookup
-from eaglejax.decoding.drafters import Head, Root, drafter
+from eaglejax.decoding.drafters import Head, drafter
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.tree import Tree
@@ -34,12 +34,14 @@ class Drafted(NamedTuple):
     branch: tuple[jax.Array, jax.Array] | None
 
 
-def draft_round(head: Head, root: Root, spec: SpecConfig, greedy: bool,
+def draft_round(head: Head, state: Any, token: jax.Array, spec: SpecConfig, greedy: bool,
                 sampling: SamplingParams, keys: jax.Array, vocab: int, context: jax.Array,
                 context_lengths: jax.Array) -> Drafted:
-    """The draft `spec` asks for, rooted at `root`; with `spec.lookup`, a branch copied from
-    each row's context [B,C] (x_0..x_n, n = `context_lengths`) grafted on or fitted in."""
-    tree, probs = drafter(spec.method)(head, root, spec, greedy, sampling, keys, vocab)
+    """The draft `spec` asks for, from its drafter's `state`, rooted at `token` [B] (the last
+    accepted one); with `spec.lookup`, a branch copied from each row's context [B,C]
+    (x_0..x_n, n = `context_lengths`) grafted on or fitted in."""
+    tree, probs = drafter(spec.method).draft(head, state, token, spec, greedy, sampling, keys,
+                                             vocab)
     if not spec.lookup:
         return Drafted(tree, probs, None)
     copied, matched = lookup.continuation(context, context_lengths, spec.lookup_ngram,

@@ -121,8 +121,8 @@ class SpecLoop:
                       greedy: bool, stop: StopCriteria | StopTable,
                       prefill_chunk: int = PREFILL_CHUNK) -> speculative.SpecState:
         return speculative.prefill_state(
-            weights.target, self.config, weights.draft, self.draft_config, prompt,
-            prompt_lengths, row_keys, sampling, max_new_tokens, capacity=capacity,
+            weights.target, self.config, weights.draft, self.draft_config, weights.d2t,
+            prompt, prompt_lengths, row_keys, sampling, max_new_tokens, capacity=capacity,
             max_tokens=max_tokens, spec=self.spec, greedy=greedy, stop=stop,
             attn_impl=self.attn_impl, prefill_chunk=prefill_chunk)
 

@@ -21,7 +21,8 @@ from eaglejax.decoding import lookup
 from eaglejax.decoding.loops import SpecLoop, Weights
 from eaglejax.decoding.output import Output, record, row_step_keys
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
-from eaglejax.decoding.speculative import SpecState, catch_up, target_features
+from eaglejax.decoding.drafters import drafter
+from eaglejax.decoding.speculative import SpecState, bind_head, target_features
 from eaglejax.decoding.stopping import StopCriteria, StopTable
 from eaglejax.models.llama import compute_dtype, forward, lm_head
 
@@ -44,7 +45,7 @@ def plain_steps(loop: SpecLoop, weights: Weights, state: SpecState, sampling: Sa
                 width: int, greedy: bool, stop: StopCriteria | StopTable) -> SpecState:
     """`plain_segment` traced in a caller's program: up to `width` steps while a row runs and
     `more(steps so far, output)`, then the catch-up (rows that took no step keep their
-    head state)."""
+    drafter state)."""
     params, config, draft_config = weights.target, loop.config, loop.draft_config
     draft_params, attn_impl = weights.draft, loop.attn_impl
     batch = state.last_token.shape[0]
@@ -71,18 +72,11 @@ def plain_steps(loop: SpecLoop, weights: Weights, state: SpecState, sampling: Sa
         lambda c: (c[0] < width) & jnp.any(c[3].running) & more(c[0], c[3]), step, carry)
     # Draft position t consumes token t+1 and the target feature of position t: the block's
     # tokens x_{n+1}.. beside the features of x_n.. (what a round that accepted them passes).
-    draft_cache, draft_logits, draft_hidden = catch_up(
-        draft_params, draft_config, params, state.draft_cache, tokens, feats,
-        jnp.maximum(steps, 1), attn_impl)
-    stepped = steps > 0
-    keep = lambda new, old: jnp.where(  # noqa: E731
-        stepped.reshape(-1, *(1,) * (new.ndim - 1)), new, old)
-    draft_cache = draft_cache._replace(
-        lengths=keep(draft_cache.lengths, state.draft_cache.lengths))
+    head = bind_head(params, draft_params, draft_config, weights.d2t, attn_impl)
+    caught_up = drafter(loop.spec.method).catch_up(head, loop.spec, state.drafter, tokens,
+                                                   feats, steps, steps > 0)
     context = state.context
     if loop.spec.lookup:
         context = lookup.write_context(context, tokens, state.target_cache.lengths + 1)
-    return state._replace(target_cache=cache, draft_cache=draft_cache, last_token=last,
-                          draft_logits=keep(draft_logits, state.draft_logits),
-                          draft_hidden=keep(draft_hidden, state.draft_hidden), out=out,
-                          forwards=state.forwards + i, context=context)
+    return state._replace(target_cache=cache, last_token=last, out=out,
+                          forwards=state.forwards + i, context=context, drafter=caught_up)

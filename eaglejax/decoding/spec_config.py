@@ -11,7 +11,7 @@ import numpy as np
 from eaglejax.decoding.tree import max_nodes, static_shape
 from eaglejax.errors import InputError
 
-Method = Literal["chain", "parallel", "tree", "parallel_tree", "static"]
+Method = Literal["chain", "parallel", "tree", "parallel_tree", "static"]  # or a plug-in's
 
 
 def _positive_int(name: str, value: object, high: int) -> None:
@@ -60,6 +60,9 @@ class SpecConfig:
     per frontier node, then the best `total_tokens - 1` candidates (root excluded) by
     cumulative draft log-probability are verified.
     method "static": a fixed tree of child-rank paths (`paths`), see `normalize_paths`.
+    Any other method registered in `decoding.drafters` is sized by the fields of its
+    shape (`drafters.base.SHAPES`: a chain's `num_draft_tokens`, a tree's `top_k`, `depth`
+    and `total_tokens`, or `paths`).
     Trees verify with greedy matching or recursive rejection sampling (lossless).
 
     `lookup` > 0 adds that many tokens copied from the context (prompt lookup: what followed
@@ -88,14 +91,14 @@ class SpecConfig:
             raise InputError(f"method must be one of {', '.join(map(repr, methods()))} (the "
                              f"registered drafters), got {self.method!r}")
         _positive_int("num_draft_tokens", self.num_draft_tokens, 64)
-        if self.method in ("tree", "parallel_tree"):
+        if self.shape == "tree":
             _positive_int("top_k", self.top_k, 64)
             _positive_int("depth", self.depth, 32)
             most = min(max_nodes(self.top_k, self.depth), 256)
             if not isinstance(self.total_tokens, int) or not 2 <= self.total_tokens <= most:
                 raise InputError(f"total_tokens must be an integer in [2, {most}] for top_k="
                                  f"{self.top_k}, depth={self.depth}; got {self.total_tokens!r}")
-        if self.method == "static":
+        if self.shape == "paths":
             object.__setattr__(self, "paths", normalize_paths(self.paths))
         if self.lookup != 0:
             _positive_int("lookup", self.lookup, 32)
@@ -175,9 +178,16 @@ class SpecConfig:
                              f"own draft")
 
     @property
+    def shape(self) -> str:
+        """The shape of the method's trees: "chain", "tree" or "paths" (`drafters.SHAPES`)."""
+        from eaglejax.decoding.drafters.base import shape_of
+
+        return shape_of(self.method)
+
+    @property
     def is_chain(self) -> bool:
         """One path of K draft tokens (drafted one by one, or in parallel)."""
-        return self.method in ("chain", "parallel")
+        return self.shape == "chain"
 
     @property
     def is_parallel(self) -> bool:
@@ -194,16 +204,16 @@ class SpecConfig:
         """The head's longest draft path (the lookup branch aside)."""
         if self.is_chain:
             return self.num_draft_tokens
-        if self.method in ("tree", "parallel_tree"):
+        if self.shape == "tree":
             return self.depth
         return max(len(p) for p in self.paths)
 
     @property
     def max_children(self) -> int:
         """Most children of one node (a lookup branch may add one to any node)."""
-        if self.method in ("tree", "parallel_tree"):
+        if self.shape == "tree":
             most = self.top_k
-        elif self.method == "static":
+        elif self.shape == "paths":
             most = int(np.bincount(static_shape(self.paths).parents[1:]).max())
         else:
             most = 1
@@ -214,7 +224,7 @@ class SpecConfig:
         """Tokens the target verifies per round, the root (last accepted token) included."""
         if self.is_chain:
             head = self.num_draft_tokens + 1
-        elif self.method in ("tree", "parallel_tree"):
+        elif self.shape == "tree":
             head = self.total_tokens
         else:
             head = len(self.paths) + 1
@@ -223,11 +233,11 @@ class SpecConfig:
     def describe(self) -> str:
         if self.is_chain:
             shape = f"{self.method} K={self.num_draft_tokens}"
-        elif self.method in ("tree", "parallel_tree"):
+        elif self.shape == "tree":
             shape = (f"{self.method.replace('_', ' ')} top_k={self.top_k} depth={self.depth} "
                      f"total={self.total_tokens}")
         else:
-            shape = f"static tree of {len(self.paths)} nodes, depth {self.draft_depth}"
+            shape = f"{self.method} tree of {len(self.paths)} nodes, depth {self.draft_depth}"
         if self.lookup:
             replacing = ", replacing" if self.lookup_replaces else ""
             shape += f" + lookup {self.lookup} (ngram {self.lookup_ngram}{replacing})"

@@ -125,7 +125,7 @@ def _replicated(tree: Any, mesh: Mesh) -> Any:
 
 def _on_mesh(state: Any, mesh: Mesh) -> Any:
     """Shape structs of a loop state in the shardings the prefill leaves it in: KV caches
-    (target: rows on dp, KV heads on tp; draft: rows on dp) and every other leaf's rows
+    (target: rows on dp, KV heads on tp; a drafter's: rows on dp) and every other leaf's rows
     on dp, scalars replicated."""
     def cache(c: kv_cache.KVCache, heads: str | None) -> kv_cache.KVCache:
         axes = ("batch", heads, "cache_seq", "head_dim")
@@ -139,14 +139,10 @@ def _on_mesh(state: Any, mesh: Mesh) -> Any:
         spec = logical_spec(axes, x.shape, mesh)
         return _abstract(x.shape, x.dtype, NamedSharding(mesh, spec))
 
-    parts = state._asdict()
-    parts["target_cache"] = cache(parts["target_cache"], "kv_heads")
-    if "draft_cache" in parts:
-        parts["draft_cache"] = cache(parts["draft_cache"], None)
-    for name, value in parts.items():
-        if not isinstance(value, kv_cache.KVCache):
-            parts[name] = jax.tree.map(rows, value)
-    return type(state)(**parts)
+    is_cache = lambda x: isinstance(x, kv_cache.KVCache)  # noqa: E731
+    placed = jax.tree.map(lambda x: cache(x, None) if is_cache(x) else rows(x), state,
+                          is_leaf=is_cache)
+    return placed._replace(target_cache=cache(state.target_cache, "kv_heads"))
 
 
 def loop_programs(config: ModelConfig, mesh: Mesh, shapes: LoopShapes = LoopShapes(), *,

@@ -1,21 +1,32 @@
 """What every drafter gets and gives, and the registry of drafting methods.
 
-A drafter is one function registered under the `SpecConfig.method` it serves:
-`draft(head, root, spec, greedy, sampling, keys, vocab) -> (tree, probs)`, traced inside the
-compiled round. It proposes the tree the target verifies (`decoding.tree.Tree`, rooted at
-the last accepted token) and, for a chain sampled from the draft, the draft distributions
-[B,K,V] the min(1, p/q) rule needs (None otherwise). Verification, commit, the head's
-catch-up and the lookup branch are the round's (`decoding.speculative`,
-`decoding.drafting`), the same for every drafter.
+A drafter serves one `SpecConfig.method` and answers three calls, traced inside the
+compiled loop (`Drafter`):
+- `prefill(head, spec, tokens, features, prompt_lengths, capacity, chunk)`: its own state
+  after the prompt (a pytree with the batch axis first in every leaf but scalars);
+- `draft(head, state, token, spec, greedy, sampling, keys, vocab) -> (tree, probs)`: the
+  tree the target verifies (`decoding.tree.Tree`, rooted at the last accepted token) and,
+  for a chain sampled from the draft, the draft distributions [B,K,V] the min(1, p/q) rule
+  needs (None otherwise);
+- `catch_up(head, spec, state, tokens, features, n_accepted, running)`: its state after a
+  round (or a plain segment) accepted `tokens`, given the target's features there.
+`head` is the draft weights bound in the loop (`Head`), `features` the target's feature
+taps (EAGLE-3) or final hidden states (EAGLE-1) at the same positions. Verification, the
+commit and the lookup branch are the round's (`decoding.speculative`, `decoding.drafting`).
+Every method here drafts from the EAGLE head's state (`HeadDrafter` over
+`head_state.HeadState`): registering a tree-proposing function makes one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import jax
 
+from eaglejax.decoding.drafters import head_state
+from eaglejax.decoding.drafters.head_state import HeadState
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.tree import Tree
 from eaglejax.draft.config import DraftConfig
@@ -64,25 +75,89 @@ class Root(NamedTuple):
     cache: kv_cache.KVCache
 
 
-class Drafter(Protocol):
-    """Drafts one round's tree (and a sampled chain's draft distributions, else None)."""
+class TreeProposal(Protocol):
+    """Drafts one round's tree from the EAGLE head's state (`Root`): what a method of
+    `HeadDrafter` supplies."""
 
     def __call__(self, head: Head, root: Root, spec: "SpecConfig", greedy: bool,
                  sampling: SamplingParams, keys: jax.Array, vocab: int
                  ) -> tuple[Tree, jax.Array | None]: ...
 
 
+class Drafter(Protocol):
+    """A drafting method: its own state between rounds and the tree it proposes (see the
+    module docstring)."""
+
+    def prefill(self, head: Head, spec: "SpecConfig", tokens: jax.Array, features: jax.Array,
+                prompt_lengths: jax.Array, capacity: int, chunk: int) -> Any: ...
+
+    def draft(self, head: Head, state: Any, token: jax.Array, spec: "SpecConfig",
+              greedy: bool, sampling: SamplingParams, keys: jax.Array, vocab: int
+              ) -> tuple[Tree, jax.Array | None]: ...
+
+    def catch_up(self, head: Head, spec: "SpecConfig", state: Any, tokens: jax.Array,
+                 features: jax.Array, n_accepted: jax.Array, running: jax.Array) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDrafter:
+    """A drafter over the EAGLE head's state (`head_state`): `propose` drafts the tree from
+    the root token and the head's committed cache and proposal."""
+
+    propose: TreeProposal
+
+    def prefill(self, head: Head, spec: "SpecConfig", tokens: jax.Array, features: jax.Array,
+                prompt_lengths: jax.Array, capacity: int, chunk: int) -> HeadState:
+        return head_state.prefill(head, spec, tokens, features, prompt_lengths, capacity,
+                                  chunk)
+
+    def draft(self, head: Head, state: HeadState, token: jax.Array, spec: "SpecConfig",
+              greedy: bool, sampling: SamplingParams, keys: jax.Array, vocab: int
+              ) -> tuple[Tree, jax.Array | None]:
+        root = Root(token, state.logits, state.hidden, state.cache)
+        return self.propose(head, root, spec, greedy, sampling, keys, vocab)
+
+    def catch_up(self, head: Head, spec: "SpecConfig", state: HeadState, tokens: jax.Array,
+                 features: jax.Array, n_accepted: jax.Array, running: jax.Array
+                 ) -> HeadState:
+        return head_state.advance(head, spec, state, tokens, features, n_accepted, running)
+
+
+# The shapes a method's trees take, and the SpecConfig fields that size them: "chain" (one
+# path of `num_draft_tokens`), "tree" (`top_k`, `depth`, `total_tokens`), "paths" (`paths`).
+SHAPES = ("chain", "tree", "paths")
 _DRAFTERS: dict[str, Drafter] = {}
+_SHAPE_OF: dict[str, str] = {}
 
 
-def register(method: str) -> Callable[[Drafter], Drafter]:
-    """Decorator: the drafter of `method` (one per method; a second registration is refused)."""
-    def add(draft: Drafter) -> Drafter:
+def register(method: str, shape: str = "chain") -> Callable[[Any], Any]:
+    """Decorator: the drafter of `method`, whose trees take `shape` (`SHAPES`; one drafter
+    per method, a second registration is refused): a `Drafter`, or a `TreeProposal`
+    function, which drafts from the EAGLE head's state (`HeadDrafter`). Returns what it
+    decorates."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape {shape!r}: expected one of {SHAPES}")
+
+    def add(made: Any) -> Any:
         if method in _DRAFTERS:
             raise ValueError(f"drafting method {method!r} is registered twice")
-        _DRAFTERS[method] = draft
-        return draft
+        is_drafter = all(hasattr(made, name) for name in ("prefill", "draft", "catch_up"))
+        _DRAFTERS[method] = made if is_drafter else HeadDrafter(made)
+        _SHAPE_OF[method] = shape
+        return made
     return add
+
+
+def unregister(method: str) -> None:
+    """Remove a registered method (e.g. to register a changed drafter while experimenting)."""
+    drafter(method)  # InputError for an unknown method
+    del _DRAFTERS[method], _SHAPE_OF[method]
+
+
+def shape_of(method: str) -> str:
+    """The shape (`SHAPES`) of a registered method's trees."""
+    drafter(method)  # InputError for an unknown method
+    return _SHAPE_OF[method]
 
 
 def methods() -> tuple[str, ...]:

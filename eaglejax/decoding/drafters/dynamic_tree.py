@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from eaglejax.decoding.spec_config import SpecConfig
 
 
-@register("tree")
+@register("tree", shape="tree")
 def dynamic_tree(head: Head, root: Root, spec: "SpecConfig", greedy: bool,
                  sampling: SamplingParams, keys: jax.Array, vocab: int) -> tuple[Tree, None]:
     return draft_dynamic_tree(head, root, spec.top_k, spec.depth, spec.total_tokens), None

@@ -34,7 +34,7 @@ def parallel(head: Head, root: Root, spec: "SpecConfig", greedy: bool,
             jnp.stack([p for _, p in drawn], axis=1))
 
 
-@register("parallel_tree")
+@register("parallel_tree", shape="tree")
 def parallel_tree(head: Head, root: Root, spec: "SpecConfig", greedy: bool,
                   sampling: SamplingParams, keys: jax.Array, vocab: int
                   ) -> tuple[Tree, None]:

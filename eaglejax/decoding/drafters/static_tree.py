@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from eaglejax.decoding.spec_config import SpecConfig
 
 
-@register("static")
+@register("static", shape="paths")
 def static_tree(head: Head, root: Root, spec: "SpecConfig", greedy: bool,
                 sampling: SamplingParams, keys: jax.Array, vocab: int) -> tuple[Tree, None]:
     return draft_static_tree(head, root, static_shape(spec.paths)), None
