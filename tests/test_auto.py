@@ -285,7 +285,7 @@ def check_switching(target):
     from spec_helpers import self_draft
 
     import eaglejax
-    from eaglejax.decoding import adaptive
+    from eaglejax.decoding import bundle
 
     prompts = _prompts(4, 4)
     free = eaglejax.generate(prompts, target=target, max_new_tokens=48, ignore_eos=True)
@@ -294,14 +294,14 @@ def check_switching(target):
     plain = eaglejax.generate(prompts, target=target, max_new_tokens=48)
     assert plain[1].finish_reason == "eos" and plain[0].finish_reason == "length"
     events: list[str] = []
-    compile_once = adaptive.compile_once
-    adaptive.compile_once = lambda fn, *a, **k: events.append("compile") or compile_once(
+    compile_once = bundle.compile_once
+    bundle.compile_once = lambda fn, *a, **k: events.append("compile") or compile_once(
         fn, *a, **k)
     try:
         tokens, run = _decode(target, self_draft(target), prompts,
                               Recorded(PLAN, SCRIPT, events), 48)
     finally:
-        adaptive.compile_once = compile_once
+        bundle.compile_once = compile_once
     assert tokens == [p.token_ids for p in plain]
     assert set(run.forwards_by_mode) == {PLAN.name(m) for m in range(4)}
     first = events.index("segment")
