@@ -128,7 +128,9 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     static tree), "auto" (switch between plain decoding and a few trees while decoding,
     from the acceptance counted and the round times measured as it goes, see
     `eaglejax.decoding.autotune`) or None (the preset for this device and batch size,
-    `SpecConfig.preset`). Greedy output is identical to plain decoding.
+    `SpecConfig.preset`). A `SpecConfig` whose method drafts without a head (a registered
+    plug-in, `eaglejax.decoding.drafters`) needs no `draft`. Greedy output is identical to
+    plain decoding.
     """
     check_speculation(draft, speculative)
     source = _target_source(target, draft)
@@ -165,7 +167,7 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
                      speculative)
     tokens, counts, finish, forwards = fetch(
         (run.state.out.tokens, run.state.out.counts, run.state.out.finish, run.state.forwards))
-    hist = None if draft is None else fetch(run.state.accept_hist)
+    hist = None if speculative is None else fetch(run.state.accept_hist)
 
     results = []
     for i in range(batch):

@@ -4,16 +4,18 @@ A method registered there is checked here on the shapes `EXAMPLES` lists for it 
 without an entry fails the first test): one round drafted from a real prefilled state is a
 well-formed tree of the size its `SpecConfig` states, greedy and sampled; a sampled chain
 carries its draft distributions; greedy speculation is plain decoding token for token.
-`LastSuccessor` is the extension point's example: a drafter with a state of its own and no
-model, registered from outside the package, decoding through `generate` and the serving
-engine, greedy identical and sampled exactly. Each method's own properties (oracles,
+`LastSuccessor` (examples/custom_drafter.py) is the extension point's example: a drafter with
+a state of its own and no model, registered from outside the package, decoding through
+`generate` and the serving engine, greedy identical and sampled exactly. Each method's own properties (oracles,
 acceptance, sampling exactness) have their own tests.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -24,9 +26,11 @@ from eaglejax.decoding.bundle import Bundle
 from eaglejax.decoding.drafters import methods, register, unregister
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.stopping import StopCriteria
-from eaglejax.decoding.tree import chain_tree
 from eaglejax.draft.draft import new_eagle3_draft
 from tolerances import ONE_ROUNDING_UNITS, assert_close_scaled
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from custom_drafter import LastSuccessor, main as custom_drafter_main  # noqa: E402
 
 V, MASK = 97, 96
 EXAMPLES = {
@@ -125,84 +129,50 @@ def test_greedy_speculation_is_plain_decoding(target, draft, plain, spec):
     assert out[0].metrics.speculative == spec.describe()
 
 
-class LastSuccessor:
-    """A drafter with its own state and no model: each row's table [B,V] of the token that
-    last followed each token in its context (prefilled from the prompt, caught up over every
-    accepted block) and its last accepted token [B]; it drafts a chain by following the table
-    from the root (a token never seen is followed by token 0). Deterministic: a sampled
-    chain's draft distributions are one-hot."""
-
-    def prefill(self, head, spec, tokens, features, prompt_lengths, capacity, chunk):
-        rows = jnp.arange(tokens.shape[0])
-
-        def put(t, table):  # tokens[:, t] = x_{t+1}; the last valid one is x_n
-            old = table[rows, tokens[:, t]]
-            return table.at[rows, tokens[:, t]].set(
-                jnp.where(t + 1 < prompt_lengths, tokens[:, t + 1], old))
-
-        table = jax.lax.fori_loop(0, tokens.shape[1] - 1, put,
-                                  jnp.zeros((tokens.shape[0], V), jnp.int32))
-        return table, tokens[rows, prompt_lengths - 1]
-
-    def draft(self, head, state, token, spec, greedy, sampling, keys, vocab):
-        table, _ = state
-        rows, current, drafted = jnp.arange(token.shape[0]), token, []
-        for _ in range(spec.num_draft_tokens):
-            current = table[rows, current]
-            drafted.append(current)
-        drafted = jnp.stack(drafted, axis=1)
-        probs = None if greedy else jax.nn.one_hot(drafted, vocab, dtype=jnp.float32)
-        return chain_tree(token, drafted), probs
-
-    def catch_up(self, head, spec, state, tokens, features, n_accepted, running):
-        table, previous = state
-        rows = jnp.arange(tokens.shape[0])
-        for j in range(tokens.shape[1]):
-            kept = running & (j < n_accepted)
-            old = table[rows, previous]
-            table = table.at[rows, previous].set(jnp.where(kept, tokens[:, j], old))
-            previous = jnp.where(kept, tokens[:, j], previous)
-        return table, previous
-
-
 @pytest.fixture
 def last_successor():
     """The method "last_successor" registered for one test."""
-    register("last_successor")(LastSuccessor())
+    register("last_successor")(LastSuccessor(V))
     yield SpecConfig(method="last_successor", num_draft_tokens=3)
     unregister("last_successor")
 
 
-def test_a_drafter_with_its_own_state_plugs_into_every_driver(target, draft, plain,
-                                                              last_successor):
+def test_a_drafter_with_its_own_state_plugs_into_every_driver(target, plain, last_successor):
     from eaglejax.serving.engine import Engine, Request
 
     spec = last_successor
     assert spec.is_chain and spec.num_nodes == 4 and spec.describe() == "last_successor K=3"
-    out = eaglejax.generate(_prompts(), target=target, draft=draft, speculative=spec,
-                            max_new_tokens=12, ignore_eos=True)
+    assert not spec.needs_head  # it runs without a draft head
+    out = eaglejax.generate(_prompts(), target=target, speculative=spec, max_new_tokens=12,
+                            ignore_eos=True)
     assert [g.token_ids for g in out] == plain
     # A prompt that holds its own continuation: the table drafts it, rounds accept it.
     prompt = _prompts(1)[0]
     echo = prompt + plain[0] + prompt
     want = eaglejax.generate([echo], target=target, max_new_tokens=12, ignore_eos=True)
-    got = eaglejax.generate([echo], target=target, draft=draft, speculative=spec,
-                            max_new_tokens=12, ignore_eos=True)
+    got = eaglejax.generate([echo], target=target, speculative=spec, max_new_tokens=12,
+                            ignore_eos=True)
     assert got[0].token_ids == want[0].token_ids
     assert got[0].metrics.acceptance_length > 2.0, got[0].metrics
-    engine = Engine(target, draft, speculative=spec, num_slots=2, capacity=96)
+    engine = Engine(target, None, speculative=spec, num_slots=2, capacity=96)
+    assert engine.speculation == "last_successor K=3"
     served = engine.run([Request(i, p, 12, ignore_eos=True) for i, p in
                          enumerate(_prompts() + [echo])])
     assert [served[i].token_ids for i in range(4)] == plain + [want[0].token_ids]
 
 
-def test_a_drafter_with_its_own_state_samples_the_target_exactly(target, draft,
-                                                                 last_successor):
+def test_a_drafter_with_its_own_state_samples_the_target_exactly(target, last_successor):
     from test_speculative_sampling import N, assert_follows, exact_marginals
 
     prompt = _prompts(1)[0]
-    out = eaglejax.generate([prompt] * N, target=target, draft=draft,
-                            speculative=last_successor, max_new_tokens=2, temperature=1.0,
-                            top_k=3, seed=list(range(N)), ignore_eos=True)
+    out = eaglejax.generate([prompt] * N, target=target, speculative=last_successor,
+                            max_new_tokens=2, temperature=1.0, top_k=3, seed=list(range(N)),
+                            ignore_eos=True)
     assert_follows(np.array([g.token_ids for g in out]),
                    exact_marginals(target, SamplingParams.make(1.0, 3), 2, prompt))
+
+
+def test_the_custom_drafter_example_runs(target):
+    result = custom_drafter_main(["--model", str(target.source), "--max-new-tokens", "12"])
+    assert result["identical"] and result["acceptance_length"] >= 1.0
+    assert "last_successor" not in methods()  # it unregisters what it registered

@@ -62,10 +62,14 @@ class Bundle:
     @classmethod
     def of(cls, target: "Target", draft: "Draft | None" = None,
            spec: SpecConfig | None = None) -> "Bundle":
-        """The plain loop of `target` (no `spec`), or its speculative loop with `draft`."""
+        """The plain loop of `target` (no `spec`), or its speculative loop with `draft` (None
+        for a method that drafts without a head)."""
         if spec is None:
             return cls(PlainLoop(target.config, target.attn_impl), Weights(target.params),
                        target.mesh)
+        if draft is None:
+            return cls(SpecLoop(target.config, None, spec, target.attn_impl),
+                       Weights(target.params), target.mesh)
         return cls(SpecLoop(target.config, draft.config, spec, target.attn_impl),
                    Weights(target.params, draft.params, draft.d2t), target.mesh)
 

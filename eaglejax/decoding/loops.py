@@ -101,12 +101,12 @@ class PlainLoop:
 
 @dataclasses.dataclass(frozen=True)
 class SpecLoop:
-    """Speculative decoding with a draft head in the shape `spec` (`decoding.speculative`).
-    `through` (one of `speculative.PHASES`) other than "catch_up" truncates every round after
+    """Speculative decoding in the shape `spec` (`decoding.speculative`), with a draft head
+    of `draft_config` (None for a method that drafts without one). `through` (one of `speculative.PHASES`) other than "catch_up" truncates every round after
     that phase, for timing only (`eaglejax.round_split`)."""
 
     config: ModelConfig
-    draft_config: DraftConfig
+    draft_config: DraftConfig | None
     spec: SpecConfig
     attn_impl: AttentionImpl = "auto"
     through: str = "catch_up"

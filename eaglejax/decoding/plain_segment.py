@@ -22,7 +22,7 @@ from eaglejax.decoding.loops import SpecLoop, Weights
 from eaglejax.decoding.output import Output, record, row_step_keys
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
 from eaglejax.decoding.drafters import drafter
-from eaglejax.decoding.speculative import SpecState, bind_head, target_features
+from eaglejax.decoding.speculative import SpecState, bind_head, tap_layers, target_features
 from eaglejax.decoding.stopping import StopCriteria, StopTable
 from eaglejax.models.llama import compute_dtype, forward, lm_head
 
@@ -49,13 +49,14 @@ def plain_steps(loop: SpecLoop, weights: Weights, state: SpecState, sampling: Sa
     params, config, draft_config = weights.target, loop.config, loop.draft_config
     draft_params, attn_impl = weights.draft, loop.attn_impl
     batch = state.last_token.shape[0]
-    features = config.hidden_size * max(len(draft_config.tap_layers), 1)
+    taps = tap_layers(draft_config)
+    features = config.hidden_size * max(len(taps), 1)
 
     def step(carry):
         i, cache, last, out, tokens, feats, steps = carry
         running = out.running
         verified = forward(params, config, last[:, None], cache.lengths[:, None], cache,
-                           tap_layers=draft_config.tap_layers, attn_impl=attn_impl)
+                           tap_layers=taps, attn_impl=attn_impl)
         token = sample_tokens(lm_head(params, verified.hidden[:, 0]), sampling,
                               row_step_keys(state.row_keys, out.counts), greedy)
         cache = verified.cache._replace(lengths=cache.lengths + running.astype(jnp.int32))

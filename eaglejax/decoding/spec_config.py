@@ -185,6 +185,13 @@ class SpecConfig:
         return shape_of(self.method)
 
     @property
+    def needs_head(self) -> bool:
+        """Whether the method drafts with a draft head (every built-in one does)."""
+        from eaglejax.decoding.drafters.base import uses_head
+
+        return uses_head(self.method)
+
+    @property
     def is_chain(self) -> bool:
         """One path of K draft tokens (drafted one by one, or in parallel)."""
         return self.shape == "chain"

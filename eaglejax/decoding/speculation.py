@@ -19,7 +19,8 @@ AUTO = "auto"
 
 def check_speculation(draft: object, speculative: object) -> None:
     """InputError unless `draft` is a Draft or None and `speculative` a SpecConfig, "auto"
-    or None, given only with a draft head (checked before any model is loaded)."""
+    or None, given with a draft head unless its method drafts without one (checked before
+    any model is loaded)."""
     if draft is not None and not isinstance(draft, Draft):
         raise InputError(f"draft must be a Draft (eaglejax.load_draft(path, target=...)) or "
                          f"None, got {type(draft).__name__}")
@@ -27,7 +28,8 @@ def check_speculation(draft: object, speculative: object) -> None:
     if not (speculative is None or is_auto or isinstance(speculative, SpecConfig)):
         raise InputError(f"speculative must be a SpecConfig, 'auto' or None, "
                          f"got {speculative!r:.60}")
-    if draft is None and speculative is not None:
+    headless = isinstance(speculative, SpecConfig) and not speculative.needs_head
+    if draft is None and speculative is not None and not headless:
         shape = speculative.describe() if isinstance(speculative, SpecConfig) else "'auto'"
         raise InputError(f"speculative ({shape}) needs a draft head: pass "
                          f"draft=eaglejax.load_draft(...), or leave speculative out")
@@ -36,15 +38,15 @@ def check_speculation(draft: object, speculative: object) -> None:
 def resolve_speculation(target: "Target", draft: Draft | None,
                         speculative: SpecConfig | str | None, batch: int, *,
                         auto_by_default: bool) -> SpecConfig | str | None:
-    """The speculation of a run of `batch` rows: None (plain decoding, no head), "auto", or
-    the SpecConfig to run. A head given without a shape runs "auto" where
+    """The speculation of a run of `batch` rows: None (plain decoding), "auto", or the
+    SpecConfig to run (with no head: a method that drafts without one). A head given without a shape runs "auto" where
     `auto_by_default` and one process decodes, else the device's preset for `batch` rows
     (`SpecConfig.default_for`). ConfigError for a head loaded for another target or a
     P-EAGLE shape without a P-EAGLE head; InputError for "auto" over several processes (it
     times this machine alone, and they must agree on one shape)."""
     check_speculation(draft, speculative)
     if draft is None:
-        return None
+        return speculative  # None, or a method that drafts without a head
     if draft.target is not target:
         raise ConfigError(f"the draft head {draft.source} was loaded for target "
                           f"{draft.target.source}, not {target.source}; load it with this "

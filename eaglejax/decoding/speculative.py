@@ -73,20 +73,29 @@ class Round(NamedTuple):
     running: jax.Array  # [B] rows that were still generating
 
 
-def target_features(out: ForwardOutput | Prefilled, draft_config: DraftConfig) -> jax.Array:
-    """The target features the head consumes: taps (EAGLE-3) or final normed hidden (EAGLE-1)."""
-    return out.taps if draft_config.tap_layers else out.hidden
+def tap_layers(draft_config: DraftConfig | None) -> tuple[int, ...]:
+    """The target layers whose inputs the head reads (none: EAGLE-1, or no head)."""
+    return draft_config.tap_layers if draft_config is not None else ()
 
 
-def bind_head(params: Params, draft_params: Params, draft_config: DraftConfig,
-              d2t: jax.Array, attn_impl: AttentionImpl) -> Head:
-    """The draft head bound to its target inside the compiled loop."""
+def target_features(out: ForwardOutput | Prefilled, draft_config: DraftConfig | None
+                    ) -> jax.Array:
+    """The target features a drafter consumes: taps (EAGLE-3) or final normed hidden
+    (EAGLE-1, or no head)."""
+    return out.taps if tap_layers(draft_config) else out.hidden
+
+
+def bind_head(params: Params, draft_params: Params | None, draft_config: DraftConfig | None,
+              d2t: jax.Array | None, attn_impl: AttentionImpl) -> Head | None:
+    """The draft head bound to its target inside the compiled loop (None without one)."""
+    if draft_config is None:
+        return None
     return Head(draft_params, draft_config, params,
                 to_target_ids(jnp.arange(draft_config.draft_vocab_size), d2t), attn_impl)
 
 
-def prefill_state(params: Params, config: ModelConfig, draft_params: Params,
-                  draft_config: DraftConfig, d2t: jax.Array, prompt: jax.Array,
+def prefill_state(params: Params, config: ModelConfig, draft_params: Params | None,
+                  draft_config: DraftConfig | None, d2t: jax.Array | None, prompt: jax.Array,
                   prompt_lengths: jax.Array, row_keys: jax.Array, sampling: SamplingParams,
                   max_new_tokens: jax.Array, *, capacity: int, max_tokens: int,
                   spec: SpecConfig, greedy: bool, stop: StopCriteria | StopTable,
@@ -96,7 +105,7 @@ def prefill_state(params: Params, config: ModelConfig, draft_params: Params,
     positions at a time); record the first token."""
     batch = prompt.shape[0]
     prefilled = prefill_target(params, config, prompt, prompt_lengths, capacity,
-                               draft_config.tap_layers, attn_impl, prefill_chunk)
+                               tap_layers(draft_config), attn_impl, prefill_chunk)
     output = empty_output(batch, max_tokens)
     first = sample_tokens(prefilled.logits, sampling, row_step_keys(row_keys, output.counts),
                           greedy)
@@ -124,8 +133,9 @@ def round_step(*args, **kwargs) -> Callable[[SpecState], SpecState]:
     return lambda s: play(s)[0]
 
 
-def verified_round(params: Params, config: ModelConfig, draft_params: Params,
-                   draft_config: DraftConfig, d2t: jax.Array, sampling: SamplingParams,
+def verified_round(params: Params, config: ModelConfig, draft_params: Params | None,
+                   draft_config: DraftConfig | None, d2t: jax.Array | None,
+                   sampling: SamplingParams,
                    max_new_tokens: jax.Array, *, spec: SpecConfig, greedy: bool,
                    stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto",
                    through: str = "catch_up"
@@ -159,7 +169,7 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params,
             return _counted(s, drafted), None
         positions = s.target_cache.lengths[:, None] + tree.depths
         verified = forward(params, config, tree.tokens, positions, s.target_cache,
-                           mask=tree.mask, tap_layers=draft_config.tap_layers,
+                           mask=tree.mask, tap_layers=tap_layers(draft_config),
                            attn_impl=attn_impl)
         logits = lm_head(params, verified.hidden)
         if through == "verify":  # the K/V rows written, the cache's lengths unchanged

@@ -169,8 +169,8 @@ class Engine:
 
     @property
     def speculation(self) -> str | None:
-        """What decodes: None (plain, no head), "auto" or the fixed shape's description."""
-        if self.draft is None:
+        """What decodes: None (plain), "auto" or the fixed shape's description."""
+        if self.spec is None:
             return None
         return "auto" if self.policy is not None else self.spec.describe()
 
@@ -248,7 +248,7 @@ class Engine:
         them. Call it on an idle engine, before its thread starts."""
         if not self.idle:
             raise InputError("profile an idle engine (requests are queued or running)")
-        if self.draft is None:
+        if self.draft is None:  # plain, or a method that drafts without a head
             return []
         from eaglejax.bench import profile_rounds  # the benchmark stack, only when asked
         speculative = "auto" if self.policy is not None else self.spec

@@ -10,8 +10,9 @@ compiled loop (`Drafter`):
   needs (None otherwise);
 - `catch_up(head, spec, state, tokens, features, n_accepted, running)`: its state after a
   round (or a plain segment) accepted `tokens`, given the target's features there.
-`head` is the draft weights bound in the loop (`Head`), `features` the target's feature
-taps (EAGLE-3) or final hidden states (EAGLE-1) at the same positions. Verification, the
+`head` is the draft weights bound in the loop (`Head`; None for a drafter that declares
+`uses_head = False`, which then runs without a draft head), `features` the target's feature
+taps (EAGLE-3) or final hidden states (EAGLE-1, or no head) at the same positions. Verification, the
 commit and the lookup branch are the round's (`decoding.speculative`, `decoding.drafting`).
 Every method here drafts from the EAGLE head's state (`HeadDrafter` over
 `head_state.HeadState`): registering a tree-proposing function makes one.
@@ -86,7 +87,8 @@ class TreeProposal(Protocol):
 
 class Drafter(Protocol):
     """A drafting method: its own state between rounds and the tree it proposes (see the
-    module docstring)."""
+    module docstring). A drafter without an attribute `uses_head = False` needs a draft
+    head."""
 
     def prefill(self, head: Head, spec: "SpecConfig", tokens: jax.Array, features: jax.Array,
                 prompt_lengths: jax.Array, capacity: int, chunk: int) -> Any: ...
@@ -105,6 +107,7 @@ class HeadDrafter:
     the root token and the head's committed cache and proposal."""
 
     propose: TreeProposal
+    uses_head = True
 
     def prefill(self, head: Head, spec: "SpecConfig", tokens: jax.Array, features: jax.Array,
                 prompt_lengths: jax.Array, capacity: int, chunk: int) -> HeadState:
@@ -158,6 +161,11 @@ def shape_of(method: str) -> str:
     """The shape (`SHAPES`) of a registered method's trees."""
     drafter(method)  # InputError for an unknown method
     return _SHAPE_OF[method]
+
+
+def uses_head(method: str) -> bool:
+    """Whether a registered method drafts with a draft head (loaded with `load_draft`)."""
+    return bool(getattr(drafter(method), "uses_head", True))
 
 
 def methods() -> tuple[str, ...]:
