@@ -204,7 +204,8 @@ def _speculative_report(header: dict[str, Any], floor_ms: float, draft,
     spec_step_ms = 1e3 * spec["decode_s"] / spec["steps"]
     return {
         "mode": "speculative", **header,
-        "draft": draft.source, "speculative": shapes.most_common(1)[0][0],
+        "draft": draft.source if draft is not None else None,
+        "speculative": shapes.most_common(1)[0][0],
         "speculative_shapes": dict(shapes),
         "plain_decode_tokens_per_s": plain["decode_tokens"] / plain["decode_s"],
         "spec_decode_tokens_per_s": spec["decode_tokens"] / spec["decode_s"],

@@ -39,6 +39,7 @@ EXAMPLES = {
     "parallel": [SpecConfig.parallel(4)],
     "parallel_tree": [SpecConfig.parallel_tree(3, 4, 10)],
     "static": [SpecConfig.static_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])],
+    "suffix": [SpecConfig.suffix(3, 4, 10), SpecConfig.suffix(2, 3, 8)],  # the latter padded
 }
 SHAPES = [spec for shapes in EXAMPLES.values() for spec in shapes]
 
@@ -176,3 +177,27 @@ def test_the_custom_drafter_example_runs(target):
     result = custom_drafter_main(["--model", str(target.source), "--max-new-tokens", "12"])
     assert result["identical"] and result["acceptance_length"] >= 1.0
     assert "last_successor" not in methods()  # it unregisters what it registered
+
+
+def test_suffix_drafting_needs_no_head_and_drafts_what_repeats(target, plain):
+    """Method "suffix" runs with no draft head; where the context repeats itself its tree
+    is accepted (AL well above plain decoding's 1.0), greedy output stays plain decoding's, and
+    sampled output follows the target's exact distribution."""
+    from test_speculative_sampling import N, assert_follows, exact_marginals
+
+    spec = SpecConfig.suffix(4, 6, 12)
+    assert not spec.needs_head and spec.describe() == "suffix top_k=4 depth=6 total=12"
+    out = eaglejax.generate(_prompts(), target=target, speculative=spec, max_new_tokens=12,
+                            ignore_eos=True)
+    assert [g.token_ids for g in out] == plain
+    prompt = _prompts(1)[0]
+    echo = prompt + plain[0] + prompt
+    want = eaglejax.generate([echo], target=target, max_new_tokens=12, ignore_eos=True)[0]
+    got = eaglejax.generate([echo], target=target, speculative=spec, max_new_tokens=12,
+                            ignore_eos=True)[0]
+    assert got.token_ids == want.token_ids
+    assert got.metrics.acceptance_length > 1.5, got.metrics  # 2.2 when written
+    out = eaglejax.generate([echo] * N, target=target, speculative=spec, max_new_tokens=2,
+                            temperature=1.0, top_k=3, seed=list(range(N)), ignore_eos=True)
+    assert_follows(np.array([g.token_ids for g in out]),
+                   exact_marginals(target, SamplingParams.make(1.0, 3), 2, echo))

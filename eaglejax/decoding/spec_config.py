@@ -129,6 +129,12 @@ class SpecConfig:
         return cls(method="tree", top_k=top_k, depth=depth, total_tokens=total_tokens)
 
     @classmethod
+    def suffix(cls, top_k: int = 4, depth: int = 6, total_tokens: int = 12) -> "SpecConfig":
+        """Suffix drafting, no draft head: a tree of what followed the `top_k` best earlier
+        matches of the context's latest tokens, `depth` deep (`drafters.suffix`)."""
+        return cls(method="suffix", top_k=top_k, depth=depth, total_tokens=total_tokens)
+
+    @classmethod
     def static_tree(cls, paths: Sequence[Sequence[int]]) -> "SpecConfig":
         return cls(method="static", paths=tuple(tuple(p) for p in paths))
 

@@ -4,7 +4,13 @@ method up for its state's prefill, its draft and its catch-up. The contract is i
 adding a method is docs/architecture.md, "Adding a drafter"; `tests/test_drafters.py`
 checks every registered drafter."""
 
-from eaglejax.decoding.drafters import chain, dynamic_tree, parallel, static_tree  # noqa: F401
+from eaglejax.decoding.drafters import (  # noqa: F401  (each registers its method)
+    chain,
+    dynamic_tree,
+    parallel,
+    static_tree,
+    suffix,
+)
 from eaglejax.decoding.drafters.base import (
     Drafter,
     Head,
