@@ -6,8 +6,8 @@ well-formed tree of the size its `SpecConfig` states, greedy and sampled; a samp
 carries its draft distributions; greedy speculation is plain decoding token for token.
 `LastSuccessor` (examples/custom_drafter.py) is the extension point's example: a drafter with
 a state of its own and no model, registered from outside the package, decoding through
-`generate` and the serving engine, greedy identical and sampled exactly. Each method's own properties (oracles,
-acceptance, sampling exactness) have their own tests.
+`generate` and the serving engine, greedy identical and sampled exactly. Each method's own
+properties (oracles, acceptance, sampling exactness) have their own tests.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ optional context-lookup branch.
 
 Every drafter here starts from the head's proposal for the token after the root (the last
 accepted token x_n): its draft-vocabulary logits and the un-normed hidden state that
-produced them (`drafters.head_state`). A node at depth d is the candidate for x_{n+d}; the head consumes it at
-draft position n + d - 1 together with its parent's output hidden state.
+produced them (`drafters.head_state`). A node at depth d is the candidate for x_{n+d}; the
+head consumes it at draft position n + d - 1 together with its parent's output hidden state.
 Tree nodes are run through the head with a tree mask over the committed draft cache,
 re-feeding the frontier's expanded ancestors each round (their K/V are recomputed, so
 the cache is only read and never holds speculative rows).

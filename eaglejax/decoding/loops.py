@@ -102,8 +102,9 @@ class PlainLoop:
 @dataclasses.dataclass(frozen=True)
 class SpecLoop:
     """Speculative decoding in the shape `spec` (`decoding.speculative`), with a draft head
-    of `draft_config` (None for a method that drafts without one). `through` (one of `speculative.PHASES`) other than "catch_up" truncates every round after
-    that phase, for timing only (`eaglejax.round_split`)."""
+    of `draft_config` (None for a method that drafts without one). `through` (one of
+    `speculative.PHASES`) other than "catch_up" truncates every round after that phase, for
+    timing only (`eaglejax.round_split`)."""
 
     config: ModelConfig
     draft_config: DraftConfig | None
@@ -184,10 +185,10 @@ def decode_loop(loop: Loop, weights: Weights, state: State, sampling: SamplingPa
 
 
 def empty_state(loop: Loop, weights: Weights, rows: int, *, capacity: int, max_tokens: int,
-                stop: StopTable, prompt_len: int = 16) -> State:
+                stop: StopTable) -> State:
     """A batch of `rows` free slots (every row finished, every value zero), shaped as
     `loop`'s prefill of `rows` prompts (traced abstractly, never run)."""
-    prompt = jnp.zeros((rows, prompt_len), jnp.int32)
+    prompt = jnp.zeros((rows, 1), jnp.int32)  # the state's shapes do not depend on it
     keys = jax.vmap(jax.random.PRNGKey)(jnp.zeros((rows,), jnp.uint32))
     sampling = SamplingParams(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows))
     shapes = jax.eval_shape(lambda w: loop.prefill_state(

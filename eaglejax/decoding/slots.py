@@ -8,9 +8,10 @@ goes on, without recompiling. The loop runs only the first `rows` slots (a power
 covering the live ones, which the host keeps low), so a lightly loaded batch costs what a
 small one does. Every program takes a loop and its weights first (`decoding.loops`): plain
 and speculative batches alike run `fill` and `advance`, and the modes of `auto` over one
-speculative batch also `advance_plain_segment`, `advance_probe` and `advance_target`; each row's sampling settings, seed, token limit and stop rules are data
-(`SamplingParams` of [S] arrays, `StopTable`), so a row's tokens depend only on its own
-request, never on its slot or its neighbours.
+speculative batch also `advance_plain_segment`, `advance_probe` and `advance_target`; each
+row's sampling settings, seed, token limit and stop rules are data (`SamplingParams` of [S]
+arrays, `StopTable`), so a row's tokens depend only on its own request, never on its slot
+or its neighbours.
 """
 
 from __future__ import annotations

@@ -39,11 +39,11 @@ def resolve_speculation(target: "Target", draft: Draft | None,
                         speculative: SpecConfig | str | None, batch: int, *,
                         auto_by_default: bool) -> SpecConfig | str | None:
     """The speculation of a run of `batch` rows: None (plain decoding), "auto", or the
-    SpecConfig to run (with no head: a method that drafts without one). A head given without a shape runs "auto" where
-    `auto_by_default` and one process decodes, else the device's preset for `batch` rows
-    (`SpecConfig.default_for`). ConfigError for a head loaded for another target or a
-    P-EAGLE shape without a P-EAGLE head; InputError for "auto" over several processes (it
-    times this machine alone, and they must agree on one shape)."""
+    SpecConfig to run (with no head: a method that drafts without one). A head given without
+    a shape runs "auto" where `auto_by_default` and one process decodes, else the device's
+    preset for `batch` rows (`SpecConfig.default_for`). ConfigError for a head loaded for
+    another target or a P-EAGLE shape without a P-EAGLE head; InputError for "auto" over
+    several processes (it times this machine alone, and they must agree on one shape)."""
     check_speculation(draft, speculative)
     if draft is None:
         return speculative  # None, or a method that drafts without a head

@@ -1,10 +1,11 @@
 """The compiled decoding loops as programs to inspect without the hardware they target.
 
 `loop_programs` pairs the compiled loop programs (`decoding.loops.prefill` and
-`decode_loop`, for the plain loop and speculative ones) with ABSTRACT arguments: weights are `jax.ShapeDtypeStruct`s
-carrying their mesh shardings (`TargetPlacement`), never materialised, so an 8B model costs
-nothing but tracing. `export_programs` serialises them with `jax.export` for "cuda" or
-"tpu" (the Pallas kernels inside as Triton / Mosaic custom calls, from a CPU host);
+`decode_loop`, for the plain loop and speculative ones) with ABSTRACT arguments: weights
+are `jax.ShapeDtypeStruct`s carrying their mesh shardings (`TargetPlacement`), never
+materialised, so an 8B model costs nothing but tracing. `export_programs` serialises them
+with `jax.export` for "cuda" or "tpu" (the Pallas kernels inside as Triton / Mosaic custom
+calls, from a CPU host);
 `compile_programs` compiles them for this host's devices, whose partitioned HLO shows the
 collectives the sharding design implies (`count_collectives`, `layer_collectives`).
 """
