@@ -2,7 +2,7 @@
 
 from eaglejax.config import ModelConfig
 from eaglejax.decoding.spec_config import SpecConfig
-from eaglejax.draft import Draft, load_draft
+from eaglejax.draft import Draft, DraftModel, load_draft, load_draft_model
 from eaglejax.errors import ConfigError, EaglejaxError, InputError, LoadError
 from eaglejax.generate import Generation, GenerationMetrics, generate
 from eaglejax.loading.target_loader import load_target
@@ -11,7 +11,7 @@ from eaglejax.target import Target
 from eaglejax.version import __version__
 
 __all__ = [
-    "ConfigError", "Draft", "EaglejaxError", "Generation", "GenerationMetrics", "InputError",
-    "LoadError", "ModelConfig", "SpecConfig", "Target", "generate", "load_draft", "load_target",
+    "ConfigError", "Draft", "DraftModel", "EaglejaxError", "Generation", "GenerationMetrics", "InputError",
+    "LoadError", "ModelConfig", "SpecConfig", "Target", "generate", "load_draft", "load_draft_model", "load_target",
     "__version__", "make_mesh",
 ]

@@ -18,7 +18,7 @@ from eaglejax import compilation_cache, validation
 from eaglejax.bench import bench_plain, bench_speculative, profile_rounds
 from eaglejax.datasets import interleave_categories, mt_bench_questions
 from eaglejax.decoding.spec_config import SpecConfig
-from eaglejax.draft import load_draft
+from eaglejax.draft import load_draft, load_draft_model
 from eaglejax.draft.draft import new_eagle3_draft
 from eaglejax.draft.formats import WRITERS
 from eaglejax.draft.shipped import shipped_head
@@ -64,6 +64,10 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft", default=None,
                         help="draft head for speculative decoding (any layout load_draft reads)")
+    parser.add_argument("--draft-model", default=None, metavar="MODEL",
+                        help="instead of a head, a smaller model of the target's tokenizer "
+                             "drafts (any model --model takes; the shape flags shape its "
+                             "chain or dynamic tree)")
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
                        help="speculate with a chain of K draft tokens")
@@ -75,6 +79,11 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
     shape.add_argument("--static-tree", default=None, metavar="JSON",
                        help="speculate with a static tree of child-rank paths, "
                             "e.g. '[[0],[1],[0,0]]'")
+    shape.add_argument("--suffix", nargs="?", const="4,6,12", default=None,
+                       metavar="TOP_K,DEPTH,TOTAL",
+                       help="suffix drafting with no draft at all: a tree of what followed "
+                            "the context's latest tokens where they occurred before "
+                            "(default 4,6,12)")
     shape.add_argument("--auto-tree", action="store_true",
                        help="switch between plain decoding and a few dynamic trees while "
                             "decoding, from the acceptance and round times it measures "
@@ -134,16 +143,38 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def _check_draft_flags(args: argparse.Namespace) -> None:
+    """InputError for draft flags that exclude each other (--draft, --draft-model, --suffix,
+    --no-draft where the command has it)."""
+    given = [flag for flag, value in (("--draft", args.draft), ("--draft-model",
+             args.draft_model), ("--suffix", args.suffix),
+             ("--no-draft", getattr(args, "no_draft", False))) if value not in (None, False)]
+    if len(given) > 1:
+        raise InputError(f"{given[0]} and {given[1]} exclude each other")
+
+
+def _wants_shipped_head(args: argparse.Namespace) -> bool:
+    """Whether no flag names what drafts (or --no-draft): a built-in --model then
+    speculates with the head eaglejax ships for it."""
+    return not (args.draft or args.draft_model or args.suffix or args.no_draft)
+
+
 def _speculation(args: argparse.Namespace):
     """The SpecConfig (or "auto", or None for the device preset) the flags ask for;
-    InputError for a malformed shape or a shape flag without --draft."""
-    if args.draft is None:
+    InputError for a malformed shape or a shape flag without --draft or --draft-model."""
+    _check_draft_flags(args)
+    if args.suffix is not None:
+        shape = SpecConfig.suffix(*_integers("--suffix", args.suffix, "TOP_K,DEPTH,TOTAL"))
+    elif args.draft is None and args.draft_model is None:
         used = [name for name in SPECULATION_FLAGS if getattr(args, name) not in (None, False)]
         if used:
-            raise InputError(f"{validation.cli_flag(used[0])} needs --draft HEAD (it shapes "
-                             f"speculative decoding)")
+            raise InputError(f"{validation.cli_flag(used[0])} needs --draft HEAD or "
+                             f"--draft-model MODEL (it shapes speculative decoding)")
         return None
-    shape = _speculation_shape(args)
+    else:
+        shape = _speculation_shape(args)
+        if args.draft_model is not None and isinstance(shape, SpecConfig):
+            shape = shape.drafted_by_model()
     if args.lookup is None:
         if args.lookup_replaces:
             raise InputError("--lookup-replaces needs --lookup N")
@@ -161,12 +192,7 @@ def _speculation_shape(args: argparse.Namespace):
     if args.parallel is not None:
         return SpecConfig.parallel(args.parallel)
     if args.tree is not None:
-        try:
-            top_k, depth, total = (int(v) for v in args.tree.split(","))
-        except ValueError:
-            raise InputError(f"--tree wants TOP_K,DEPTH,TOTAL (three integers), "
-                             f"got {args.tree!r}") from None
-        return SpecConfig.tree(top_k, depth, total)
+        return SpecConfig.tree(*_integers("--tree", args.tree, "TOP_K,DEPTH,TOTAL"))
     if args.static_tree is not None:
         try:
             paths = json.loads(args.static_tree)
@@ -177,12 +203,25 @@ def _speculation_shape(args: argparse.Namespace):
     return "auto" if args.auto_tree else None
 
 
+def _integers(flag: str, value: str, form: str) -> tuple[int, ...]:
+    """The comma-separated integers of a flag's value in `form` (InputError otherwise)."""
+    try:
+        numbers = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        numbers = ()
+    if len(numbers) != len(form.split(",")):
+        raise InputError(f"{flag} wants {form} ({len(form.split(','))} integers), "
+                         f"got {value!r}")
+    return numbers
+
+
 def _check_decoding_args(args: argparse.Namespace):
     """Check the flags `generate` and `bench` share before any model is loaded; returns
     the speculation shape (see `_speculation`)."""
     validation.integer("--max-new-tokens", args.max_new_tokens, 1)
     validation.sampling(args.temperature, args.top_k, args.top_p, name=validation.cli_flag)
     validation.seed("--seed", args.seed)
+    _check_draft_flags(args)
     if args.draft not in (None, "random"):
         validation.existing_path("--draft", args.draft, directory=True)
     speculative = _speculation(args)
@@ -362,14 +401,12 @@ def _config_field(cls: type, name: str) -> dataclasses.Field:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    if args.no_draft and args.draft is not None:
-        raise InputError("--no-draft and --draft exclude each other")
     speculative = _check_decoding_args(args)
     validation.prompt_list(args.prompts)
     validation.stop_strings(args.stop, name="--stop")
 
     mesh = _mesh(args)
-    default_head = None if args.draft or args.no_draft else shipped_head(args.model)
+    default_head = shipped_head(args.model) if _wants_shipped_head(args) else None
     if default_head is not None:  # auto measures one machine; several processes take the preset
         args.draft = str(default_head)
         speculative = "auto" if jax.process_count() == 1 else None
@@ -401,8 +438,11 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _load_draft(args: argparse.Namespace, target):
-    """The --draft head for `target`; `random` is a freshly initialised EAGLE-3 head (its
-    acceptance is near 1: it measures the speculative loop's own overhead)."""
+    """The --draft head (or --draft-model) for `target`; `random` is a freshly initialised
+    EAGLE-3 head (its acceptance is near 1: it measures the speculative loop's own
+    overhead)."""
+    if args.draft_model is not None:
+        return load_draft_model(args.draft_model, target=target)
     if args.draft is None:
         return None
     if args.draft == "random":
@@ -430,7 +470,7 @@ def _bench(args: argparse.Namespace) -> None:
     common = dict(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                   chat=args.chat, ignore_eos=not args.stop_at_eos, sampling=sampling)
     draft = _load_draft(args, target)
-    if draft is None:
+    if draft is None and speculative is None:
         report = bench_plain(target, questions, **common)
     else:
         report = bench_speculative(target, draft, questions, speculative=speculative, **common)
@@ -547,12 +587,11 @@ def _serve(args: argparse.Namespace) -> None:
         if used:
             raise InputError(f"{flag} does not apply to serve (the chat endpoint renders the "
                              f"chat template; /v1/completions encodes prompts as they are)")
-    if args.no_draft and args.draft is not None:
-        raise InputError("--no-draft and --draft exclude each other")
     validation.integer("--max-new-tokens", args.max_new_tokens, 1)
     validation.integer("--port", args.port, 0, 65535)
     validation.integer("--num-slots", args.num_slots, 1)
     validation.integer("--capacity", args.capacity, 2)
+    _check_draft_flags(args)
     if args.draft not in (None, "random"):
         validation.existing_path("--draft", args.draft, directory=True)
     speculative = _speculation(args)  # None: auto where one process serves (the engine's)
@@ -562,7 +601,7 @@ def _serve(args: argparse.Namespace) -> None:
     from eaglejax.serving.lockstep import LockstepEngine, follow
     from eaglejax.serving.server import run_server
 
-    default_head = None if args.draft or args.no_draft else shipped_head(args.model)
+    default_head = shipped_head(args.model) if _wants_shipped_head(args) else None
     if default_head is not None:
         args.draft = str(default_head)
     target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype,

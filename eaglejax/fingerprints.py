@@ -13,6 +13,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from eaglejax.draft.draft import Draft
+    from eaglejax.draft.draft_model import DraftModel
     from eaglejax.target import Target
 
 
@@ -25,10 +26,11 @@ def target_fingerprint(target: Target) -> str:
     return digest.hexdigest()
 
 
-def draft_fingerprint(draft: Draft) -> str:
-    """sha256 over a head's config, draft vocabulary and every parameter."""
+def draft_fingerprint(draft: Draft | DraftModel) -> str:
+    """sha256 over a head's (or draft model's) config, draft vocabulary and every
+    parameter."""
     config = repr(draft.config)
-    if not draft.config.parallel:  # as before P-EAGLE's field existed: earlier runs resume
+    if not draft.parallel:  # as before P-EAGLE's field existed: earlier runs resume
         config = config.replace(", mask_token_id=None)", ")")
     digest = hashlib.sha256(config.encode())
     digest.update(np.asarray(draft.d2t).tobytes())

@@ -5,7 +5,7 @@
 `LastSuccessor` drafts without a model: each row keeps a table of the token that last
 followed each token in its context (prefilled from the prompt, caught up over the tokens
 every round accepts) and drafts a chain by following the table from the last accepted
-token. It needs no draft head (`uses_head = False`). Registered as method
+token. It needs no draft weights (`drafts_with = None`). Registered as method
 "last_successor", it runs like a built-in method: through `generate` and the serving
 engine, greedy output identical to plain decoding, sampled output the target's exact
 distribution (tests/test_drafters.py checks all of it). docs/architecture.md, "Adding a
@@ -35,23 +35,23 @@ class LastSuccessor:
     is followed by token 0. Deterministic, so a sampled chain's draft distributions are
     one-hot (min(1, p/q) then accepts a drafted token with the target's probability)."""
 
-    uses_head = False  # `head` is None in every call
+    drafts_with = None  # `head` is None in every call
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
     def prefill(self, head, spec, tokens, features, prompt_lengths, capacity, chunk):
-        """`tokens` [B,P]: each prompt from its second token, then the first new token."""
+        """`tokens` [B,P+1]: each prompt, then the first new token (right-padded)."""
         rows = jnp.arange(tokens.shape[0])
 
         def put(t, table):
             old = table[rows, tokens[:, t]]
             return table.at[rows, tokens[:, t]].set(
-                jnp.where(t + 1 < prompt_lengths, tokens[:, t + 1], old))
+                jnp.where(t + 1 <= prompt_lengths, tokens[:, t + 1], old))
 
         table = jax.lax.fori_loop(0, tokens.shape[1] - 1, put,
                                   jnp.zeros((tokens.shape[0], self.vocab_size), jnp.int32))
-        return table, tokens[rows, prompt_lengths - 1]
+        return table, tokens[rows, prompt_lengths]
 
     def draft(self, head, state, token, spec, greedy, sampling, keys, vocab):
         table, _ = state

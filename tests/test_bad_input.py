@@ -188,8 +188,9 @@ def no_model_loading(monkeypatch):
     ([[1, 2]], dict(draft="head-dir"), "draft must be a Draft"),
     ([[1, 2]], dict(speculative="bogus"), "speculative must be a SpecConfig"),
     ([[1, 2]], dict(speculative=eaglejax.SpecConfig.chain(3)),
-     r"speculative \(chain K=3\) needs a draft head"),
-    ([[1, 2]], dict(speculative="auto"), r"speculative \('auto'\) needs a draft head"),
+     r"speculative \(chain K=3\) drafts with a draft head: pass draft=eaglejax.load_draft"),
+    ([[1, 2]], dict(speculative="auto"), r"speculative='auto' needs a draft head or a draft "
+                                         r"model"),
 ])
 def test_generate_refuses_bad_arguments_before_loading(prompts, kwargs, match, no_model_loading):
     with pytest.raises(InputError, match=match):
@@ -308,7 +309,15 @@ _TRAIN = ["train-draft", "--data", "README.md"]
     (["generate", "hi", "--tree", "4,4,12"], "--tree needs --draft"),
     (["generate", "hi", "--static-tree", "[[0]]"], "--static-tree needs --draft"),
     (["generate", "hi", "--auto-tree"], "--auto-tree needs --draft"),
-    (["generate", "hi", "--draft", "random", "--no-draft"], "--no-draft and --draft exclude"),
+    (["generate", "hi", "--draft", "x", "--draft-model", "y"],
+     "--draft and --draft-model exclude each other"),
+    (["generate", "hi", "--suffix", "--no-draft"], "--suffix and --no-draft exclude each other"),
+    (["generate", "hi", "--suffix", "4,6"], "--suffix wants TOP_K,DEPTH,TOTAL (3 integers)"),
+    (["generate", "hi", "--draft-model", "y", "--parallel", "3"],
+     "parallel K=3: a draft model drafts chains and dynamic trees only"),
+    (["bench", "--draft-model", "y", "--suffix"], "--draft-model and --suffix exclude each other"),
+    (["serve", "--draft", "x", "--suffix"], "--draft and --suffix exclude each other"),
+    (["generate", "hi", "--draft", "random", "--no-draft"], "--draft and --no-draft exclude"),
     (["generate", "hi", "--draft", "random", "--tree", "4,4"], "--tree wants TOP_K,DEPTH,TOTAL"),
     (["generate", "hi", "--draft", "/no/such/head"], "--draft: /no/such/head: no such file"),
     (["bench", "--seed", str(2**32)], "--seed must lie in [0, 2**32)"),

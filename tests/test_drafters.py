@@ -40,6 +40,8 @@ EXAMPLES = {
     "parallel_tree": [SpecConfig.parallel_tree(3, 4, 10)],
     "static": [SpecConfig.static_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])],
     "suffix": [SpecConfig.suffix(3, 4, 10), SpecConfig.suffix(2, 3, 8)],  # the latter padded
+    "draft_model": [SpecConfig.draft_model(1), SpecConfig.draft_model(3)],
+    "draft_model_tree": [SpecConfig.draft_model_tree(3, 3, 8)],
 }
 SHAPES = [spec for shapes in EXAMPLES.values() for spec in shapes]
 
@@ -54,9 +56,27 @@ def target(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def draft(target):
-    """An EAGLE-3 head with a mask token: every method (P-EAGLE's included) drafts with it."""
+def head(target):
+    """An EAGLE-3 head with a mask token: every head method (P-EAGLE's included) drafts
+    with it."""
     return new_eagle3_draft(target, mask_token_id=MASK, seed=1, scale=0.05)
+
+
+@pytest.fixture(scope="module")
+def draft_model(target, tmp_path_factory):
+    """A smaller random model of the target's vocabulary."""
+    from conftest import make_hf_model
+
+    directory = tmp_path_factory.mktemp("drafters-model")
+    make_hf_model("llama", directory, seed=6, num_hidden_layers=1, hidden_size=32,
+                  intermediate_size=64, vocab_size=V)
+    return eaglejax.DraftModel.of(eaglejax.load_target(directory), target)
+
+
+@pytest.fixture
+def draft(head, draft_model, spec):
+    """What `spec`'s method drafts with."""
+    return {"head": head, "model": draft_model, None: None}[spec.drafts_with]
 
 
 def _prompts(n: int = 3) -> list[list[int]]:
@@ -143,7 +163,7 @@ def test_a_drafter_with_its_own_state_plugs_into_every_driver(target, plain, las
 
     spec = last_successor
     assert spec.is_chain and spec.num_nodes == 4 and spec.describe() == "last_successor K=3"
-    assert not spec.needs_head  # it runs without a draft head
+    assert spec.drafts_with is None  # it runs without draft weights
     out = eaglejax.generate(_prompts(), target=target, speculative=spec, max_new_tokens=12,
                             ignore_eos=True)
     assert [g.token_ids for g in out] == plain
@@ -186,7 +206,7 @@ def test_suffix_drafting_needs_no_head_and_drafts_what_repeats(target, plain):
     from test_speculative_sampling import N, assert_follows, exact_marginals
 
     spec = SpecConfig.suffix(4, 6, 12)
-    assert not spec.needs_head and spec.describe() == "suffix top_k=4 depth=6 total=12"
+    assert spec.drafts_with is None and spec.describe() == "suffix top_k=4 depth=6 total=12"
     out = eaglejax.generate(_prompts(), target=target, speculative=spec, max_new_tokens=12,
                             ignore_eos=True)
     assert [g.token_ids for g in out] == plain

@@ -1,6 +1,7 @@
 """The accelerator roofline (`eaglejax.programs.roofline`): costs read from the compiled programs,
 the prediction arithmetic, and `eaglejax bench --roofline DEVICE`."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -30,6 +31,7 @@ def tiny(num_layers: int = 2) -> ModelConfig:
 
 TINY = tiny(4)  # enough layers for the EAGLE-3 taps (2, L//2, L-3)
 TINY_HEAD = roofline.eagle3_head(TINY, draft_vocab=128)
+TINY_DRAFT_MODEL = dataclasses.replace(tiny(1), intermediate_size=1024)
 
 
 def layer_bytes(config: ModelConfig) -> int:
@@ -88,6 +90,23 @@ def test_speculative_rounds_cost_more_than_a_step():
     # The target's weights once, the head's at least once per drafting step.
     assert chain.bytes > step.bytes + head_weights
     assert tree.flops > chain.flops > 6 * step.flops  # 6 and 60 verified tokens
+
+
+def test_a_draft_model_round_reads_the_draft_model_k_times(tiny_report):
+    """A draft model's chain of K runs the model K times a round (the catch-up's forward
+    over the accepted block, then K-1 single steps): K reads of its weights and cache on
+    top of the target's verify."""
+    report = roofline.roofline(["h100"], batches=(1,), context=CONTEXT, config=TINY,
+                               draft=TINY_HEAD, draft_model=TINY_DRAFT_MODEL,
+                               draft_model_name="tiny", model_chain_al=2.5)
+    rows = {r["program"]: r for r in report["rows"]}
+    row = rows["tiny draft_model K=4"]
+    assert row["accept_length"] == 2.5 and report["assumptions"]["draft_model"] == \
+        "tiny draft_model K=4"
+    extra = (row["gb_accessed"] - rows["plain step"]["gb_accessed"]) * 1e9
+    weights = roofline.parameter_bytes(TINY_DRAFT_MODEL) - embed_bytes(TINY_DRAFT_MODEL)
+    cache = cache_bytes(TINY_DRAFT_MODEL, 1, CONTEXT, TINY_DRAFT_MODEL.num_layers)
+    assert 4 * weights <= extra <= 1.2 * 4 * (weights + cache), (extra, weights, cache)
 
 
 def test_8b_decode_step_matches_its_weights():
@@ -190,6 +209,7 @@ def tiny_models(monkeypatch, tiny_report):
     """`bench --roofline` on the tiny shapes (their costs are cached by `tiny_report`)."""
     monkeypatch.setattr(roofline, "llama31_8b", lambda: TINY)
     monkeypatch.setattr(roofline, "eagle3_head", lambda target: TINY_HEAD)
+    monkeypatch.setattr(roofline, "llama32_1b", lambda: TINY_DRAFT_MODEL)
 
 
 def test_cli_prints_the_table(tiny_models, capsys):
@@ -197,6 +217,7 @@ def test_cli_prints_the_table(tiny_models, capsys):
     out = capsys.readouterr().out
     assert "plain step" in out and "tree top_k=10 depth=6 total=60" in out
     assert "h100" in out and "AL 3.5 for chain K=5" in out
+    assert "Llama-3.2-1B draft_model K=4" in out and "AL 3.0 for Llama-3.2-1B" in out
     assert "published" in out and "158.34" in out and "373.25" in out
     assert "tpu-v5e" not in out.split("assumptions")[0]
 

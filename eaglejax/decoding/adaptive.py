@@ -87,7 +87,7 @@ def adaptive_decode(target: Target, draft: "Draft", encoded: list[list[int]],
     calls learnt; see the module docstring); what it learnt is kept for the next call."""
     batch = len(encoded)
     if policy is None:
-        plan = AutoPlan.for_target(target)
+        plan = AutoPlan.for_target(target, draft)
         policy = AutoPolicy(plan, recall(target, draft, batch, plan))
     run = _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria,
                            policy)

@@ -54,6 +54,7 @@ import numpy as np
 from eaglejax import hardware, native
 from eaglejax.compilation_cache import cache_root, switched_on
 from eaglejax.decoding.spec_config import SpecConfig
+from eaglejax.decoding.speculation import draft_kind
 from eaglejax.decoding.tree import max_nodes
 from eaglejax.fingerprints import draft_fingerprint, target_fingerprint
 from eaglejax.loading.files import write_atomically
@@ -117,10 +118,12 @@ class AutoPlan:
 
     @classmethod
     def for_device(cls, platform: str, top_k: int | None = None, depth: int | None = None,
-                   *, probe_nodes: int = CPU_PROBE_NODES) -> "AutoPlan":
+                   *, probe_nodes: int = CPU_PROBE_NODES, method: str = "tree") -> "AutoPlan":
         """The probe is the largest tree of the batch-1 preset (within `probe_nodes` with its
         branch on a CPU), the candidates the two sizes below it (a tree of 8 nodes or fewer:
-        the one below and its own size, with the branch in place of its weakest nodes)."""
+        the one below and its own size, with the branch in place of its weakest nodes);
+        every tree a dynamic tree of `method` ("tree": the head's, "draft_model_tree": a
+        draft model's)."""
         preset = SpecConfig.preset(platform, 1)
         top_k, depth = top_k or preset.top_k, depth or preset.depth
         most = max_nodes(top_k, depth)
@@ -128,18 +131,22 @@ class AutoPlan:
             most = min(most, probe_nodes - LOOKUP)
         sizes = tuple(s for s in SIZES if LOOKUP < s <= most)
         below = sizes[-3:-1] if sizes[-1] > 8 else sizes[-2:]
-        candidates = tuple(SpecConfig.tree(top_k, depth, s).with_lookup(LOOKUP, LOOKUP_NGRAM,
-                                                                          replaces=True)
+        def tree(total: int) -> SpecConfig:
+            return SpecConfig(method=method, top_k=top_k, depth=depth, total_tokens=total)
+
+        candidates = tuple(tree(s).with_lookup(LOOKUP, LOOKUP_NGRAM, replaces=True)
                            for s in below)
-        probe = SpecConfig.tree(top_k, depth, sizes[-1]).with_lookup(LOOKUP, LOOKUP_NGRAM)
+        probe = tree(sizes[-1]).with_lookup(LOOKUP, LOOKUP_NGRAM)
         return cls((None, *candidates, probe), sizes)
 
     @classmethod
-    def for_target(cls, target: Target) -> "AutoPlan":
-        """The plan for `target` on the default device: on a CPU, the probe's size follows
-        what bounds a verify of its matrices (`cpu_probe_nodes`)."""
+    def for_target(cls, target: Target, draft: object = None) -> "AutoPlan":
+        """The plan for `target` and its `draft` (a head, or a `DraftModel`: its trees) on
+        the default device: on a CPU, the probe's size follows what bounds a verify of its
+        matrices (`cpu_probe_nodes`)."""
+        method = "draft_model_tree" if draft_kind(draft) == "model" else "tree"
         return cls.for_device(jax.default_backend(),
-                              probe_nodes=cpu_probe_nodes(target.weight_dtype))
+                              probe_nodes=cpu_probe_nodes(target.weight_dtype), method=method)
 
     def name(self, mode: int) -> str:
         spec = self.modes[mode]

@@ -45,7 +45,7 @@ Step = Callable[[State], State]
 
 class Weights(NamedTuple):
     """The arrays a loop reads: the target's parameters and, when speculating, the draft
-    head's parameters and its draft-to-target id map [DV]."""
+    head's (or draft model's) parameters and its draft-to-target id map [DV]."""
 
     target: Params
     draft: Params | None = None
@@ -101,13 +101,14 @@ class PlainLoop:
 
 @dataclasses.dataclass(frozen=True)
 class SpecLoop:
-    """Speculative decoding in the shape `spec` (`decoding.speculative`), with a draft head
-    of `draft_config` (None for a method that drafts without one). `through` (one of
+    """Speculative decoding in the shape `spec` (`decoding.speculative`), drafting with a
+    head of `draft_config` (a `ModelConfig`: a draft model; None for a method that drafts
+    with neither). `through` (one of
     `speculative.PHASES`) other than "catch_up" truncates every round after that phase, for
     timing only (`eaglejax.round_split`)."""
 
     config: ModelConfig
-    draft_config: DraftConfig | None
+    draft_config: DraftConfig | ModelConfig | None
     spec: SpecConfig
     attn_impl: AttentionImpl = "auto"
     through: str = "catch_up"

@@ -32,14 +32,16 @@ class Prefilled(NamedTuple):
 
 def prefill_target(params: Params, config: ModelConfig, prompt: jax.Array,
                    prompt_lengths: jax.Array, capacity: int, tap_layers: tuple[int, ...] = (),
-                   attn_impl: AttentionImpl = "auto", chunk: int = PREFILL_CHUNK) -> Prefilled:
-    """Run right-padded prompts [B,P] into a fresh cache of `capacity` slots.
+                   attn_impl: AttentionImpl = "auto", chunk: int = PREFILL_CHUNK, *,
+                   heads_axis: str | None = "kv_heads") -> Prefilled:
+    """Run right-padded prompts [B,P] into a fresh cache of `capacity` slots (over a mesh,
+    its heads split along `heads_axis`, see `kv_cache.init_cache`).
 
     A prompt longer than `chunk` runs `chunk` tokens at a time, each block attending to the
     cache written so far plus itself, so memory grows linearly with P."""
     batch, prompt_len = prompt.shape
     cache = kv_cache.init_cache(config.num_layers, batch, capacity, config.num_kv_heads,
-                                config.head_dim, compute_dtype(params))
+                                config.head_dim, compute_dtype(params), heads_axis)
     if prompt_len <= chunk:
         positions = jnp.broadcast_to(jnp.arange(prompt_len)[None], (batch, prompt_len))
         out = forward(params, config, prompt, positions, None, tap_layers=tap_layers,

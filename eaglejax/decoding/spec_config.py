@@ -11,7 +11,8 @@ import numpy as np
 from eaglejax.decoding.tree import max_nodes, static_shape
 from eaglejax.errors import InputError
 
-Method = Literal["chain", "parallel", "tree", "parallel_tree", "static"]  # or a plug-in's
+Method = Literal["chain", "parallel", "tree", "parallel_tree", "static", "suffix",
+                 "draft_model", "draft_model_tree"]  # or a plug-in's
 
 
 def _positive_int(name: str, value: object, high: int) -> None:
@@ -60,6 +61,9 @@ class SpecConfig:
     per frontier node, then the best `total_tokens - 1` candidates (root excluded) by
     cumulative draft log-probability are verified.
     method "static": a fixed tree of child-rank paths (`paths`), see `normalize_paths`.
+    methods "draft_model" (a chain of K) and "draft_model_tree" (a dynamic tree): drafted
+    by a smaller model of the target's tokenizer (`eaglejax.load_draft_model`) instead of
+    a head. Method "suffix": drafted from the context alone (`drafters.suffix`).
     Any other method registered in `decoding.drafters` is sized by the fields of its
     shape (`drafters.base.SHAPES`: a chain's `num_draft_tokens`, a tree's `top_k`, `depth`
     and `total_tokens`, or `paths`).
@@ -135,6 +139,19 @@ class SpecConfig:
         return cls(method="suffix", top_k=top_k, depth=depth, total_tokens=total_tokens)
 
     @classmethod
+    def draft_model(cls, num_draft_tokens: int = 4) -> "SpecConfig":
+        """A draft model's chain of K tokens (`drafters.draft_model`)."""
+        return cls(num_draft_tokens=num_draft_tokens, method="draft_model")
+
+    @classmethod
+    def draft_model_tree(cls, top_k: int = 4, depth: int = 4, total_tokens: int = 12
+                         ) -> "SpecConfig":
+        """EAGLE-2's dynamic tree drafted by a draft model (see the class docstring's
+        "tree")."""
+        return cls(method="draft_model_tree", top_k=top_k, depth=depth,
+                   total_tokens=total_tokens)
+
+    @classmethod
     def static_tree(cls, paths: Sequence[Sequence[int]]) -> "SpecConfig":
         return cls(method="static", paths=tuple(tuple(p) for p in paths))
 
@@ -157,12 +174,24 @@ class SpecConfig:
         return cls.chain(3)
 
     @classmethod
-    def default_for(cls, parallel_head: bool, platform: str, batch_size: int = 1) -> "SpecConfig":
-        """The shape a head runs when none is asked for: a P-EAGLE head's parallel chain (K
-        of its paper on accelerators, 5 on a CPU), else `preset`."""
+    def default_for(cls, parallel_head: bool, platform: str, batch_size: int = 1, *,
+                    drafts_with: str | None = "head") -> "SpecConfig":
+        """The shape a draft runs when none is asked for: a P-EAGLE head's parallel chain (K
+        of its paper on accelerators, 5 on a CPU), else `preset`, drafted by a draft model's
+        methods when `drafts_with` is "model"."""
         if parallel_head:
             return cls.parallel(5 if platform == "cpu" else 7)
-        return cls.preset(platform, batch_size)
+        preset = cls.preset(platform, batch_size)
+        return preset.drafted_by_model() if drafts_with == "model" else preset
+
+    def drafted_by_model(self) -> "SpecConfig":
+        """This chain or dynamic tree drafted by a draft model (methods "draft_model",
+        "draft_model_tree")."""
+        if self.method not in ("chain", "tree", "draft_model", "draft_model_tree"):
+            raise InputError(f"{self.describe()}: a draft model drafts chains and dynamic "
+                             f"trees only")
+        method = "draft_model" if self.is_chain else "draft_model_tree"
+        return dataclasses.replace(self, method=method)
 
     def with_lookup(self, lookup: int, ngram: int = 3, replaces: bool = False) -> "SpecConfig":
         """This shape plus a context-lookup branch of `lookup` tokens (0: none); `replaces`:
@@ -191,16 +220,23 @@ class SpecConfig:
         return shape_of(self.method)
 
     @property
-    def needs_head(self) -> bool:
-        """Whether the method drafts with a draft head (every built-in one does)."""
-        from eaglejax.decoding.drafters.base import uses_head
+    def drafts_with(self) -> str | None:
+        """What the method drafts with: "head" (an EAGLE head, `eaglejax.load_draft`),
+        "model" (a draft model, `eaglejax.load_draft_model`) or None (nothing)."""
+        from eaglejax.decoding.drafters.base import drafts_with
 
-        return uses_head(self.method)
+        return drafts_with(self.method)
 
     @property
     def is_chain(self) -> bool:
         """One path of K draft tokens (drafted one by one, or in parallel)."""
         return self.shape == "chain"
+
+    @property
+    def is_dynamic_tree(self) -> bool:
+        """EAGLE-2's dynamic tree, drafted by a head or a draft model: its best `n` nodes by
+        score come first, so a smaller tree's nodes are a prefix (`decoding.calibration`)."""
+        return self.method in ("tree", "draft_model_tree")
 
     @property
     def is_parallel(self) -> bool:

@@ -9,6 +9,7 @@ import jax
 
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.draft.draft import Draft
+from eaglejax.draft.draft_model import DraftModel
 from eaglejax.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -17,25 +18,44 @@ if TYPE_CHECKING:
 AUTO = "auto"
 
 
+WEIGHTS_HINT = {"head": "draft=eaglejax.load_draft(path, target=...)",
+                "model": "draft=eaglejax.load_draft_model(path, target=...)",
+                None: "no draft"}
+
+
+def draft_kind(draft: object) -> str | None:
+    """What `draft` is, as `SpecConfig.drafts_with` names it: "head", "model" or None."""
+    if draft is None:
+        return None
+    if isinstance(draft, Draft):
+        return "head"
+    if isinstance(draft, DraftModel):
+        return "model"
+    raise InputError(f"draft must be a Draft ({WEIGHTS_HINT['head']}), a DraftModel "
+                     f"({WEIGHTS_HINT['model']}) or None, got {type(draft).__name__}")
+
+
 def check_speculation(draft: object, speculative: object) -> None:
-    """InputError unless `draft` is a Draft or None and `speculative` a SpecConfig, "auto"
-    or None, given with a draft head unless its method drafts without one (checked before
-    any model is loaded)."""
-    if draft is not None and not isinstance(draft, Draft):
-        raise InputError(f"draft must be a Draft (eaglejax.load_draft(path, target=...)) or "
-                         f"None, got {type(draft).__name__}")
+    """InputError unless `draft` is a Draft, a DraftModel or None and `speculative` a
+    SpecConfig whose method drafts with what `draft` is, "auto" (with a draft) or None
+    (checked before any model is loaded)."""
+    given = draft_kind(draft)
     is_auto = isinstance(speculative, str) and speculative == AUTO
     if not (speculative is None or is_auto or isinstance(speculative, SpecConfig)):
         raise InputError(f"speculative must be a SpecConfig, 'auto' or None, "
                          f"got {speculative!r:.60}")
-    headless = isinstance(speculative, SpecConfig) and not speculative.needs_head
-    if draft is None and speculative is not None and not headless:
-        shape = speculative.describe() if isinstance(speculative, SpecConfig) else "'auto'"
-        raise InputError(f"speculative ({shape}) needs a draft head: pass "
-                         f"draft=eaglejax.load_draft(...), or leave speculative out")
+    if is_auto and given is None:
+        raise InputError(f"speculative='auto' needs a draft head or a draft model: pass "
+                         f"{WEIGHTS_HINT['head']} or {WEIGHTS_HINT['model']}, or leave "
+                         f"speculative out")
+    if isinstance(speculative, SpecConfig) and speculative.drafts_with != given:
+        wants = speculative.drafts_with
+        needs = {"head": "a draft head", "model": "a draft model", None: "no draft"}
+        raise InputError(f"speculative ({speculative.describe()}) drafts with {needs[wants]}: "
+                         f"pass {WEIGHTS_HINT[wants]}, not {needs[given]}")
 
 
-def resolve_speculation(target: "Target", draft: Draft | None,
+def resolve_speculation(target: "Target", draft: Draft | DraftModel | None,
                         speculative: SpecConfig | str | None, batch: int, *,
                         auto_by_default: bool) -> SpecConfig | str | None:
     """The speculation of a run of `batch` rows: None (plain decoding), "auto", or the
@@ -48,19 +68,20 @@ def resolve_speculation(target: "Target", draft: Draft | None,
     if draft is None:
         return speculative  # None, or a method that drafts without a head
     if draft.target is not target:
-        raise ConfigError(f"the draft head {draft.source} was loaded for target "
+        raise ConfigError(f"the draft {draft.source} was loaded for target "
                           f"{draft.target.source}, not {target.source}; load it with this "
                           f"target")
     if speculative is None:
         speculative = AUTO if auto_by_default and jax.process_count() == 1 else \
-            SpecConfig.default_for(draft.config.parallel, jax.default_backend(), batch)
+            SpecConfig.default_for(draft.parallel, jax.default_backend(), batch,
+                                   drafts_with=draft_kind(draft))
     if speculative == AUTO:
         if jax.process_count() > 1:
             raise InputError("speculative='auto' times this machine alone, and the processes "
                              "of a multi-process run must agree on one shape: pass a "
                              "SpecConfig")
         return AUTO
-    if speculative.is_parallel and not draft.config.parallel:
+    if speculative.is_parallel and not draft.parallel:
         raise ConfigError(f"{speculative.describe()} needs a P-EAGLE head (one with a mask "
                           f"token); {draft.source} drafts one token per forward: use "
                           f"SpecConfig.chain or a tree")

@@ -32,6 +32,7 @@ from eaglejax.config import ModelConfig
 from eaglejax.decoding import lookup
 from eaglejax.decoding.acceptance import verify
 from eaglejax.decoding.drafters import Head, drafter
+from eaglejax.decoding.drafters.draft_model import ModelHead
 from eaglejax.decoding.drafting import Drafted, draft_round
 from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
 from eaglejax.decoding.prefill import PREFILL_CHUNK, Prefilled, prefill_target
@@ -73,31 +74,37 @@ class Round(NamedTuple):
     running: jax.Array  # [B] rows that were still generating
 
 
-def tap_layers(draft_config: DraftConfig | None) -> tuple[int, ...]:
-    """The target layers whose inputs the head reads (none: EAGLE-1, or no head)."""
-    return draft_config.tap_layers if draft_config is not None else ()
+def tap_layers(draft_config: DraftConfig | ModelConfig | None) -> tuple[int, ...]:
+    """The target layers whose inputs the head reads (none: EAGLE-1, a draft model, or no
+    draft)."""
+    return draft_config.tap_layers if isinstance(draft_config, DraftConfig) else ()
 
 
-def target_features(out: ForwardOutput | Prefilled, draft_config: DraftConfig | None
-                    ) -> jax.Array:
+def target_features(out: ForwardOutput | Prefilled,
+                    draft_config: DraftConfig | ModelConfig | None) -> jax.Array:
     """The target features a drafter consumes: taps (EAGLE-3) or final normed hidden
     (EAGLE-1, or no head)."""
     return out.taps if tap_layers(draft_config) else out.hidden
 
 
-def bind_head(params: Params, draft_params: Params | None, draft_config: DraftConfig | None,
-              d2t: jax.Array | None, attn_impl: AttentionImpl) -> Head | None:
-    """The draft head bound to its target inside the compiled loop (None without one)."""
+def bind_head(params: Params, draft_params: Params | None,
+              draft_config: DraftConfig | ModelConfig | None, d2t: jax.Array | None,
+              attn_impl: AttentionImpl) -> Head | ModelHead | None:
+    """The draft weights bound inside the compiled loop: a head bound to its target, a draft
+    model (its `d2t` spans the ids it shares with the target), or None."""
     if draft_config is None:
         return None
+    if isinstance(draft_config, ModelConfig):
+        return ModelHead(draft_params, draft_config,
+                         to_target_ids(jnp.arange(d2t.shape[0]), d2t), attn_impl)
     return Head(draft_params, draft_config, params,
                 to_target_ids(jnp.arange(draft_config.draft_vocab_size), d2t), attn_impl)
 
 
 def prefill_state(params: Params, config: ModelConfig, draft_params: Params | None,
-                  draft_config: DraftConfig | None, d2t: jax.Array | None, prompt: jax.Array,
-                  prompt_lengths: jax.Array, row_keys: jax.Array, sampling: SamplingParams,
-                  max_new_tokens: jax.Array, *, capacity: int, max_tokens: int,
+                  draft_config: DraftConfig | ModelConfig | None, d2t: jax.Array | None,
+                  prompt: jax.Array, prompt_lengths: jax.Array, row_keys: jax.Array,
+                  sampling: SamplingParams, max_new_tokens: jax.Array, *, capacity: int, max_tokens: int,
                   spec: SpecConfig, greedy: bool, stop: StopCriteria | StopTable,
                   attn_impl: AttentionImpl = "auto",
                   prefill_chunk: int = PREFILL_CHUNK) -> SpecState:
@@ -110,11 +117,10 @@ def prefill_state(params: Params, config: ModelConfig, draft_params: Params | No
     first = sample_tokens(prefilled.logits, sampling, row_step_keys(row_keys, output.counts),
                           greedy)
     output = record(output, first, output.running, stop, max_new_tokens)
-    # Draft position t consumes token t+1: the prompt shifted left, then the first new token.
-    shifted = jnp.concatenate([prompt[:, 1:], prompt[:, :1]], axis=1)
-    shifted = shifted.at[jnp.arange(batch), prompt_lengths - 1].set(first)
+    # Each row's tokens x_0..x_n: its prompt, then the first new token.
+    tokens = jnp.pad(prompt, ((0, 0), (0, 1))).at[jnp.arange(batch), prompt_lengths].set(first)
     head = bind_head(params, draft_params, draft_config, d2t, attn_impl)
-    drafted = drafter(spec.method).prefill(head, spec, shifted,
+    drafted = drafter(spec.method).prefill(head, spec, tokens,
                                            target_features(prefilled, draft_config),
                                            prompt_lengths, capacity, prefill_chunk)
     context = jnp.zeros((batch, capacity if spec.lookup else 0), jnp.int32)
@@ -134,7 +140,7 @@ def round_step(*args, **kwargs) -> Callable[[SpecState], SpecState]:
 
 
 def verified_round(params: Params, config: ModelConfig, draft_params: Params | None,
-                   draft_config: DraftConfig | None, d2t: jax.Array | None,
+                   draft_config: DraftConfig | ModelConfig | None, d2t: jax.Array | None,
                    sampling: SamplingParams,
                    max_new_tokens: jax.Array, *, spec: SpecConfig, greedy: bool,
                    stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto",

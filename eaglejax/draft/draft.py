@@ -67,6 +67,11 @@ class Draft:
     target: "Target"
     source: str
 
+    @property
+    def parallel(self) -> bool:
+        """Whether this is a P-EAGLE head (it drafts K tokens per forward)."""
+        return self.config.parallel
+
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray,
                features: np.ndarray | jax.Array) -> jax.Array:
         """Teacher-forced first-step draft logits [B,T,V] over the TARGET vocabulary

@@ -1,4 +1,5 @@
-"""The shapes the device programs are built for: Llama-3.1-8B and its public EAGLE-3 head."""
+"""The shapes the device programs are built for: Llama-3.1-8B, its public EAGLE-3 head, and
+Llama-3.2-1B as its draft model."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ LLAMA31_8B = {
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
 }
+# meta-llama/Llama-3.2-1B-Instruct's config.json: the same tokenizer as Llama-3.1-8B
+LLAMA32_1B = {
+    **LLAMA31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": True,
+}
 EAGLE3_DRAFT_VOCAB = 32000  # the EAGLE-3 heads published for Llama 3.1 8B
 
 
@@ -25,6 +34,11 @@ def llama31_8b(num_layers: int = 32) -> ModelConfig:
     """Llama-3.1-8B's shapes (llama3 rope scaling, untied output head), `num_layers` deep."""
     return ModelConfig.from_hf_dict({**LLAMA31_8B, "num_hidden_layers": num_layers},
                                     source="Llama-3.1-8B")
+
+
+def llama32_1b() -> ModelConfig:
+    """Llama-3.2-1B's shapes (a draft model for Llama-3.1-8B: the same vocabulary)."""
+    return ModelConfig.from_hf_dict(LLAMA32_1B, source="Llama-3.2-1B")
 
 
 def eagle3_head(target: ModelConfig, draft_vocab: int = EAGLE3_DRAFT_VOCAB,

@@ -56,7 +56,7 @@ from eaglejax.draft.config import DraftConfig
 from eaglejax.errors import InputError
 from eaglejax.models import llama
 from eaglejax.programs import hlo
-from eaglejax.programs.reference import eagle3_head, llama31_8b
+from eaglejax.programs.reference import eagle3_head, llama31_8b, llama32_1b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,13 +250,17 @@ def plain_step_cost(config: ModelConfig, batch: int, context: int) -> Cost:
 
 
 @functools.cache
-def spec_round_cost(config: ModelConfig, draft: DraftConfig, spec: SpecConfig, batch: int,
-                    context: int) -> Cost:
+def spec_round_cost(config: ModelConfig, draft: DraftConfig | ModelConfig, spec: SpecConfig,
+                    batch: int, context: int) -> Cost:
     """One speculative round (`speculative.verified_round`, greedy: draft, verify every node
-    in one target forward, commit, catch the head up) over caches of `context` slots
-    (cached)."""
-    weights = Weights(_abstract(llama.param_info(config)), _abstract(head.param_info(draft)),
-                      jax.ShapeDtypeStruct((draft.draft_vocab_size,), jnp.int32))
+    in one target forward, commit, catch the head (or draft model) up) over caches of
+    `context` slots (cached)."""
+    if isinstance(draft, ModelConfig):  # a draft model, over the ids both vocabularies hold
+        info, shared = llama.param_info(draft), min(draft.vocab_size, config.vocab_size)
+    else:
+        info, shared = head.param_info(draft), draft.draft_vocab_size
+    weights = Weights(_abstract(llama.param_info(config)), _abstract(info),
+                      jax.ShapeDtypeStruct((shared,), jnp.int32))
     return _step_cost(SpecLoop(config, draft, spec, "xla"), weights, batch, context)
 
 
@@ -286,26 +290,34 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
              parallel: SpecConfig = SpecConfig.parallel(5), parallel_al: float | None = None,
              tree: SpecConfig = SpecConfig.tree(top_k=10, depth=6, total_tokens=60),
              tree_al: float = 6.0, efficiency: float = 1.0, attention: str = "fused",
-             config: ModelConfig | None = None, draft: DraftConfig | None = None
+             config: ModelConfig | None = None, draft: DraftConfig | None = None,
+             draft_model: ModelConfig | None = None, draft_model_name: str = "Llama-3.2-1B",
+             model_chain: SpecConfig = SpecConfig.draft_model(4), model_chain_al: float = 3.0
              ) -> dict[str, Any]:
     """Predicted decode speed of the plain step, a chain round, a P-EAGLE parallel chain
-    round and a tree round for every batch and device, as a JSON-ready report.
+    round, a tree round and a draft model's chain round for every batch and device, as a
+    JSON-ready report.
 
     Defaults: Llama-3.1-8B and its public EAGLE-3 head (`llama31_8b`, `eagle3_head`), 1024
     cached tokens, chain K=5 at an assumed AL of 3.5, the same head drafting its K=5 tokens
     in one forward as a P-EAGLE head at the chain's AL unless `parallel_al` is given (the
     rounds then differ by their cost alone), a 60-node EAGLE-2 tree at AL 6.0 (the EAGLE-3
-    paper's Llama-3.1-8B figure, rounded); `efficiency` scales both peaks (1.0:
-    the pure roofline, an upper bound on speed); `attention` as in the module docstring."""
+    paper's Llama-3.1-8B figure, rounded), and Llama-3.2-1B drafting a chain of K=4 at an
+    assumed AL of 3.0 (about 0.75 of its tokens accepted in turn; with a given `config`,
+    the draft model's row needs `draft_model`, named `draft_model_name`); `efficiency` scales both peaks (1.0: the
+    pure roofline, an upper bound on speed); `attention` as in the module docstring."""
     devs = [device(d) for d in devices]
     if not 0 < efficiency <= 1:
         raise InputError(f"efficiency must be in (0, 1], got {efficiency!r}")
     if attention not in ATTENTION:
         raise InputError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    given_config = config
     config = llama31_8b() if config is None else config
     draft = eagle3_head(config) if draft is None else draft
     parallel_draft = dataclasses.replace(draft, mask_token_id=draft.draft_vocab_size - 1)
     parallel_al = chain_al if parallel_al is None else parallel_al
+    if draft_model is None and given_config is None:
+        draft_model = llama32_1b()
     programs = [("plain step", 1.0, lambda b: plain_step_cost(config, b, context)),
                 (chain.describe(), chain_al,
                  lambda b: spec_round_cost(config, draft, chain, b, context)),
@@ -313,6 +325,10 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
                  lambda b: spec_round_cost(config, parallel_draft, parallel, b, context)),
                 (tree.describe(), tree_al,
                  lambda b: spec_round_cost(config, draft, tree, b, context))]
+    if draft_model is not None:
+        programs.append((f"{draft_model_name} {model_chain.describe()}", model_chain_al,
+                         lambda b: spec_round_cost(config, draft_model, model_chain, b,
+                                                   context)))
     rows = []
     for batch in batches:
         costs = [(label, al, cost(batch)) for label, al, cost in programs]
@@ -338,6 +354,9 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
                         "chain": chain.describe(), "chain_accept_length": chain_al,
                         "parallel": parallel.describe(), "parallel_accept_length": parallel_al,
                         "tree": tree.describe(), "tree_accept_length": tree_al,
+                        "draft_model": None if draft_model is None else
+                        f"{draft_model_name} {model_chain.describe()}",
+                        "draft_model_accept_length": model_chain_al,
                         "efficiency": efficiency},
         "devices": {d.name: dataclasses.asdict(d) for d in devs},
         "published": PUBLISHED,
@@ -360,8 +379,10 @@ def format_report(report: dict[str, Any]) -> str:
     lines += ["", f"assumptions: {a['context_tokens']} cached tokens; {a['storage']}; "
                   f"{a['decoding']}; {a['attention']} attention; AL {a['chain_accept_length']} "
                   f"for {a['chain']}, AL {a['parallel_accept_length']} for {a['parallel']} "
-                  f"(the same head as P-EAGLE), AL {a['tree_accept_length']} for {a['tree']}; "
-                  f"{a['efficiency']:.0%} of peak bandwidth and FLOPs"]
+                  f"(the same head as P-EAGLE), AL {a['tree_accept_length']} for {a['tree']}"
+                  + (f", AL {a['draft_model_accept_length']} for {a['draft_model']}"
+                     if a["draft_model"] else "")
+                  + f"; {a['efficiency']:.0%} of peak bandwidth and FLOPs"]
     for d in report["devices"].values():
         lines.append(f"{d['name']}: {d['bandwidth'] / 1e12:.3f} TB/s, "
                      f"{d['peak_flops'] / 1e12:.1f} TFLOP/s bf16 dense ({d['source']})")

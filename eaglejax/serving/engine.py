@@ -128,7 +128,8 @@ class Engine:
         self.policy: ShapePolicy | None = None
         if speculative == AUTO:
             platform = jax.default_backend()
-            self.policy = ShapePolicy(target, draft, AutoPlan.for_target(target), platform)
+            self.policy = ShapePolicy(target, draft, AutoPlan.for_target(target, draft),
+                                      platform)
             speculative = self.policy.plan.probe  # the state every mode runs on
         self.target, self.draft, self.spec = target, draft, speculative
         # The loop and weights every program runs (on a target's mesh, the batch follows

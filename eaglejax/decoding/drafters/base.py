@@ -3,19 +3,22 @@
 A drafter serves one `SpecConfig.method` and answers three calls, traced inside the
 compiled loop (`Drafter`):
 - `prefill(head, spec, tokens, features, prompt_lengths, capacity, chunk)`: its own state
-  after the prompt (a pytree with the batch axis first in every leaf but scalars);
+  after the prompt (a pytree with the batch axis first in every leaf but scalars), from
+  each row's tokens [B,P+1] x_0..x_n (the prompt, then the first new token; right-padded)
+  and the target's features [B,P,F] at the prompt's positions;
 - `draft(head, state, token, spec, greedy, sampling, keys, vocab) -> (tree, probs)`: the
   tree the target verifies (`decoding.tree.Tree`, rooted at the last accepted token) and,
   for a chain sampled from the draft, the draft distributions [B,K,V] the min(1, p/q) rule
   needs (None otherwise);
 - `catch_up(head, spec, state, tokens, features, n_accepted, running)`: its state after a
   round (or a plain segment) accepted `tokens`, given the target's features there.
-`head` is the draft weights bound in the loop (`Head`; None for a drafter that declares
-`uses_head = False`, which then runs without a draft head), `features` the target's feature
+`head` is the draft weights bound in the loop, as the drafter's `drafts_with` declares:
+"head" (the default) an EAGLE head (`Head`), "model" a draft model (`draft_model.ModelHead`),
+None nothing (the method runs with no draft weights); `features` are the target's feature
 taps (EAGLE-3) or final hidden states (EAGLE-1, or no head) at the same positions. Verification, the
 commit and the lookup branch are the round's (`decoding.speculative`, `decoding.drafting`).
-Every method here drafts from the EAGLE head's state (`HeadDrafter` over
-`head_state.HeadState`): registering a tree-proposing function makes one.
+The EAGLE head's methods draft from its state (`HeadDrafter` over `head_state.HeadState`):
+registering a tree-proposing function makes one.
 """
 
 from __future__ import annotations
@@ -87,8 +90,8 @@ class TreeProposal(Protocol):
 
 class Drafter(Protocol):
     """A drafting method: its own state between rounds and the tree it proposes (see the
-    module docstring). A drafter without an attribute `uses_head = False` needs a draft
-    head."""
+    module docstring). A drafter without an attribute `drafts_with` ("head", "model" or
+    None) drafts with an EAGLE head."""
 
     def prefill(self, head: Head, spec: "SpecConfig", tokens: jax.Array, features: jax.Array,
                 prompt_lengths: jax.Array, capacity: int, chunk: int) -> Any: ...
@@ -107,12 +110,13 @@ class HeadDrafter:
     the root token and the head's committed cache and proposal."""
 
     propose: TreeProposal
-    uses_head = True
+    drafts_with = "head"
 
     def prefill(self, head: Head, spec: "SpecConfig", tokens: jax.Array, features: jax.Array,
                 prompt_lengths: jax.Array, capacity: int, chunk: int) -> HeadState:
-        return head_state.prefill(head, spec, tokens, features, prompt_lengths, capacity,
-                                  chunk)
+        # Draft position t consumes token t+1: the tokens from x_1.
+        return head_state.prefill(head, spec, tokens[:, 1:], features, prompt_lengths,
+                                  capacity, chunk)
 
     def draft(self, head: Head, state: HeadState, token: jax.Array, spec: "SpecConfig",
               greedy: bool, sampling: SamplingParams, keys: jax.Array, vocab: int
@@ -163,9 +167,17 @@ def shape_of(method: str) -> str:
     return _SHAPE_OF[method]
 
 
-def uses_head(method: str) -> bool:
-    """Whether a registered method drafts with a draft head (loaded with `load_draft`)."""
-    return bool(getattr(drafter(method), "uses_head", True))
+DRAFT_WEIGHTS = ("head", "model", None)
+
+
+def drafts_with(method: str) -> str | None:
+    """What a registered method drafts with: "head" (an EAGLE head, `load_draft`), "model"
+    (a draft model, `load_draft_model`) or None (no draft weights)."""
+    kind = getattr(drafter(method), "drafts_with", "head")
+    if kind not in DRAFT_WEIGHTS:
+        raise ValueError(f"drafting method {method!r} drafts_with {kind!r}: expected one of "
+                         f"{DRAFT_WEIGHTS}")
+    return kind
 
 
 def methods() -> tuple[str, ...]:

@@ -2,8 +2,8 @@
 occurrences of the context's latest tokens (the idea of suffix decoding, arXiv 2411.04975,
 here over each row's own prompt and output).
 
-The drafter keeps each row's context (the prompt from its second token, then every
-accepted token) and its length. A round finds the `top_k` earlier positions whose tokens
+The drafter keeps each row's context (the prompt, then every accepted token) and its
+length. A round finds the `top_k` earlier positions whose tokens
 match the longest suffix of the context (up to `MAX_MATCH` tokens; among equally long
 matches, the latest), follows each for up to `depth` tokens, merges continuations that
 share a prefix into one trie, and keeps the `total_tokens - 1` nodes that the most matches
@@ -31,16 +31,16 @@ MAX_MATCH = 8  # the longest suffix matched
 
 
 class SuffixDrafter:
-    """State per row: context [B,C] (x_1..x_n, then accepted tokens) and its length [B]."""
+    """State per row: context [B,C] (x_0..x_n, then accepted tokens) and its length [B]."""
 
-    uses_head = False
+    drafts_with = None
 
     def prefill(self, head: None, spec: "SpecConfig", tokens: jax.Array, features: jax.Array,
                 prompt_lengths: jax.Array, capacity: int, chunk: int
                 ) -> tuple[jax.Array, jax.Array]:
         batch, width = tokens.shape
         context = jnp.zeros((batch, max(capacity, width)), jnp.int32)
-        return context.at[:, :width].set(tokens), prompt_lengths
+        return context.at[:, :width].set(tokens), prompt_lengths + 1
 
     def draft(self, head: None, state: tuple[jax.Array, jax.Array], token: jax.Array,
               spec: "SpecConfig", greedy: bool, sampling: SamplingParams, keys: jax.Array,
