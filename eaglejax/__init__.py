@@ -11,7 +11,8 @@ from eaglejax.target import Target
 from eaglejax.version import __version__
 
 __all__ = [
-    "ConfigError", "Draft", "DraftModel", "EaglejaxError", "Generation", "GenerationMetrics", "InputError",
-    "LoadError", "ModelConfig", "SpecConfig", "Target", "generate", "load_draft", "load_draft_model", "load_target",
+    "ConfigError", "Draft", "DraftModel", "EaglejaxError", "Generation", "GenerationMetrics",
+    "InputError", "LoadError", "ModelConfig", "SpecConfig", "Target", "generate", "load_draft",
+    "load_draft_model", "load_target",
     "__version__", "make_mesh",
 ]

@@ -33,7 +33,8 @@ def test_defaults_none_auto_or_the_preset(pair):
 @pytest.mark.parametrize("case, error, match", [
     ("parallel shape, sequential head", eaglejax.ConfigError, "parallel K=4 needs a P-EAGLE"),
     ("head of another target", eaglejax.ConfigError, "loaded for target"),
-    ("shape without head", eaglejax.InputError, r"speculative \(chain K=3\) drafts with a draft head"),
+    ("shape without head", eaglejax.InputError,
+     r"speculative \(chain K=3\) drafts with a draft head"),
     ("not a shape", eaglejax.InputError, "speculative must be a SpecConfig"),
 ])
 def test_generate_and_the_engine_refuse_alike(pair, case, error, match):

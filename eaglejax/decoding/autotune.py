@@ -17,12 +17,12 @@ timed: XLA:CPU finishes linking it then); plain decoding is first timed over
 learning what plain costs, and its cost is never guessed from the trees'; a tree not yet
 run is costed by interpolating between the modes run so far in node count (a verify's cost
 grows with its nodes). Expected tokens/s of a mode is acceptance length / round cost (plain
-decoding: 1 / step cost); speculation must beat plain by `MARGIN` to be chosen. Every call opens with a probe of its own text (acceptance
-varies far more from prompt to prompt than costs do); then the probe comes back every
-`probe_every` target forwards: the interval doubles (up to `MAX_PROBE_EVERY`) each time a
-probe leaves the choice as it was and falls back to `MIN_PROBE_EVERY` when it changes it,
-so text that turns predictable (code, quotes, repetition) brings speculation back while a
-head that never pays costs little.
+decoding: 1 / step cost); speculation must beat plain by `MARGIN` to be chosen. Every call
+opens with a probe of its own text (acceptance varies far more from prompt to prompt than
+costs do); then the probe comes back every `probe_every` target forwards: the interval
+doubles (up to `MAX_PROBE_EVERY`) each time a probe leaves the choice as it was and falls
+back to `MIN_PROBE_EVERY` when it changes it, so text that turns predictable (code, quotes,
+repetition) brings speculation back while a head that never pays costs little.
 
 What was learnt (costs, acceptance, the probe interval) is carried to the next call with
 the same target, head and batch size in the process, and on disk (`<eaglejax cache>/

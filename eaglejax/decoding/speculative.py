@@ -104,8 +104,8 @@ def bind_head(params: Params, draft_params: Params | None,
 def prefill_state(params: Params, config: ModelConfig, draft_params: Params | None,
                   draft_config: DraftConfig | ModelConfig | None, d2t: jax.Array | None,
                   prompt: jax.Array, prompt_lengths: jax.Array, row_keys: jax.Array,
-                  sampling: SamplingParams, max_new_tokens: jax.Array, *, capacity: int, max_tokens: int,
-                  spec: SpecConfig, greedy: bool, stop: StopCriteria | StopTable,
+                  sampling: SamplingParams, max_new_tokens: jax.Array, *, capacity: int,
+                  max_tokens: int, spec: SpecConfig, greedy: bool, stop: StopCriteria | StopTable,
                   attn_impl: AttentionImpl = "auto",
                   prefill_chunk: int = PREFILL_CHUNK) -> SpecState:
     """Prefill the target and the drafter on right-padded prompts (`prefill_chunk`

@@ -304,8 +304,9 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
     rounds then differ by their cost alone), a 60-node EAGLE-2 tree at AL 6.0 (the EAGLE-3
     paper's Llama-3.1-8B figure, rounded), and Llama-3.2-1B drafting a chain of K=4 at an
     assumed AL of 3.0 (about 0.75 of its tokens accepted in turn; with a given `config`,
-    the draft model's row needs `draft_model`, named `draft_model_name`); `efficiency` scales both peaks (1.0: the
-    pure roofline, an upper bound on speed); `attention` as in the module docstring."""
+    the draft model's row needs `draft_model`, named `draft_model_name`); `efficiency`
+    scales both peaks (1.0: the pure roofline, an upper bound on speed); `attention` as in
+    the module docstring."""
     devs = [device(d) for d in devices]
     if not 0 < efficiency <= 1:
         raise InputError(f"efficiency must be in (0, 1], got {efficiency!r}")
