@@ -87,8 +87,8 @@ def test_meshes_decode_like_one_device(tmp_path):
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # 4 shapes on tp=2 x dp=2 and 2 on each other mesh, sampled, the checkpoint and
-    # Target.on_mesh, replicated attention, the Pallas kernel
-    assert proc.stdout.count("identical") == 10 + 1 + 2 + 1 + 1, proc.stdout
+    # Target.on_mesh, replicated attention, a draft model, the Pallas kernel
+    assert proc.stdout.count("identical") == 10 + 1 + 2 + 1 + 1 + 1, proc.stdout
 
 
 # ------------------------------------------------------------ the 8-device subprocess
@@ -192,6 +192,14 @@ def _run_meshes(directory: Path) -> None:
     assert target.params["layers"][0]["w_down"].sharding.spec[1] == "tp"
     assert run(target, shapes[2]) == run(one, shapes[2])
     print("identical kv3", shapes[2].describe())
+    # a draft model (3 KV heads, replicated) drafting for the target split over tp=2 x dp=2
+    target = eaglejax.load_target(directory / "kv2", mesh=mesh)
+    drafter = eaglejax.DraftModel.of(one, target)
+    assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(drafter.params))
+    got = eaglejax.generate(prompts, target=target, draft=drafter,
+                            speculative=SpecConfig.draft_model_tree(3, 3, 8), **kwargs)
+    assert [o.token_ids for o in got] == expected[0]
+    print("identical draft model on tp=2 dp=2")
     # the Pallas kernel inside shard_map (interpret mode here) on tp=4 x dp=2
     mesh = eaglejax.make_mesh(tp=4, dp=2)
     target = dataclasses.replace(eaglejax.load_target(directory / "kv2", mesh=mesh),
