@@ -16,7 +16,7 @@ from eaglejax.decoding.autotune import AutoPlan
 from eaglejax.decoding.batch import cache_capacity
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
-from eaglejax.decoding.speculation import draft_kind
+from eaglejax.decoding.speculation import default_shape
 from eaglejax.generate import generate
 from eaglejax.hardware import machine_report, memory_floor_ms
 from eaglejax.prompting import encode_prompts
@@ -164,8 +164,7 @@ def shapes_to_profile(target: Target, draft,
     if speculative == "auto":
         return [spec for spec in AutoPlan.for_target(target, draft).modes if spec is not None]
     if speculative is None:
-        return [SpecConfig.default_for(draft.parallel, platform,
-                                       drafts_with=draft_kind(draft))]
+        return [default_shape(draft, platform)]
     return [speculative]
 
 

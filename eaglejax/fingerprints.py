@@ -30,7 +30,9 @@ def draft_fingerprint(draft: Draft | DraftModel) -> str:
     """sha256 over a head's (or draft model's) config, draft vocabulary and every
     parameter."""
     config = repr(draft.config)
-    if not draft.parallel:  # as before P-EAGLE's field existed: earlier runs resume
+    # as before the P-EAGLE and DFlash fields existed: earlier runs resume
+    config = config.replace(", block_size=0)", ")")
+    if not draft.parallel:
         config = config.replace(", mask_token_id=None)", ")")
     digest = hashlib.sha256(config.encode())
     digest.update(np.asarray(draft.d2t).tobytes())

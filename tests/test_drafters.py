@@ -26,7 +26,7 @@ from eaglejax.decoding.bundle import Bundle
 from eaglejax.decoding.drafters import methods, register, unregister
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.stopping import StopCriteria
-from eaglejax.draft.draft import new_eagle3_draft
+from eaglejax.draft.draft import new_dflash_draft, new_eagle3_draft
 from tolerances import ONE_ROUNDING_UNITS, assert_close_scaled
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -42,6 +42,8 @@ EXAMPLES = {
     "suffix": [SpecConfig.suffix(3, 4, 10), SpecConfig.suffix(2, 3, 8)],  # the latter padded
     "draft_model": [SpecConfig.draft_model(1), SpecConfig.draft_model(3)],
     "draft_model_tree": [SpecConfig.draft_model_tree(3, 3, 8)],
+    "dflash": [SpecConfig.dflash(1), SpecConfig.dflash(4)],
+    "dflash_tree": [SpecConfig.dflash_tree(3, 4, 10)],
 }
 SHAPES = [spec for shapes in EXAMPLES.values() for spec in shapes]
 
@@ -73,9 +75,16 @@ def draft_model(target, tmp_path_factory):
     return eaglejax.DraftModel.of(eaglejax.load_target(directory), target)
 
 
+@pytest.fixture(scope="module")
+def dflash_head(target):
+    return new_dflash_draft(target, block_size=8, mask_token_id=MASK, seed=3, scale=0.05)
+
+
 @pytest.fixture
-def draft(head, draft_model, spec):
+def draft(head, draft_model, dflash_head, spec):
     """What `spec`'s method drafts with."""
+    if spec.is_dflash:
+        return dflash_head
     return {"head": head, "model": draft_model, None: None}[spec.drafts_with]
 
 

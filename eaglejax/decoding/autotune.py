@@ -123,7 +123,7 @@ class AutoPlan:
         branch on a CPU), the candidates the two sizes below it (a tree of 8 nodes or fewer:
         the one below and its own size, with the branch in place of its weakest nodes);
         every tree a dynamic tree of `method` ("tree": the head's, "draft_model_tree": a
-        draft model's)."""
+        draft model's, "dflash_tree": over a DFlash head's block)."""
         preset = SpecConfig.preset(platform, 1)
         top_k, depth = top_k or preset.top_k, depth or preset.depth
         most = max_nodes(top_k, depth)
@@ -141,10 +141,13 @@ class AutoPlan:
 
     @classmethod
     def for_target(cls, target: Target, draft: object = None) -> "AutoPlan":
-        """The plan for `target` and its `draft` (a head, or a `DraftModel`: its trees) on
-        the default device: on a CPU, the probe's size follows what bounds a verify of its
-        matrices (`cpu_probe_nodes`)."""
-        method = "draft_model_tree" if draft_kind(draft) == "model" else "tree"
+        """The plan for `target` and its `draft` (a head, a DFlash head or a `DraftModel`:
+        their trees) on the default device: on a CPU, the probe's size follows what bounds a
+        verify of its matrices (`cpu_probe_nodes`)."""
+        kind = draft_kind(draft)
+        dflash = kind == "head" and draft.config.kind == "dflash"
+        method = {"model": "draft_model_tree", "head": "dflash_tree" if dflash else "tree",
+                  None: "tree"}[kind]
         return cls.for_device(jax.default_backend(),
                               probe_nodes=cpu_probe_nodes(target.weight_dtype), method=method)
 

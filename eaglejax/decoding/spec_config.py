@@ -12,7 +12,7 @@ from eaglejax.decoding.tree import max_nodes, static_shape
 from eaglejax.errors import InputError
 
 Method = Literal["chain", "parallel", "tree", "parallel_tree", "static", "suffix",
-                 "draft_model", "draft_model_tree"]  # or a plug-in's
+                 "draft_model", "draft_model_tree", "dflash", "dflash_tree"]  # or a plug-in's
 
 
 def _positive_int(name: str, value: object, high: int) -> None:
@@ -63,7 +63,9 @@ class SpecConfig:
     method "static": a fixed tree of child-rank paths (`paths`), see `normalize_paths`.
     methods "draft_model" (a chain of K) and "draft_model_tree" (a dynamic tree): drafted
     by a smaller model of the target's tokenizer (`eaglejax.load_draft_model`) instead of
-    a head. Method "suffix": drafted from the context alone (`drafters.suffix`).
+    a head. Method "suffix": drafted from the context alone (`drafters.suffix`). Methods
+    "dflash" (a chain of K) and "dflash_tree" (a tree as "parallel_tree"'s): drafted from
+    one forward of a DFlash head (`drafters.dflash`).
     Any other method registered in `decoding.drafters` is sized by the fields of its
     shape (`drafters.base.SHAPES`: a chain's `num_draft_tokens`, a tree's `top_k`, `depth`
     and `total_tokens`, or `paths`).
@@ -139,6 +141,18 @@ class SpecConfig:
         return cls(method="suffix", top_k=top_k, depth=depth, total_tokens=total_tokens)
 
     @classmethod
+    def dflash(cls, num_draft_tokens: int = 7) -> "SpecConfig":
+        """A DFlash head's chain: the first K of its block's proposals (K < block size)."""
+        return cls(num_draft_tokens=num_draft_tokens, method="dflash")
+
+    @classmethod
+    def dflash_tree(cls, top_k: int = 4, depth: int = 7, total_tokens: int = 12
+                    ) -> "SpecConfig":
+        """A tree over a DFlash block's first `depth` proposals (as `parallel_tree` over a
+        P-EAGLE head's)."""
+        return cls(method="dflash_tree", top_k=top_k, depth=depth, total_tokens=total_tokens)
+
+    @classmethod
     def draft_model(cls, num_draft_tokens: int = 4) -> "SpecConfig":
         """A draft model's chain of K tokens (`drafters.draft_model`)."""
         return cls(num_draft_tokens=num_draft_tokens, method="draft_model")
@@ -175,12 +189,16 @@ class SpecConfig:
 
     @classmethod
     def default_for(cls, parallel_head: bool, platform: str, batch_size: int = 1, *,
-                    drafts_with: str | None = "head") -> "SpecConfig":
+                    drafts_with: str | None = "head", dflash_block: int = 0) -> "SpecConfig":
         """The shape a draft runs when none is asked for: a P-EAGLE head's parallel chain (K
-        of its paper on accelerators, 5 on a CPU), else `preset`, drafted by a draft model's
-        methods when `drafts_with` is "model"."""
+        of its paper on accelerators, 5 on a CPU), a DFlash head's chain (`dflash_block` > 0:
+        its whole block on accelerators, 7 tokens at most on a CPU), else `preset`, drafted
+        by a draft model's methods when `drafts_with` is "model"."""
         if parallel_head:
             return cls.parallel(5 if platform == "cpu" else 7)
+        if dflash_block:
+            return cls.dflash(min(dflash_block - 1, 7) if platform == "cpu" else
+                              dflash_block - 1)
         preset = cls.preset(platform, batch_size)
         return preset.drafted_by_model() if drafts_with == "model" else preset
 
@@ -234,9 +252,15 @@ class SpecConfig:
 
     @property
     def is_dynamic_tree(self) -> bool:
-        """EAGLE-2's dynamic tree, drafted by a head or a draft model: its best `n` nodes by
-        score come first, so a smaller tree's nodes are a prefix (`decoding.calibration`)."""
-        return self.method in ("tree", "draft_model_tree")
+        """EAGLE-2's dynamic tree, drafted by a head, a draft model or over a DFlash block:
+        its best `n` nodes by score come first, so a smaller tree's nodes are a prefix
+        (`decoding.calibration`)."""
+        return self.method in ("tree", "draft_model_tree", "dflash_tree")
+
+    @property
+    def is_dflash(self) -> bool:
+        """Drafted from a DFlash head's block (`draft_depth` of its proposals)."""
+        return self.method in ("dflash", "dflash_tree")
 
     @property
     def is_parallel(self) -> bool:

@@ -55,6 +55,14 @@ def check_speculation(draft: object, speculative: object) -> None:
                          f"pass {WEIGHTS_HINT[wants]}, not {needs[given]}")
 
 
+def default_shape(draft: Draft | DraftModel, platform: str, batch: int = 1) -> SpecConfig:
+    """What `draft` runs when no shape is asked for (`SpecConfig.default_for`)."""
+    dflash = isinstance(draft, Draft) and draft.config.kind == "dflash"
+    return SpecConfig.default_for(draft.parallel, platform, batch,
+                                  drafts_with=draft_kind(draft),
+                                  dflash_block=draft.config.block_size if dflash else 0)
+
+
 def resolve_speculation(target: "Target", draft: Draft | DraftModel | None,
                         speculative: SpecConfig | str | None, batch: int, *,
                         auto_by_default: bool) -> SpecConfig | str | None:
@@ -73,14 +81,21 @@ def resolve_speculation(target: "Target", draft: Draft | DraftModel | None,
                           f"target")
     if speculative is None:
         speculative = AUTO if auto_by_default and jax.process_count() == 1 else \
-            SpecConfig.default_for(draft.parallel, jax.default_backend(), batch,
-                                   drafts_with=draft_kind(draft))
+            default_shape(draft, jax.default_backend(), batch)
     if speculative == AUTO:
         if jax.process_count() > 1:
             raise InputError("speculative='auto' times this machine alone, and the processes "
                              "of a multi-process run must agree on one shape: pass a "
                              "SpecConfig")
         return AUTO
+    if isinstance(draft, Draft) and speculative.is_dflash != (draft.config.kind == "dflash"):
+        raise ConfigError(f"{speculative.describe()} and {draft.source} ({draft.config.kind} "
+                          f"head) do not go together: a DFlash head drafts with "
+                          f"SpecConfig.dflash or dflash_tree, and only it does")
+    if speculative.is_dflash and speculative.draft_depth >= draft.config.block_size:
+        raise ConfigError(f"{speculative.describe()}: {draft.source} fills blocks of "
+                          f"{draft.config.block_size} tokens, so it proposes at most "
+                          f"{draft.config.block_size - 1}")
     if speculative.is_parallel and not draft.parallel:
         raise ConfigError(f"{speculative.describe()} needs a P-EAGLE head (one with a mask "
                           f"token); {draft.source} drafts one token per forward: use "

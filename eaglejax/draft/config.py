@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from eaglejax.config import ModelConfig
 
-DraftKind = Literal["eagle3", "eagle1"]
+DraftKind = Literal["eagle3", "eagle1", "dflash"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +17,10 @@ class DraftConfig:
     `decoder` describes the head's decoder layers (its `vocab_size` is the target's V).
     `tap_layers` are target layers whose ENTERING residual streams are the head's input
     features (EAGLE-3); EAGLE-1/2 heads read the target's final normed hidden state and
-    have `tap_layers == ()`. A P-EAGLE head is an EAGLE-3 head with `mask_token_id`.
+    have `tap_layers == ()`. A P-EAGLE head is an EAGLE-3 head with `mask_token_id`. A
+    DFlash drafter (`kind` "dflash", `draft.dflash`) fills a block of `block_size` tokens
+    (the last accepted one, then `mask_token_id`) in one forward over its context's
+    projected taps; it shares the target's embedding and output head.
     """
 
     kind: DraftKind
@@ -31,13 +34,14 @@ class DraftConfig:
     norm_before_residual: bool = False  # vLLM: the first layer's residual is hidden_norm(x)
     own_embedding: bool = False  # the head ships embed_tokens instead of sharing the target's
     mask_token_id: int | None = None  # P-EAGLE: set for a head that drafts K tokens at once
+    block_size: int = 0  # DFlash: the block one forward fills (0 for other kinds)
 
     @property
     def parallel(self) -> bool:
         """A P-EAGLE head: besides the next token it proposes K-1 more from mask slots
         (`mask_token_id` embedded, the learned `mask_hidden` in place of target features),
         all in one forward."""
-        return self.mask_token_id is not None
+        return self.kind == "eagle3" and self.mask_token_id is not None
 
     @property
     def hidden_size(self) -> int:

@@ -78,7 +78,10 @@ class Draft:
         (tokens outside the draft vocabulary get -inf). Position t consumes
         `embed(token_ids[t])` and `features[t]` and predicts the token after
         `token_ids[t]`: to score a sequence x with target features f pass `x[:, 1:]` and
-        `f[:, :-1]`."""
+        `f[:, :-1]`. (A DFlash drafter proposes blocks instead: `eaglejax.draft.dflash`.)"""
+        if self.config.kind == "dflash":
+            raise InputError(f"{self.source} is a DFlash drafter: it proposes whole blocks "
+                             f"(eaglejax.draft.dflash.block_logits), not one token a step")
         tokens = self.target._token_array(token_ids)
         return _teacher_forced_logits(self.params, self.config, self.target.params, self.d2t,
                                       tokens, self._checked_features(tokens, features),
@@ -131,6 +134,35 @@ class Draft:
     def save(self, path: str) -> None:
         """Write the head in eaglejax's own format (a new or empty directory)."""
         write_head(self.config, self.params, self.d2t, self.source, path)
+
+
+def dflash_tap_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """DFlash's default taps: the outputs of `count` target layers spread from layer 1 to
+    layer L-3 (its authors' rule), as entering-layer ids (output of layer i = input of
+    i + 1)."""
+    if count == 1:
+        return (num_target_layers // 2 + 1,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (count - 1))) + 1 for i in range(count))
+
+
+def new_dflash_draft(target: "Target", *, num_layers: int = 2, block_size: int = 8,
+                     mask_token_id: int, seed: int = 0, scale: float = 0.02) -> Draft:
+    """A freshly initialised DFlash drafter for `target`: `num_layers` Qwen3-style layers of
+    the target's attention shape (q/k norms, no biases), filling blocks of `block_size`
+    (the last accepted token, then `mask_token_id`), tapping `num_layers` target layers."""
+    c = target.config
+    validation.integer("mask_token_id", mask_token_id, 0, c.vocab_size - 1)
+    validation.integer("block_size", block_size, 2)
+    decoder = dataclasses.replace(c, model_type="qwen3", num_layers=num_layers,
+                                  tie_word_embeddings=False, attention_bias=False,
+                                  qk_norm=True)
+    taps = dflash_tap_layers(c.num_layers, num_layers)
+    config = DraftConfig("dflash", decoder, c.vocab_size, c.hidden_size, taps,
+                         mask_token_id=mask_token_id, block_size=block_size)
+    params = init_params(config, jax.random.PRNGKey(seed), dtype=target.dtype, scale=scale)
+    return Draft(config, params, jnp.zeros((c.vocab_size,), jnp.int32), target,
+                 f"new-dflash-seed{seed}")
 
 
 def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from eaglejax.draft import dflash
 from eaglejax.draft.config import DraftConfig
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.kv_cache import KVCache
@@ -40,7 +41,9 @@ class DraftOutput(NamedTuple):
 def param_info(config: DraftConfig) -> Params:
     """Every head parameter's `ParamInfo` (PyTorch [out, in] layout, like the target's), in
     the same tree structure as the params: the decoder's layers (the first without its
-    input norm) and the head's own parameters."""
+    input norm) and the head's own parameters (a DFlash drafter's: `dflash.param_info`)."""
+    if config.kind == "dflash":
+        return dflash.param_info(config)
     d = config.decoder
     h = d.hidden_size
     decoder = decoder_info(d)

@@ -11,6 +11,7 @@ import numpy as np
 
 from eaglejax.draft.draft import Draft
 from eaglejax.draft.formats import READERS
+from eaglejax.draft.formats.dflash import is_dflash
 from eaglejax.draft.formats.native import FORMAT, manifest_format
 from eaglejax.draft.formats.speculators import is_speculators
 from eaglejax.errors import LoadError
@@ -25,8 +26,8 @@ _EAGLE1_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 
 
 def detect_format(path: Path) -> tuple[str, "HFWeights | None"]:
-    """The layout of a head directory ("eaglejax", "speculators", "eagle3" or "eagle1"), and
-    its opened weights when they had to be looked at."""
+    """The layout of a head directory ("eaglejax", "dflash", "speculators", "eagle3" or
+    "eagle1"), and its opened weights when they had to be looked at."""
     found = manifest_format(path)
     if found == FORMAT:
         return "eaglejax", None
@@ -38,6 +39,8 @@ def detect_format(path: Path) -> tuple[str, "HFWeights | None"]:
                         f"eaglejax head (its save was interrupted, or the manifest was deleted)")
     cfg = read_json(path / "config.json")
     archs = cfg.get("architectures") or []
+    if is_dflash(cfg):
+        return "dflash", None
     if is_speculators(cfg):
         return "speculators", None
     if "draft_vocab_size" in cfg or any(a in _EAGLE3_ARCHS for a in archs):
@@ -51,13 +54,14 @@ def detect_format(path: Path) -> tuple[str, "HFWeights | None"]:
     if "fc.weight" in names and any(n.startswith("layers.") for n in names):
         return "eagle1", weights
     raise LoadError(f"{path}: not a draft head eaglejax recognises (EAGLE-1/2, EAGLE-3 "
-                    f"reference/SpecForge, speculators or eaglejax format)")
+                    f"reference/SpecForge, speculators, DFlash or eaglejax format)")
 
 
 def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | None = None,
                weight_dtype: jnp.dtype | str | None = None) -> Draft:
     """Load a draft head for `target`, auto-detecting its layout (eaglejax directory,
-    speculators, SpecForge/reference EAGLE-3, EAGLE-1/2) and checking it against the target.
+    speculators, SpecForge/reference EAGLE-3, EAGLE-1/2, DFlash from z-lab or speculators)
+    and checking it against the target.
 
     Parameters are cast to `dtype`, by default the target's compute dtype; the matrices are
     stored in `weight_dtype`, by default in `dtype`, or as the target stores its own where it

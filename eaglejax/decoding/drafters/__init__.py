@@ -6,6 +6,7 @@ checks every registered drafter."""
 
 from eaglejax.decoding.drafters import (  # noqa: F401  (each registers its method)
     chain,
+    dflash,
     draft_model,
     dynamic_tree,
     parallel,

@@ -4,6 +4,7 @@ Every reader maps a head directory to `(DraftConfig, params, d2t)`: params match
 `eaglejax.draft.head.param_shapes(config)` and d2t int32 [DV], checked against the target.
 """
 
+from eaglejax.draft.formats.dflash import read_dflash
 from eaglejax.draft.formats.eagle1 import read_eagle1
 from eaglejax.draft.formats.native import read_native, save_draft
 from eaglejax.draft.formats.reference import export_reference, read_reference
@@ -14,6 +15,7 @@ READERS = {
     "speculators": read_speculators,
     "eagle3": read_reference,
     "eagle1": read_eagle1,
+    "dflash": read_dflash,
 }
 WRITERS = {
     "eaglejax": save_draft,
@@ -21,5 +23,6 @@ WRITERS = {
     "speculators": export_speculators,
 }
 
-__all__ = ["READERS", "WRITERS", "export_reference", "export_speculators", "read_eagle1",
+__all__ = ["READERS", "WRITERS", "export_reference", "export_speculators", "read_dflash",
+           "read_eagle1",
            "read_native", "read_reference", "read_speculators", "save_draft"]

@@ -1,0 +1,77 @@
+"""DFlash drafters (block diffusion drafting, arXiv 2602.06036) as pure functions over a
+parameter dict.
+
+A DFlash drafter is a stack of decoder layers of the target's kind (Qwen3-style: per-head
+q/k norms) with no embedding and no output head of its own: it embeds with the target's
+table and reads out with the target's head. The target's taps at each committed position
+are projected once into a context vector, `ctx = hidden_norm(fc(taps))`, from which every
+layer takes that position's key and value directly (`k_norm(k_proj(ctx))` rotated at the
+position, `v_proj(ctx)`; no input norm, and the layers never update ctx): the drafter's
+cache holds those context keys and values (`context_kv`). A round fills one block: the
+last accepted token, then `block_size - 1` mask tokens, at the positions after the
+context; each block token sees the whole context and the whole block (no causal mask), and
+slots 1.. propose the next `block_size - 1` tokens at once (`block_logits`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from eaglejax.draft.config import DraftConfig
+from eaglejax.models.attention import AttentionImpl
+from eaglejax.models.kv_cache import KVCache
+from eaglejax.models.llama import (
+    ParamInfo, Params, compute_dtype, forward, linear, lm_head,
+    param_info as decoder_info, rms_norm, rope_for)
+from eaglejax.models.rope import apply_rope
+
+
+def param_info(config: DraftConfig) -> Params:
+    """Every DFlash parameter's `ParamInfo`: `fc` [H, taps x H_target], `hidden_norm`, the
+    decoder layers and `final_norm` (the embedding and output head are the target's)."""
+    decoder = decoder_info(config.decoder)
+    norm = decoder["final_norm"]
+    return {"fc": ParamInfo((config.hidden_size, config.feature_size), ("embed", "features")),
+            "hidden_norm": norm, "layers": decoder["layers"], "final_norm": norm}
+
+
+def context_kv(params: Params, config: DraftConfig, features: jax.Array,
+               positions: jax.Array) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Every layer's keys and values [B,T,kv,D] of context positions [B,T] with target taps
+    features [B,T,F]: one projection of each layer's key and value weights over ctx (the
+    query rows of `wqkv` are never multiplied)."""
+    d = config.decoder
+    ctx = rms_norm(linear(features.astype(compute_dtype(params)), params["fc"]),
+                   params["hidden_norm"], d.rms_norm_eps)
+    cos, sin = rope_for(d, positions)  # [B,T,1,D]
+    batch, t_new, _ = ctx.shape
+    keys, values = [], []
+    for layer in params["layers"]:
+        kv_rows = layer["wqkv"][:, -2:]  # [kv, 2, D, H]: each KV head's key, then its value
+        kv = linear(ctx, kv_rows.reshape(-1, kv_rows.shape[-1]))
+        kv = kv.reshape(batch, t_new, d.num_kv_heads, 2, d.head_dim)
+        if d.attention_bias:
+            kv = kv + layer["bqkv"][:, -2:]
+        k, v = kv[..., 0, :], kv[..., 1, :]
+        if d.qk_norm:
+            k = rms_norm(k, layer["k_norm"], d.rms_norm_eps)
+        keys.append(apply_rope(k, cos, sin))
+        values.append(v)
+    return tuple(keys), tuple(values)
+
+
+def block_logits(params: Params, config: DraftConfig, target_params: Params,
+                 tokens: jax.Array, positions: jax.Array, cache: KVCache,
+                 attn_impl: AttentionImpl = "auto") -> jax.Array:
+    """Target-vocabulary logits [B,T-1,V] proposed by block slots 1.. for a block of tokens
+    [B,T] (the last accepted token, then mask tokens) at positions [B,T], over the context
+    keys and values in `cache` (every block token sees the whole context and the block)."""
+    batch, width = tokens.shape
+    model = {"embed": target_params["embed"], "layers": params["layers"],
+             "final_norm": params["final_norm"]}
+    everywhere = jnp.ones((batch, width, width), bool)
+    out = forward(model, config.decoder, tokens, positions, cache, mask=everywhere,
+                  attn_impl=attn_impl)
+    return lm_head(target_params, out.hidden[:, 1:])
+

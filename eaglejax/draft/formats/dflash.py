@@ -1,0 +1,113 @@
+"""DFlash drafters in the layouts they are published in.
+
+z-lab (the authors' checkpoints, read by vLLM and SGLang): `config.json` is the drafter's own
+Qwen3 config (`num_hidden_layers`: the drafter's layers) plus `block_size` (top level, or in
+`dflash_config`), `dflash_config.mask_token_id` and `dflash_config.target_layer_ids`
+(0-based target layers whose OUTPUTS are tapped: eaglejax's entering-layer taps + 1).
+speculators (`speculators_model_type: "dflash"`): `transformer_layer_config` (the drafter's
+layers), `block_size`, `mask_token_id`, `aux_hidden_state_layer_ids` (hidden-state indices:
+eaglejax's taps as they are) and `draft_vocab_size` (the target's: a reduced draft
+vocabulary is not read yet). Weights in both: `fc.weight` [H, taps x H], `hidden_norm`,
+`norm` and Qwen3 layers `layers.N.*` with q/k norms; no embedding, no output head (the
+target's serve), an `embed_tokens.weight` copy of the target's table is ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from eaglejax.config import ModelConfig
+from eaglejax.draft.config import DraftConfig
+from eaglejax.draft.formats.common import (
+    ReadResult, check_tensors, layer_ids, open_weights, parse_decoder, read_head_config,
+    validate, weights_source)
+from eaglejax.errors import ConfigError
+from eaglejax.loading.weights import hf_layer_shapes, layer_params_from_hf
+
+if TYPE_CHECKING:
+    from eaglejax.loading.hf_dir import HFWeights
+
+IGNORED = ("embed_tokens.weight", "d2t", "t2d")
+
+
+def is_dflash(cfg: Mapping[str, Any]) -> bool:
+    """Whether a head's config.json describes a DFlash drafter (either layout)."""
+    archs = cfg.get("architectures") or []
+    return (cfg.get("speculators_model_type") == "dflash" or "dflash_config" in cfg
+            or any("DFlash" in str(a) for a in archs))
+
+
+def _positive(cfg: Mapping[str, Any], key: str, source: str) -> int:
+    value = cfg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+        raise ConfigError(f"{source}: {key!r} must be an integer >= 2, got {value!r}")
+    return value
+
+
+def dflash_config(cfg: Mapping[str, Any], source: str, target: ModelConfig) -> DraftConfig:
+    """The DraftConfig of a DFlash config.json in either layout (module docstring)."""
+    if cfg.get("speculators_model_type") == "dflash":
+        layer_cfg = cfg.get("transformer_layer_config")
+        if not isinstance(layer_cfg, dict):
+            raise ConfigError(f"{source}: missing 'transformer_layer_config' object")
+        decoder = parse_decoder(layer_cfg, f"{source} (transformer_layer_config)")
+        taps = layer_ids(cfg.get("aux_hidden_state_layer_ids"), source,
+                         "aux_hidden_state_layer_ids")
+        where, block_key, mask = cfg, "block_size", cfg.get("mask_token_id")
+        if cfg.get("sample_from_anchor"):
+            raise ConfigError(f"{source}: 'sample_from_anchor: true' is not supported (the "
+                              f"block's first slot holds the last accepted token)")
+        draft_vocab = cfg.get("draft_vocab_size", decoder.vocab_size)
+        if draft_vocab != decoder.vocab_size:
+            raise ConfigError(f"{source}: draft_vocab_size {draft_vocab} != vocab_size "
+                              f"{decoder.vocab_size}: a reduced draft vocabulary is not "
+                              f"supported for DFlash")
+    else:
+        decoder = parse_decoder(cfg, source)
+        section = cfg.get("dflash_config") or {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"{source}: 'dflash_config' must be an object")
+        outputs = layer_ids(section.get("target_layer_ids"), source,
+                            "dflash_config.target_layer_ids")
+        taps = None if outputs is None else tuple(i + 1 for i in outputs)
+        where = cfg if "block_size" in cfg else section
+        block_key, mask = "block_size", section.get("mask_token_id")
+    if taps is None:
+        raise ConfigError(f"{source}: the tapped target layers are missing "
+                          f"('dflash_config.target_layer_ids' or 'aux_hidden_state_layer_ids')")
+    if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < target.vocab_size:
+        raise ConfigError(f"{source}: the mask token id must be a token of the target's "
+                          f"vocabulary [0, {target.vocab_size}), got {mask!r}")
+    return DraftConfig("dflash", decoder, decoder.vocab_size, target.hidden_size, taps,
+                       mask_token_id=mask, block_size=_positive(where, block_key, source))
+
+
+def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight tensor a DFlash drafter of `config` has, with its PyTorch shape."""
+    h = config.hidden_size
+    shapes = {"fc.weight": (h, config.feature_size), "hidden_norm.weight": (h,),
+              "norm.weight": (h,)}
+    for i in range(config.decoder.num_layers):
+        shapes.update({f"layers.{i}.{k}": s for k, s in hf_layer_shapes(config.decoder).items()})
+    return shapes
+
+
+def read_dflash(path: Path, target: ModelConfig, weights: "HFWeights | None" = None
+                ) -> ReadResult:
+    """(config, float32 params, int32 d2t) of a DFlash drafter directory."""
+    cfg, source = read_head_config(path)
+    config = dflash_config(cfg, source, target)
+    weights = open_weights(path, weights)
+    shapes = {k: v for k, v in weights.shapes().items() if k not in IGNORED}
+    check_tensors(shapes, expected_shapes(config), weights_source(path))
+    f32 = lambda name: np.asarray(weights.get(name), np.float32)  # noqa: E731
+    layers = [layer_params_from_hf(config.decoder, lambda n, i=i: weights.get(f"layers.{i}.{n}"))
+              for i in range(config.decoder.num_layers)]
+    params = {"fc": f32("fc.weight"), "hidden_norm": f32("hidden_norm.weight"),
+              "layers": layers, "final_norm": f32("norm.weight")}
+    d2t = np.zeros((config.draft_vocab_size,), np.int32)
+    validate(config, params, d2t, target, source, "the tapped layers")
+    return config, params, d2t
