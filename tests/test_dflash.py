@@ -116,7 +116,8 @@ def _proposals(draft, target, context: list[int], root: int) -> np.ndarray:
     cache = kv_cache.append(cache, keys, values, jnp.array([len(context)]))
     tokens = jnp.array([[root] + [MASK] * (BLOCK - 1)])
     positions = len(context) + jnp.arange(BLOCK)[None]
-    return np.asarray(block_logits(draft.params, c, target.params, tokens, positions, cache))[0]
+    logits, _ = block_logits(draft.params, c, target.params, tokens, positions, cache)
+    return np.asarray(logits)[0]
 
 
 @pytest.mark.parametrize("layout", ["z-lab", "speculators"])

@@ -109,6 +109,24 @@ def test_a_draft_model_round_reads_the_draft_model_k_times(tiny_report):
     assert 4 * weights <= extra <= 1.2 * 4 * (weights + cache), (extra, weights, cache)
 
 
+def test_a_dflash_round_reads_its_drafter_and_the_output_head_once(tiny_report):
+    """One DFlash forward a round: the drafter's weights once, and the target's output head
+    once more for the block's proposals (besides the target's verify); its cache's reads
+    and writes (counted up to about twice on these tiny shapes) stay far below a second
+    read of the drafter, let alone the 15 a chain of single steps would take."""
+    rows = {r["program"]: r for r in tiny_report["rows"]
+            if r["device"] == "h100" and r["batch"] == 1}
+    extra = (rows["DFlash 5 layers, dflash K=15"]["gb_accessed"]
+             - rows["plain step"]["gb_accessed"]) * 1e9
+    config = roofline.dflash_head(TINY)
+    drafter = 2 * sum(math.prod(i.shape) for i in jax.tree.leaves(
+        head.param_info(config), is_leaf=llama.is_param_info))
+    output_head = embed_bytes(TINY)
+    cache = cache_bytes(TINY, 1, 1024, config.decoder.num_layers)
+    assert drafter + output_head <= extra <= 2 * (drafter + output_head + cache), (
+        extra, drafter, output_head, cache)
+
+
 def test_8b_decode_step_matches_its_weights():
     # The real shapes (about 10 s): the step moves the weights (less the embedding table)
     # and the 1024-token cache, and does 2 FLOPs per weight plus the attention's.
@@ -164,7 +182,7 @@ def tiny_report():
 
 def test_report_rows_follow_the_roofline(tiny_report):
     rows = tiny_report["rows"]
-    assert len(rows) == 2 * 2 * 4  # batches x devices x programs
+    assert len(rows) == 2 * 2 * 5  # batches x devices x programs
     for row in rows:
         dev = roofline.DEVICES[row["device"]]
         t = max(row["gb_accessed"] * 1e9 / dev.bandwidth, row["gflops"] * 1e9 / dev.peak_flops)
@@ -172,7 +190,7 @@ def test_report_rows_follow_the_roofline(tiny_report):
         assert row["tokens_per_s"] == pytest.approx(row["batch"] * row["accept_length"] / t)
     plain = [r for r in rows if r["program"] == "plain step"]
     assert all(r["speedup"] == 1.0 and r["accept_length"] == 1.0 for r in plain)
-    assert {r["accept_length"] for r in rows} == {1.0, 3.5, 6.0}
+    assert {r["accept_length"] for r in rows} == {1.0, 3.5, 5.0, 6.0}
     a = tiny_report["assumptions"]
     assert (a["chain"], a["parallel"], a["tree"]) == (
         "chain K=5", "parallel K=5", "tree top_k=10 depth=6 total=60")
@@ -218,6 +236,7 @@ def test_cli_prints_the_table(tiny_models, capsys):
     assert "plain step" in out and "tree top_k=10 depth=6 total=60" in out
     assert "h100" in out and "AL 3.5 for chain K=5" in out
     assert "Llama-3.2-1B draft_model K=4" in out and "AL 3.0 for Llama-3.2-1B" in out
+    assert "DFlash 5 layers, dflash K=15" in out and "AL 5.0 for DFlash dflash K=15" in out
     assert "published" in out and "158.34" in out and "373.25" in out
     assert "tpu-v5e" not in out.split("assumptions")[0]
 

@@ -27,6 +27,16 @@ from eaglejax.models.llama import (
 from eaglejax.models.rope import apply_rope
 
 
+def default_taps(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """DFlash's default taps: the outputs of `count` target layers spread from layer 1 to
+    layer L-3 (its authors' rule), as entering-layer ids (the output of layer i enters
+    layer i + 1)."""
+    if count == 1:
+        return (num_target_layers // 2 + 1,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (count - 1))) + 1 for i in range(count))
+
+
 def param_info(config: DraftConfig) -> Params:
     """Every DFlash parameter's `ParamInfo`: `fc` [H, taps x H_target], `hidden_norm`, the
     decoder layers and `final_norm` (the embedding and output head are the target's)."""
@@ -63,15 +73,17 @@ def context_kv(params: Params, config: DraftConfig, features: jax.Array,
 
 def block_logits(params: Params, config: DraftConfig, target_params: Params,
                  tokens: jax.Array, positions: jax.Array, cache: KVCache,
-                 attn_impl: AttentionImpl = "auto") -> jax.Array:
+                 attn_impl: AttentionImpl = "auto") -> tuple[jax.Array, KVCache]:
     """Target-vocabulary logits [B,T-1,V] proposed by block slots 1.. for a block of tokens
     [B,T] (the last accepted token, then mask tokens) at positions [B,T], over the context
-    keys and values in `cache` (every block token sees the whole context and the block)."""
+    keys and values in `cache` (every block token sees the whole context and the block);
+    and the cache with the block's rows staged past its valid prefix (lengths unchanged:
+    keeping it rather than the input spares a copy of the cache)."""
     batch, width = tokens.shape
     model = {"embed": target_params["embed"], "layers": params["layers"],
              "final_norm": params["final_norm"]}
     everywhere = jnp.ones((batch, width, width), bool)
     out = forward(model, config.decoder, tokens, positions, cache, mask=everywhere,
                   attn_impl=attn_impl)
-    return lm_head(target_params, out.hidden[:, 1:])
+    return lm_head(target_params, out.hidden[:, 1:]), out.cache
 

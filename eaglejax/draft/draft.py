@@ -12,6 +12,7 @@ import numpy as np
 
 from eaglejax import validation
 from eaglejax.draft.config import DraftConfig
+from eaglejax.draft.dflash import default_taps
 from eaglejax.draft.formats.native import write_head
 from eaglejax.draft.head import (
     draft_forward,
@@ -136,16 +137,6 @@ class Draft:
         write_head(self.config, self.params, self.d2t, self.source, path)
 
 
-def dflash_tap_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
-    """DFlash's default taps: the outputs of `count` target layers spread from layer 1 to
-    layer L-3 (its authors' rule), as entering-layer ids (output of layer i = input of
-    i + 1)."""
-    if count == 1:
-        return (num_target_layers // 2 + 1,)
-    span = num_target_layers - 4
-    return tuple(int(round(1 + i * span / (count - 1))) + 1 for i in range(count))
-
-
 def new_dflash_draft(target: "Target", *, num_layers: int = 2, block_size: int = 8,
                      mask_token_id: int, seed: int = 0, scale: float = 0.02) -> Draft:
     """A freshly initialised DFlash drafter for `target`: `num_layers` Qwen3-style layers of
@@ -157,7 +148,7 @@ def new_dflash_draft(target: "Target", *, num_layers: int = 2, block_size: int =
     decoder = dataclasses.replace(c, model_type="qwen3", num_layers=num_layers,
                                   tie_word_embeddings=False, attention_bias=False,
                                   qk_norm=True)
-    taps = dflash_tap_layers(c.num_layers, num_layers)
+    taps = default_taps(c.num_layers, num_layers)
     config = DraftConfig("dflash", decoder, c.vocab_size, c.hidden_size, taps,
                          mask_token_id=mask_token_id, block_size=block_size)
     params = init_params(config, jax.random.PRNGKey(seed), dtype=target.dtype, scale=scale)

@@ -7,6 +7,7 @@ import dataclasses
 
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
+from eaglejax.draft.dflash import default_taps
 from eaglejax.target import default_tap_layers
 
 # meta-llama/Llama-3.1-8B-Instruct's config.json (the fields eaglejax reads)
@@ -39,6 +40,18 @@ def llama31_8b(num_layers: int = 32) -> ModelConfig:
 def llama32_1b() -> ModelConfig:
     """Llama-3.2-1B's shapes (a draft model for Llama-3.1-8B: the same vocabulary)."""
     return ModelConfig.from_hf_dict(LLAMA32_1B, source="Llama-3.2-1B")
+
+
+def dflash_head(target: ModelConfig, num_layers: int = 5, block_size: int = 16) -> DraftConfig:
+    """A DFlash drafter's shape for `target` as its authors build them (z-lab/dflash): five
+    Qwen3-style layers of the target's attention shape (q/k norms), five taps spread over
+    the target's layers, blocks of 16; its embedding and output head are the target's."""
+    decoder = dataclasses.replace(target, model_type="qwen3", num_layers=num_layers,
+                                  tie_word_embeddings=False, attention_bias=False,
+                                  qk_norm=True)
+    return DraftConfig("dflash", decoder, target.vocab_size, target.hidden_size,
+                       default_taps(target.num_layers, num_layers),
+                       mask_token_id=target.vocab_size - 1, block_size=block_size)
 
 
 def eagle3_head(target: ModelConfig, draft_vocab: int = EAGLE3_DRAFT_VOCAB,

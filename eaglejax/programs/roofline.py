@@ -56,7 +56,7 @@ from eaglejax.draft.config import DraftConfig
 from eaglejax.errors import InputError
 from eaglejax.models import llama
 from eaglejax.programs import hlo
-from eaglejax.programs.reference import eagle3_head, llama31_8b, llama32_1b
+from eaglejax.programs.reference import dflash_head, eagle3_head, llama31_8b, llama32_1b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,17 +292,21 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
              tree_al: float = 6.0, efficiency: float = 1.0, attention: str = "fused",
              config: ModelConfig | None = None, draft: DraftConfig | None = None,
              draft_model: ModelConfig | None = None, draft_model_name: str = "Llama-3.2-1B",
-             model_chain: SpecConfig = SpecConfig.draft_model(4), model_chain_al: float = 3.0
+             model_chain: SpecConfig = SpecConfig.draft_model(4), model_chain_al: float = 3.0,
+             dflash: SpecConfig = SpecConfig.dflash(15), dflash_al: float = 5.0
              ) -> dict[str, Any]:
     """Predicted decode speed of the plain step, a chain round, a P-EAGLE parallel chain
-    round, a tree round and a draft model's chain round for every batch and device, as a
-    JSON-ready report.
+    round, a tree round, a DFlash block round and a draft model's chain round for every
+    batch and device, as a JSON-ready report.
 
     Defaults: Llama-3.1-8B and its public EAGLE-3 head (`llama31_8b`, `eagle3_head`), 1024
     cached tokens, chain K=5 at an assumed AL of 3.5, the same head drafting its K=5 tokens
     in one forward as a P-EAGLE head at the chain's AL unless `parallel_al` is given (the
     rounds then differ by their cost alone), a 60-node EAGLE-2 tree at AL 6.0 (the EAGLE-3
-    paper's Llama-3.1-8B figure, rounded), and Llama-3.2-1B drafting a chain of K=4 at an
+    paper's Llama-3.1-8B figure, rounded), a DFlash drafter of its authors' shape
+    (`dflash_head`: five layers, blocks of 16) drafting 15 tokens at an assumed AL of 5.0
+    (published: 3.3 on MT-bench and 5.0-6.4 on gsm8k for Qwen3-8B, 7.0 for Llama-3.1-8B on
+    gsm8k), and Llama-3.2-1B drafting a chain of K=4 at an
     assumed AL of 3.0 (about 0.75 of its tokens accepted in turn; with a given `config`,
     the draft model's row needs `draft_model`, named `draft_model_name`); `efficiency`
     scales both peaks (1.0: the pure roofline, an upper bound on speed); `attention` as in
@@ -325,7 +329,9 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
                 (parallel.describe(), parallel_al,
                  lambda b: spec_round_cost(config, parallel_draft, parallel, b, context)),
                 (tree.describe(), tree_al,
-                 lambda b: spec_round_cost(config, draft, tree, b, context))]
+                 lambda b: spec_round_cost(config, draft, tree, b, context)),
+                (f"DFlash 5 layers, {dflash.describe()}", dflash_al,
+                 lambda b: spec_round_cost(config, dflash_head(config), dflash, b, context))]
     if draft_model is not None:
         programs.append((f"{draft_model_name} {model_chain.describe()}", model_chain_al,
                          lambda b: spec_round_cost(config, draft_model, model_chain, b,
@@ -355,6 +361,7 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
                         "chain": chain.describe(), "chain_accept_length": chain_al,
                         "parallel": parallel.describe(), "parallel_accept_length": parallel_al,
                         "tree": tree.describe(), "tree_accept_length": tree_al,
+                        "dflash": dflash.describe(), "dflash_accept_length": dflash_al,
                         "draft_model": None if draft_model is None else
                         f"{draft_model_name} {model_chain.describe()}",
                         "draft_model_accept_length": model_chain_al,
@@ -380,7 +387,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines += ["", f"assumptions: {a['context_tokens']} cached tokens; {a['storage']}; "
                   f"{a['decoding']}; {a['attention']} attention; AL {a['chain_accept_length']} "
                   f"for {a['chain']}, AL {a['parallel_accept_length']} for {a['parallel']} "
-                  f"(the same head as P-EAGLE), AL {a['tree_accept_length']} for {a['tree']}"
+                  f"(the same head as P-EAGLE), AL {a['tree_accept_length']} for {a['tree']}, "
+                  f"AL {a['dflash_accept_length']} for DFlash {a['dflash']}"
                   + (f", AL {a['draft_model_accept_length']} for {a['draft_model']}"
                      if a["draft_model"] else "")
                   + f"; {a['efficiency']:.0%} of peak bandwidth and FLOPs"]

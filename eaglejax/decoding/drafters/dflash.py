@@ -37,16 +37,18 @@ class DFlashState(NamedTuple):
     logits: jax.Array
 
 
-def _next_block(head: Head, cache: kv_cache.KVCache, token: jax.Array) -> jax.Array:
-    """The proposals [B,S,V] of the block rooted at token [B] after the context cache."""
+def _next_block(head: Head, cache: kv_cache.KVCache, token: jax.Array) -> DFlashState:
+    """The state whose proposals [B,S,V] are the block's rooted at token [B] after the
+    context cache (the block's rows staged past the context: never read)."""
     c = head.config
     batch = token.shape[0]
     tokens = jnp.concatenate(
         [token[:, None], jnp.full((batch, c.block_size - 1), c.mask_token_id, jnp.int32)],
         axis=1)
     positions = cache.lengths[:, None] + jnp.arange(c.block_size)[None, :]
-    return block_logits(head.params, c, head.target_params, tokens, positions, cache,
-                        head.attn_impl)
+    logits, staged = block_logits(head.params, c, head.target_params, tokens, positions,
+                                  cache, head.attn_impl)
+    return DFlashState(staged, logits)
 
 
 class DFlashDrafter:
@@ -70,7 +72,7 @@ class DFlashDrafter:
         keys, values = context_kv(head.params, head.config, features, positions)
         cache = kv_cache.append(cache, keys, values, prompt_lengths)
         first = tokens[jnp.arange(batch), prompt_lengths]  # x_n, after the prompt
-        return DFlashState(cache, _next_block(head, cache, first))
+        return _next_block(head, cache, first)
 
     def draft(self, head: Head, state: DFlashState, token: jax.Array, spec: "SpecConfig",
               greedy: bool, sampling: SamplingParams, keys: jax.Array, vocab: int
@@ -95,8 +97,9 @@ class DFlashDrafter:
         grown = kv_cache.append(state.cache, keys, values, kept)
         cache = grown._replace(lengths=jnp.where(running, grown.lengths, lengths))
         newest = tokens[jnp.arange(batch), kept - 1]
-        logits = _next_block(head, cache, newest)
-        return DFlashState(cache, jnp.where(running[:, None, None], logits, state.logits))
+        following = _next_block(head, cache, newest)
+        return following._replace(logits=jnp.where(running[:, None, None], following.logits,
+                                                   state.logits))
 
 
 register("dflash")(DFlashDrafter(tree=False))
