@@ -87,8 +87,8 @@ def test_meshes_decode_like_one_device(tmp_path):
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # 4 shapes on tp=2 x dp=2 and 2 on each other mesh, sampled, the checkpoint and
-    # Target.on_mesh, replicated attention, a draft model, the Pallas kernel
-    assert proc.stdout.count("identical") == 10 + 1 + 2 + 1 + 1 + 1, proc.stdout
+    # Target.on_mesh, replicated attention, a draft model, DFlash, the Pallas kernel
+    assert proc.stdout.count("identical") == 10 + 1 + 2 + 1 + 1 + 1 + 1, proc.stdout
 
 
 # ------------------------------------------------------------ the 8-device subprocess
@@ -200,6 +200,15 @@ def _run_meshes(directory: Path) -> None:
                             speculative=SpecConfig.draft_model_tree(3, 3, 8), **kwargs)
     assert [o.token_ids for o in got] == expected[0]
     print("identical draft model on tp=2 dp=2")
+    # a DFlash head (replicated, its context cache whole on every device) on the same mesh
+    from eaglejax.draft.draft import new_dflash_draft
+
+    dflash = new_dflash_draft(eaglejax.load_target(directory / "kv2"), block_size=6,
+                              mask_token_id=VOCAB - 1, seed=3, scale=0.05).for_target(target)
+    got = eaglejax.generate(prompts, target=target, draft=dflash,
+                            speculative=SpecConfig.dflash_tree(3, 3, 8), **kwargs)
+    assert [o.token_ids for o in got] == expected[0]
+    print("identical DFlash on tp=2 dp=2")
     # the Pallas kernel inside shard_map (interpret mode here) on tp=4 x dp=2
     mesh = eaglejax.make_mesh(tp=4, dp=2)
     target = dataclasses.replace(eaglejax.load_target(directory / "kv2", mesh=mesh),
