@@ -96,17 +96,20 @@ def test_a_draft_model_round_reads_the_draft_model_k_times(tiny_report):
     """A draft model's chain of K runs the model K times a round (the catch-up's forward
     over the accepted block, then K-1 single steps): K reads of its weights and cache on
     top of the target's verify."""
-    report = roofline.roofline(["h100"], batches=(1,), context=CONTEXT, config=TINY,
-                               draft=TINY_HEAD, draft_model=TINY_DRAFT_MODEL,
-                               draft_model_name="tiny", model_chain_al=2.5)
+    # the report's context: every other program's cost is cached by `tiny_report`
+    report = roofline.roofline(["h100"], batches=(1,), config=TINY, draft=TINY_HEAD,
+                               draft_model=TINY_DRAFT_MODEL, draft_model_name="tiny",
+                               model_chain_al=2.5)
     rows = {r["program"]: r for r in report["rows"]}
     row = rows["tiny draft_model K=4"]
     assert row["accept_length"] == 2.5 and report["assumptions"]["draft_model"] == \
         "tiny draft_model K=4"
     extra = (row["gb_accessed"] - rows["plain step"]["gb_accessed"]) * 1e9
     weights = roofline.parameter_bytes(TINY_DRAFT_MODEL) - embed_bytes(TINY_DRAFT_MODEL)
-    cache = cache_bytes(TINY_DRAFT_MODEL, 1, CONTEXT, TINY_DRAFT_MODEL.num_layers)
-    assert 4 * weights <= extra <= 1.2 * 4 * (weights + cache), (extra, weights, cache)
+    cache = cache_bytes(TINY_DRAFT_MODEL, 1, 1024, TINY_DRAFT_MODEL.num_layers)
+    # K reads of the weights at least; with the caches read (and the scratch copy the
+    # chain's steps write into), still short of K + 2 = 6 forwards' worth
+    assert 4 * weights <= extra <= 6 * (weights + cache), (extra, weights, cache)
 
 
 def test_a_dflash_round_reads_its_drafter_and_the_output_head_once(tiny_report):

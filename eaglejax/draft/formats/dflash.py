@@ -34,10 +34,13 @@ IGNORED = ("embed_tokens.weight", "d2t", "t2d")
 
 
 def is_dflash(cfg: Mapping[str, Any]) -> bool:
-    """Whether a head's config.json describes a DFlash drafter (either layout)."""
+    """Whether a head's config.json describes a DFlash drafter (either layout; a P-EAGLE
+    head may name its mask token under `dflash_config` too, but has no block size)."""
     archs = cfg.get("architectures") or []
-    return (cfg.get("speculators_model_type") == "dflash" or "dflash_config" in cfg
-            or any("DFlash" in str(a) for a in archs))
+    section = cfg.get("dflash_config")
+    sized = "block_size" in cfg or (isinstance(section, dict) and "block_size" in section)
+    return (cfg.get("speculators_model_type") == "dflash"
+            or any("DFlash" in str(a) for a in archs) or (section is not None and sized))
 
 
 def _positive(cfg: Mapping[str, Any], key: str, source: str) -> int:
