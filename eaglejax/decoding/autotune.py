@@ -145,8 +145,8 @@ class AutoPlan:
         their trees) on the default device: on a CPU, the probe's size follows what bounds a
         verify of its matrices (`cpu_probe_nodes`)."""
         kind = draft_kind(draft)
-        dflash = kind == "head" and draft.config.kind == "dflash"
-        method = {"model": "draft_model_tree", "head": "dflash_tree" if dflash else "tree",
+        method = {"model": "draft_model_tree",
+                  "head": "dflash_tree" if kind and draft.dflash else "tree",
                   None: "tree"}[kind]
         return cls.for_device(jax.default_backend(),
                               probe_nodes=cpu_probe_nodes(target.weight_dtype), method=method)

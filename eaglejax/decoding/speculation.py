@@ -57,10 +57,9 @@ def check_speculation(draft: object, speculative: object) -> None:
 
 def default_shape(draft: Draft | DraftModel, platform: str, batch: int = 1) -> SpecConfig:
     """What `draft` runs when no shape is asked for (`SpecConfig.default_for`)."""
-    dflash = isinstance(draft, Draft) and draft.config.kind == "dflash"
     return SpecConfig.default_for(draft.parallel, platform, batch,
                                   drafts_with=draft_kind(draft),
-                                  dflash_block=draft.config.block_size if dflash else 0)
+                                  dflash_block=draft.config.block_size if draft.dflash else 0)
 
 
 def resolve_speculation(target: "Target", draft: Draft | DraftModel | None,
@@ -88,7 +87,7 @@ def resolve_speculation(target: "Target", draft: Draft | DraftModel | None,
                              "of a multi-process run must agree on one shape: pass a "
                              "SpecConfig")
         return AUTO
-    if isinstance(draft, Draft) and speculative.is_dflash != (draft.config.kind == "dflash"):
+    if speculative.is_dflash != draft.dflash:
         raise ConfigError(f"{speculative.describe()} and {draft.source} ({draft.config.kind} "
                           f"head) do not go together: a DFlash head drafts with "
                           f"SpecConfig.dflash or dflash_tree, and only it does")

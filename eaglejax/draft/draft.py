@@ -73,6 +73,11 @@ class Draft:
         """Whether this is a P-EAGLE head (it drafts K tokens per forward)."""
         return self.config.parallel
 
+    @property
+    def dflash(self) -> bool:
+        """Whether this is a DFlash drafter (it fills a block per forward)."""
+        return self.config.kind == "dflash"
+
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray,
                features: np.ndarray | jax.Array) -> jax.Array:
         """Teacher-forced first-step draft logits [B,T,V] over the TARGET vocabulary

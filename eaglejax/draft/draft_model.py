@@ -82,7 +82,7 @@ class DraftModel:
     def source(self) -> str:
         return self.model.source
 
-    parallel = False  # drafts one token per forward
+    parallel = dflash = False  # drafts one token per forward
 
     def for_target(self, target: Target) -> "DraftModel":
         """This draft model for `target`, the same model placed elsewhere

@@ -16,19 +16,16 @@ and keeps its a+1 rows: the next round's first proposal comes out of the same fo
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from eaglejax.config import ModelConfig
-from eaglejax.decoding.drafters.base import Root, TreeProposal, register
+from eaglejax.decoding.drafters.base import HeadDrafter, register
 from eaglejax.decoding.drafters.chain import chain
 from eaglejax.decoding.drafters.dynamic_tree import dynamic_tree
 from eaglejax.decoding.prefill import prefill_target
-from eaglejax.decoding.sampling import SamplingParams
-from eaglejax.decoding.tree import Tree
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import ForwardOutput, Params, forward, lm_head
@@ -72,12 +69,10 @@ class ModelDraftState(NamedTuple):
     hidden: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelDrafter:
+class ModelDrafter(HeadDrafter):
     """A drafter over a draft model's state; `propose` drafts the tree from it as from an
-    EAGLE head's (`Root`)."""
+    EAGLE head's (`HeadDrafter.draft`: the state has the same fields)."""
 
-    propose: TreeProposal
     drafts_with = "model"
 
     def prefill(self, head: ModelHead, spec: "SpecConfig", tokens: jax.Array,
@@ -89,12 +84,6 @@ class ModelDrafter:
                                    heads_axis=None)
         hidden = prefilled.hidden[jnp.arange(tokens.shape[0]), prompt_lengths]
         return ModelDraftState(prefilled.cache, head.logits(hidden), hidden)
-
-    def draft(self, head: ModelHead, state: ModelDraftState, token: jax.Array,
-              spec: "SpecConfig", greedy: bool, sampling: SamplingParams, keys: jax.Array,
-              vocab: int) -> tuple[Tree, jax.Array | None]:
-        root = Root(token, state.logits, state.hidden, state.cache)
-        return self.propose(head, root, spec, greedy, sampling, keys, vocab)
 
     def catch_up(self, head: ModelHead, spec: "SpecConfig", state: ModelDraftState,
                  tokens: jax.Array, features: jax.Array, n_accepted: jax.Array,
