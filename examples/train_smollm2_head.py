@@ -92,6 +92,11 @@ REGEN = {"cpu": None, "cpu-decay": None, "cpu-more": None,
 CUT_REPEATS = {"cpu-distill": 8}  # see --cut-repeats in `eaglejax train-draft --help`
 CONTINUING = ("cpu-decay", "cpu-more", "cpu-distill")  # presets that continue a trained head
 EVAL_QUESTIONS = 8
+# --method dflash: a 2-layer drafter started from SmolLM2's last two layers, blocks of 8
+# (7 drafts a forward), 64 blocks per 512-token row, slot k weighted exp(-(k-1)/4)
+# (speculators' default for blocks of 8; SpecForge uses 7 for blocks of 16).
+DFLASH = dict(block_size=8, num_layers=2, num_anchors=64, loss_decay_gamma=4.0,
+              init_from_target=True)
 
 
 def main() -> None:
@@ -103,9 +108,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
     parser.add_argument("--max-conversations", type=int, default=None,
                         help="use the first N ShareGPT conversations (default: all 11,144)")
-    parser.add_argument("--method", choices=("eagle3", "peagle"), default="eagle3",
-                        help="the head to train: EAGLE-3 (chain drafts) or P-EAGLE (K tokens "
-                             "per forward)")
+    parser.add_argument("--method", choices=("eagle3", "peagle", "dflash"), default="eagle3",
+                        help="the head to train: EAGLE-3 (chain drafts), P-EAGLE (K tokens "
+                             "per forward) or DFlash (a block per forward)")
     parser.add_argument("--init-head", default=None,
                         help="the head to continue (required by cpu-decay: the cpu run's "
                              "head; by cpu-distill: the head to fine-tune)")
@@ -121,9 +126,11 @@ def main() -> None:
           f"{out / 'log.jsonl'}, the head in {out / 'head'}")
     print(f"regenerated conversations are cached in {default_cache_dir()}")
     target = eaglejax.load_target(TARGET)
-    if args.method == "peagle":
+    if args.method in ("peagle", "dflash"):
         mask_token_id = target.tokenizer.spare_special_token_id()
         config = dataclasses.replace(config, mask_token_id=mask_token_id)
+    if args.method == "dflash":
+        config = dataclasses.replace(config, **DFLASH)
     rows = prepare_rows(target, data, seq_len=config.seq_len,
                         max_conversations=args.max_conversations, regen=REGEN[args.preset],
                         cut_repeats=CUT_REPEATS.get(args.preset, 0))

@@ -143,10 +143,16 @@ class Draft:
 
 
 def new_dflash_draft(target: "Target", *, num_layers: int = 2, block_size: int = 8,
-                     mask_token_id: int, seed: int = 0, scale: float = 0.02) -> Draft:
+                     mask_token_id: int, seed: int = 0, scale: float = 0.02,
+                     from_target: bool = False) -> Draft:
     """A freshly initialised DFlash drafter for `target`: `num_layers` Qwen3-style layers of
     the target's attention shape (q/k norms, no biases), filling blocks of `block_size`
-    (the last accepted token, then `mask_token_id`), tapping `num_layers` target layers."""
+    (the last accepted token, then `mask_token_id`), tapping `num_layers` target layers.
+
+    `from_target` starts it from the target: its layers are copies of the target's last
+    `num_layers` (q/k norms at one), its final norm is the target's, and `fc` passes the
+    deepest tap through, so the context keys and values start as those last layers
+    compute them from the residual stream they read."""
     c = target.config
     validation.integer("mask_token_id", mask_token_id, 0, c.vocab_size - 1)
     validation.integer("block_size", block_size, 2)
@@ -157,8 +163,23 @@ def new_dflash_draft(target: "Target", *, num_layers: int = 2, block_size: int =
     config = DraftConfig("dflash", decoder, c.vocab_size, c.hidden_size, taps,
                          mask_token_id=mask_token_id, block_size=block_size)
     params = init_params(config, jax.random.PRNGKey(seed), dtype=target.dtype, scale=scale)
+    if from_target:
+        _start_from_target_layers(params, target, config)
     return Draft(config, params, jnp.zeros((c.vocab_size,), jnp.int32), target,
                  f"new-dflash-seed{seed}")
+
+
+def _start_from_target_layers(params: Params, target: "Target", config: DraftConfig) -> None:
+    """`new_dflash_draft(from_target=True)`'s initialisation, in place."""
+    h, deepest = target.config.hidden_size, int(np.argmax(config.tap_layers))
+    copy = functools.partial(jnp.array, dtype=target.dtype, copy=True)
+    last_layers = target.params["layers"][-config.decoder.num_layers:]
+    for layer, source in zip(params["layers"], last_layers):
+        layer.update({name: copy(source[name]) for name in layer if name in source})
+    params["final_norm"] = copy(target.params["final_norm"])
+    params["hidden_norm"] = copy(last_layers[0]["attn_norm"])
+    params["fc"] = jnp.zeros_like(params["fc"]).at[:, deepest * h:(deepest + 1) * h].set(
+        jnp.eye(h, dtype=target.dtype))
 
 
 def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,

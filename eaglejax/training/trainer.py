@@ -1,4 +1,5 @@
-"""The draft-head training loop (EAGLE-3, P-EAGLE): AdamW, a jitted TTT step, resumable runs.
+"""The draft-head training loop (EAGLE-3, P-EAGLE, DFlash): AdamW, a jitted step, resumable
+runs.
 
 The frozen target runs inside every step (its taps and next-token distributions are
 never stored). A run lives in one directory (see `run.py`); killed at any point, the
@@ -29,7 +30,7 @@ from tqdm import tqdm
 
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.draft.config import DraftConfig
-from eaglejax.draft.draft import Draft, new_eagle3_draft
+from eaglejax.draft.draft import Draft, new_dflash_draft, new_eagle3_draft
 from eaglejax.draft.head import to_target_ids
 from eaglejax.draft.loading import load_draft
 from eaglejax.errors import InputError, LoadError
@@ -41,6 +42,7 @@ from eaglejax.models.placement import replicate, split_rows
 from eaglejax.sharding.mesh import mesh_context
 from eaglejax.target import Target
 from eaglejax.training.data import PackedRows
+from eaglejax.training.block_objective import dflash_loss
 from eaglejax.training.run import append_log, open_run, read_log, truncate_log
 from eaglejax.training.ttt import Batch, peagle_loss, target_signal, ttt_loss
 from eaglejax.training.vocab import (
@@ -68,7 +70,12 @@ class TrainConfig:
     `new_eagle3_draft(from_target=True)`).
     `mask_token_id` trains a P-EAGLE head instead (`ttt.peagle_loss`): `ttt_length` mask
     depths, a share max(cod_rate^d, cod_floor) of roots at depth d, the mask token's own
-    embedding learned (`mask_embed`, starting from the target's row)."""
+    embedding learned (`mask_embed`, starting from the target's row).
+    `block_size` (with `mask_token_id`) trains a DFlash drafter of `num_layers` layers
+    (`block_objective.dflash_loss`): `num_anchors` blocks per row, slot k weighted
+    exp(-(k-1)/loss_decay_gamma); it reads out through the target's head, so
+    `draft_vocab_size`, `ttt_length` and `step_weight` do not apply; `init_from_target`
+    starts its layers from the target's last ones (`new_dflash_draft(from_target=True)`)."""
 
     seq_len: int = bounded(1024, "integer", 1, help="tokens per packed training row")
     batch_size: int = bounded(4, "integer", 1, help="rows per step")
@@ -96,17 +103,32 @@ class TrainConfig:
                                                      "evaluations (0: start and end only)")
     eval_max_new_tokens: int = bounded(64, "integer", 1,
                                        help="new tokens per evaluated question")
-    eval_num_draft_tokens: int = bounded(5, "integer", 1)
+    eval_num_draft_tokens: int = bounded(5, "integer", 1,
+                                         help="chain length evaluated (DFlash: its block)")
     log_every: int = bounded(10, "integer", 1)
     mask_token_id: int | None = bounded(None, "integer", 0)
     cod_rate: float = bounded(0.7, "real", 0.0, 1.0, low_open=True,
                               help="peagle: depth d is trained on a share cod_rate^d of roots")
     cod_floor: float = bounded(0.2, "real", 0.0, 1.0,
                                help="peagle: the least share of roots trained at any depth")
+    block_size: int = bounded(0, "integer", 0, help="dflash: the block a forward fills (the "
+                                                    "last accepted token, then masks)")
+    num_anchors: int = bounded(64, "integer", 1, help="dflash: blocks trained per row")
+    loss_decay_gamma: float = bounded(7.0, "real", 0.0, low_open=True,
+                                      help="dflash: block slot k's loss weight is "
+                                           "exp(-(k-1)/gamma)")
 
     def __post_init__(self):
         check_fields(self)
-        if self.seq_len < self.ttt_length + 3:
+        if self.block_size:
+            if self.block_size < 2 or self.mask_token_id is None:
+                raise InputError(f"a DFlash run needs block_size >= 2 and a mask_token_id, "
+                                 f"got {self.block_size} and {self.mask_token_id}")
+            if not self.block_size < self.seq_len or self.num_anchors > self.seq_len:
+                raise InputError(f"a DFlash run needs block_size < seq_len and num_anchors <= "
+                                 f"seq_len, got {self.block_size}, {self.num_anchors} and "
+                                 f"seq_len {self.seq_len}")
+        elif self.seq_len < self.ttt_length + 3:
             raise InputError(f"seq_len ({self.seq_len}) must be at least ttt_length + 3")
         if self.schedule not in SCHEDULES:
             raise InputError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
@@ -115,6 +137,13 @@ class TrainConfig:
                              "5% of steps, would change when the run is extended)")
         if self.warmup_steps is not None and not self.warmup_steps < self.steps:
             raise InputError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
+
+    @property
+    def method(self) -> str:
+        """"eagle3", "peagle" or "dflash": the drafter the run trains."""
+        if self.block_size:
+            return "dflash"
+        return "eagle3" if self.mask_token_id is None else "peagle"
 
     @property
     def warmup(self) -> int:
@@ -129,8 +158,14 @@ class TrainConfig:
         """The settings that determine the trained parameters (`steps` only bounds an
         extendable run)."""
         ignored = BOOKKEEPING + (("steps",) if self.extendable else ())
-        if self.mask_token_id is None:  # an EAGLE-3 run: as before P-EAGLE's settings existed
-            ignored += ("mask_token_id", "cod_rate", "cod_floor")
+        if self.method != "peagle":
+            ignored += ("cod_rate", "cod_floor")
+        if self.method == "eagle3":  # as before P-EAGLE's settings existed
+            ignored += ("mask_token_id",)
+        if self.method == "dflash":
+            ignored += ("ttt_length", "step_weight", "draft_vocab_size")
+        else:  # as before DFlash's settings existed
+            ignored += ("block_size", "num_anchors", "loss_decay_gamma")
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
 
     def core(self) -> TrainConfig:
@@ -184,6 +219,9 @@ def _train_step(draft_config: DraftConfig, target_config, config: TrainConfig, a
                                used, t2d, attn_impl)
 
         def loss_fn(params: Params):
+            if draft_config.kind == "dflash":
+                return dflash_loss(params, draft_config, target_params, batch, signal, key,
+                                   config.num_anchors, config.loss_decay_gamma)
             if draft_config.parallel:
                 return peagle_loss(params, draft_config, target_params, batch, signal,
                                    config.ttt_length, key, config.cod_rate, config.cod_floor)
@@ -216,8 +254,10 @@ def batch_rows(step: int, batch_size: int, num_rows: int, seed: int) -> np.ndarr
 def acceptance_length(draft: Draft, prompts: Sequence[str] | Sequence[Sequence[int]], *,
                       num_draft_tokens: int = 5, max_new_tokens: int = 64) -> float:
     """Mean greedy acceptance length (bonus token included) of `draft` over `prompts`,
-    decoded as one batch."""
-    method = "parallel" if draft.config.parallel else "chain"
+    decoded as one batch (a DFlash drafter drafts at most its block less one)."""
+    method = ("dflash" if draft.dflash else "parallel" if draft.parallel else "chain")
+    if draft.dflash:
+        num_draft_tokens = min(num_draft_tokens, draft.config.block_size - 1)
     results = generate(list(prompts), target=draft.target, draft=draft,
                        speculative=SpecConfig(num_draft_tokens=num_draft_tokens, method=method),
                        max_new_tokens=max_new_tokens)
@@ -227,14 +267,21 @@ def acceptance_length(draft: Draft, prompts: Sequence[str] | Sequence[Sequence[i
 
 def _draft_vocab(target: Target, rows: PackedRows, config: TrainConfig,
                  init_head: Draft | None) -> DraftVocab:
-    """The most frequent supervised tokens of `rows`, or `init_head`'s vocabulary (checked
-    against `config`)."""
+    """The most frequent supervised tokens of `rows` (DFlash: the whole vocabulary), or
+    `init_head`'s vocabulary (checked against `config`)."""
+    dflash = config.method == "dflash"
+    vocab_size = target.config.vocab_size
+    if init_head is None and dflash:
+        return vocab_from_used(np.arange(vocab_size), supervised_token_counts(rows, vocab_size))
     if init_head is None:
-        return select_draft_vocab(rows, target.config.vocab_size, config.draft_vocab_size)
+        return select_draft_vocab(rows, vocab_size, config.draft_vocab_size)
     c = init_head.config
-    wanted = {"kind": ("eagle3", c.kind), "draft_vocab_size": (config.draft_vocab_size,
-              c.draft_vocab_size), "num_layers": (config.num_layers, c.decoder.num_layers),
-              "mask_token_id": (config.mask_token_id, c.mask_token_id)}
+    wanted = {"kind": ("dflash" if dflash else "eagle3", c.kind),
+              "num_layers": (config.num_layers, c.decoder.num_layers),
+              "mask_token_id": (config.mask_token_id, c.mask_token_id),
+              "block_size": (config.block_size, c.block_size)}
+    if not dflash:
+        wanted["draft_vocab_size"] = (config.draft_vocab_size, c.draft_vocab_size)
     wrong = [f"{name} {have!r} (settings: {want!r})" for name, (want, have) in wanted.items()
              if want != have]
     if wrong:
@@ -245,7 +292,7 @@ def _draft_vocab(target: Target, rows: PackedRows, config: TrainConfig,
         raise InputError(f"init head {init_head.source} was loaded for a different target "
                          f"than {target.source}")
     used = to_target_ids(np.arange(c.draft_vocab_size), np.asarray(init_head.d2t))
-    return vocab_from_used(used, supervised_token_counts(rows, target.config.vocab_size))
+    return vocab_from_used(used, supervised_token_counts(rows, vocab_size))
 
 
 def _latest_checkpoint(out: Path) -> int:
@@ -353,9 +400,10 @@ def train(target: Target, rows: PackedRows, out: str | Path,
           config: TrainConfig = TrainConfig(), *,
           eval_prompts: Sequence[str] | Sequence[Sequence[int]] | None = None,
           init_head: Draft | None = None, progress: bool = True) -> TrainResult:
-    """Train an EAGLE-3 head for `target` on packed `rows`, in run directory `out`: a fresh
-    one, or (`init_head`) continue training an existing head, keeping its draft vocabulary
-    (fine-tuning, e.g. on the target's regenerated replies).
+    """Train a drafter for `target` on packed `rows` (an EAGLE-3, P-EAGLE or DFlash one:
+    `config.method`), in run directory `out`: a fresh one, or (`init_head`) continue
+    training an existing one, keeping its draft vocabulary (fine-tuning, e.g. on the
+    target's regenerated replies).
 
     Starting again with the same arguments resumes from the last checkpoint (a finished
     run just returns its head). With `eval_prompts` the greedy acceptance length of a K =
@@ -380,7 +428,12 @@ def train(target: Target, rows: PackedRows, out: str | Path,
         if finished == config.steps or not config.extendable:
             return TrainResult(load_draft(str(head_dir), target=target), read_log(out), out)
         head_dir.rename(out / f"head-step{finished}")  # the earlier head is kept
-    if init_head is None:
+    if init_head is None and config.method == "dflash":
+        draft = new_dflash_draft(target, num_layers=config.num_layers,
+                                 block_size=config.block_size,
+                                 mask_token_id=config.mask_token_id, seed=config.seed,
+                                 from_target=config.init_from_target)
+    elif init_head is None:
         draft = new_eagle3_draft(target, used_tokens=vocab.used, num_layers=config.num_layers,
                                  from_target=config.init_from_target, seed=config.seed,
                                  mask_token_id=config.mask_token_id)
@@ -417,7 +470,7 @@ def train(target: Target, rows: PackedRows, out: str | Path,
                    dynamic_ncols=True)
         bar.write(f"eaglejax train-draft: run {out}, checkpoints in {out / 'checkpoints'}; "
                   f"{len(rows)} rows of {config.seq_len} tokens; draft vocabulary "
-                  f"{config.draft_vocab_size} covers {vocab.coverage:.1%} of supervised tokens"
+                  f"{len(vocab.used)} covers {vocab.coverage:.1%} of supervised tokens"
                   + (f"; resuming at step {start}" if start else ""), file=sys.stderr)
         if eval_prompts and start == 0:
             bar.write(f"step 0: acceptance length {evaluate(0, state.params):.3f}",

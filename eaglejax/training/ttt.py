@@ -85,7 +85,7 @@ def target_signal(target_params: Params, target_config: ModelConfig, batch: Batc
 
 def ttt_attention(q: jax.Array, k0: jax.Array, v0: jax.Array, mask: jax.Array,
                   k_diag: jax.Array, v_diag: jax.Array) -> jax.Array:
-    """Query t [B,T,Hq,D] attends to k0/v0 [B,T,Hkv,D] where mask [B,T,T] allows and to its
+    """Query t [B,T,Hq,D] attends to k0/v0 [B,S,Hkv,D] where mask [B,T,S] allows and to its
     own n keys k_diag/v_diag [B,T,n,Hkv,D]; one float32 softmax over both; [B,T,Hq,D]."""
     batch, length, n_heads, head_dim = q.shape
     n_kv = k0.shape[2]
@@ -95,8 +95,9 @@ def ttt_attention(q: jax.Array, k0: jax.Array, v0: jax.Array, mask: jax.Array,
     scores0 = jnp.where(mask[:, None, None], scores0, -jnp.inf)
     scores_diag = jnp.einsum("btkgd,btnkd->bkgtn", q, k_diag.astype(f32))
     weights = jax.nn.softmax(jnp.concatenate([scores0, scores_diag], axis=-1), axis=-1)
-    out = (jnp.einsum("bkgts,bskd->btkgd", weights[..., :length], v0.astype(f32))
-           + jnp.einsum("bkgtn,btnkd->btkgd", weights[..., length:], v_diag.astype(f32)))
+    shared = k0.shape[1]
+    out = (jnp.einsum("bkgts,bskd->btkgd", weights[..., :shared], v0.astype(f32))
+           + jnp.einsum("bkgtn,btnkd->btkgd", weights[..., shared:], v_diag.astype(f32)))
     return out.reshape(batch, length, n_heads, head_dim).astype(v0.dtype)
 
 
