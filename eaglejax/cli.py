@@ -332,10 +332,11 @@ def _add_serve_args(commands) -> None:
 
 def _add_train_args(commands) -> None:
     train = commands.add_parser(
-        "train-draft", help="train an EAGLE-3 draft head for a target (resumable)",
-        description="Train an EAGLE-3 head with training-time test on ShareGPT-shaped "
-                    "conversations. Running the same command again resumes the run in --out; "
-                    "the head is written to OUT/head.")
+        "train-draft", help="train a draft head for a target: EAGLE-3, P-EAGLE or DFlash "
+                            "(resumable)",
+        description="Train a draft head (EAGLE-3 with training-time test, P-EAGLE, or a "
+                    "DFlash block drafter) on ShareGPT-shaped conversations. Running the same "
+                    "command again resumes the run in --out; the head is written to OUT/head.")
     train.add_argument("--target", default=DEFAULT_MODEL,
                        help=f"built-in name, GGUF file, Hugging Face directory or eaglejax "
                             f"checkpoint (default: {DEFAULT_MODEL})")
@@ -350,16 +351,23 @@ def _add_train_args(commands) -> None:
     train.add_argument("--schedule", choices=SCHEDULES, default=TrainConfig.schedule,
                        help="after warm-up: cosine decay to 10%% at --steps, or constant "
                             "(a constant run can be extended later by asking for more steps)")
-    train.add_argument("--method", choices=["eagle3", "peagle"], default="eagle3",
+    train.add_argument("--method", choices=["eagle3", "peagle", "dflash"], default="eagle3",
                        help="eagle3: a head drafting one token per forward (TTT over "
                             "--ttt-length steps); peagle: P-EAGLE, --ttt-length tokens per "
                             "forward (mask slots, depths sampled as --cod-rate^d, at least "
-                            "--cod-floor)")
+                            "--cod-floor); dflash: a --num-layers drafter filling blocks of "
+                            "--block-size (--num-anchors blocks per row) over the target's "
+                            "whole vocabulary")
     train.add_argument("--mask-token-id", type=int, default=None,
-                       help="peagle: the mask slots' token (default: the tokenizer's highest "
-                            "special token that text and chat turns never use)")
+                       help="peagle, dflash: the mask slots' token (default: the tokenizer's "
+                            "highest special token that text and chat turns never use)")
+    train.add_argument("--block-size", type=int, default=None,
+                       help="dflash: tokens per block, the last accepted one then masks "
+                            "(default: 8)")
     train.add_argument("--init-from-target", action="store_true",
-                       help="warm-start lm_head, final norm and fc from the target")
+                       help="warm-start from the target: an EAGLE-3 head's lm_head, final "
+                            "norm and fc; a DFlash drafter's layers (its last ones), final "
+                            "norm and fc")
     train.add_argument("--init-head", default=None, metavar="PATH",
                        help="continue training this EAGLE-3 head (any layout --draft reads), "
                             "keeping its draft vocabulary: fine-tuning or a decay phase")
@@ -389,7 +397,8 @@ _TRAIN_FLAGS = {
     **{name: (TrainConfig, name) for name in (
         "seq_len", "batch_size", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
         "ttt_length", "num_layers", "draft_vocab_size", "cod_rate", "cod_floor", "seed",
-        "checkpoint_every", "eval_every", "eval_max_new_tokens")},
+        "checkpoint_every", "eval_every", "eval_max_new_tokens", "num_anchors",
+        "loss_decay_gamma")},
     "regen_temperature": (RegenConfig, "temperature"),
     "regen_max_new_tokens": (RegenConfig, "max_new_tokens"),
     "regen_slots": (RegenConfig, "num_slots"),
@@ -534,7 +543,7 @@ def _train_draft(args: argparse.Namespace) -> None:
     regen = RegenConfig(args.regen_temperature, args.regen_max_new_tokens, args.seq_len,
                         args.regen_slots, args.seed) if args.regenerate else None
     target = load_target(args.target, dtype=args.dtype, mesh=_mesh(args))
-    if args.method == "peagle":
+    if args.method in ("peagle", "dflash"):
         mask = args.mask_token_id
         if mask is None:
             mask = target.tokenizer.spare_special_token_id()
@@ -542,8 +551,11 @@ def _train_draft(args: argparse.Namespace) -> None:
             raise InputError(f"{args.target}: its tokenizer has no spare special token to "
                              f"serve as the mask token; name one with --mask-token-id")
         validation.integer("--mask-token-id", mask, 0, target.config.vocab_size - 1)
-        config = dataclasses.replace(config, mask_token_id=mask, cod_rate=args.cod_rate,
-                                     cod_floor=args.cod_floor)
+        config = dataclasses.replace(config, mask_token_id=mask)
+    if args.method == "peagle":
+        config = dataclasses.replace(config, cod_rate=args.cod_rate, cod_floor=args.cod_floor)
+    if args.method == "dflash":
+        config = dataclasses.replace(config, block_size=args.block_size or DFLASH_BLOCK)
     rows = prepare_rows(target, args.data, seq_len=args.seq_len,
                         max_conversations=args.max_conversations, regen=regen,
                         regen_cache=args.regen_cache, cut_repeats=args.cut_repeats,
@@ -558,6 +570,7 @@ def _train_draft(args: argparse.Namespace) -> None:
     print(f"wrote {result.out / 'head'} (load it with --draft){al}")
 
 
+DFLASH_BLOCK = 8  # train-draft --method dflash's default block
 # Least values of train-draft's integer flags that set no config field.
 _TRAIN_MINIMUM = {"eval_questions": 0, "cut_repeats": 0, "max_conversations": 1}
 
@@ -572,8 +585,12 @@ def _check_train_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None:  # --max-conversations defaults to None
             validation.integer(validation.cli_flag(name), value, low)
-    if args.method != "peagle" and args.mask_token_id is not None:
-        raise InputError("--mask-token-id needs --method peagle")
+    if args.method == "eagle3" and args.mask_token_id is not None:
+        raise InputError("--mask-token-id needs --method peagle or dflash")
+    if args.block_size is not None:
+        if args.method != "dflash":
+            raise InputError("--block-size needs --method dflash")
+        validation.integer("--block-size", args.block_size, 2)
     validation.existing_path("--data", args.data)
     if args.init_head is not None:
         validation.existing_path("--init-head", args.init_head, directory=True)

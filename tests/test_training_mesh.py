@@ -1,7 +1,7 @@
 """Training a head data-parallel over a mesh (the frozen target split like inference, the
 head replicated, each batch's rows split over dp): the same training as one device, and
-a resumed run bit-identical to an uninterrupted one on the same mesh. Runs in a subprocess
-with 8 host CPU devices."""
+a resumed run bit-identical to an uninterrupted one on the same mesh; for an EAGLE-3 head
+and a DFlash drafter. Runs in a subprocess with 8 host CPU devices."""
 
 from __future__ import annotations
 
@@ -27,19 +27,30 @@ def test_data_parallel_training_on_a_mesh(tmp_path):
 
 
 def _train_on_meshes(directory: Path) -> None:
-    import jax
-    import numpy as np
-
-    import eaglejax
-    from eaglejax.training import trainer
-    from eaglejax.training.trainer import TrainConfig, train
-    from test_training import make_tiny_target, sample_rows
-    from tolerances import FORWARD_UNITS, assert_close_scaled
+    from eaglejax.training.trainer import TrainConfig
+    from test_training import V, make_tiny_target, sample_rows
 
     one = make_tiny_target()
     rows = sample_rows(one, 32)
     config = TrainConfig(seq_len=64, batch_size=4, steps=6, lr=1e-3, draft_vocab_size=48,
                          checkpoint_every=2, log_every=1, eval_every=0)
+    _check_mesh_training(one, rows, config, directory / "eagle3")
+    dflash = TrainConfig(seq_len=64, batch_size=4, steps=6, lr=1e-3, block_size=4,
+                         mask_token_id=V - 1, num_layers=2, num_anchors=8,
+                         checkpoint_every=2, log_every=1, eval_every=0)
+    _check_mesh_training(one, rows, dflash, directory / "dflash")
+    print("mesh training ok")
+
+
+def _check_mesh_training(one, rows, config, directory: Path) -> None:
+    import jax
+    import numpy as np
+
+    import eaglejax
+    from eaglejax.training import trainer
+    from eaglejax.training.trainer import train
+    from tolerances import FORWARD_UNITS, assert_close_scaled
+
     alone = train(one, rows, directory / "one", config, progress=False)
 
     mesh = eaglejax.make_mesh(tp=2, dp=2, devices=jax.devices()[:4])
@@ -84,7 +95,6 @@ def _train_on_meshes(directory: Path) -> None:
                     jax.tree.leaves(resumed.draft.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert [e["loss"] for e in resumed.log] == [e["loss"] for e in straight.log]
-    print("mesh training ok")
 
 
 if __name__ == "__main__":
