@@ -1,7 +1,9 @@
-"""EAGLE-3 chain vs P-EAGLE chain vs P-EAGLE lattice tree, side by side in one run.
+"""EAGLE-3 chain vs P-EAGLE chain vs P-EAGLE lattice tree (vs a DFlash drafter's block
+and tree), side by side in one run.
 
-    python examples/bench_peagle.py --peagle checkpoints/smollm2-135m-instruct-peagle \\
+    python examples/bench_peagle.py [--peagle checkpoints/smollm2-135m-instruct-peagle] \\
         [--eagle3 checkpoints/smollm2-135m-instruct-eagle3] [-k 3 5] [--tree 4:3:12 ...] \\
+        [--dflash DRAFTER [--dflash-tree 4:7:12 ...]] \\
         [--num-prompts 16] [--max-new-tokens 128] [--json]
 
 Greedy, batch 1, MT-bench first turns balanced over categories, SmolLM2 (or --model). Plain
@@ -33,11 +35,16 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--eagle3", default=None, help="EAGLE-3 head (default: the shipped one)")
-    parser.add_argument("--peagle", required=True, help="P-EAGLE head directory")
+    parser.add_argument("--peagle", default=None,
+                        help="P-EAGLE head directory (default: the shipped one)")
     parser.add_argument("-k", type=int, nargs="+", default=[3, 5],
                         help="draft tokens per round of both chains")
     parser.add_argument("--tree", nargs="*", default=["4:3:12"],
                         help="P-EAGLE lattice trees TOP_K:DEPTH:TOTAL (none: no tree)")
+    parser.add_argument("--dflash", default=None,
+                        help="a DFlash drafter too: its whole block as a chain, and trees")
+    parser.add_argument("--dflash-tree", nargs="*", default=["4:7:12"],
+                        help="DFlash trees TOP_K:DEPTH:TOTAL over its block (none: no tree)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--json", action="store_true")
@@ -45,7 +52,7 @@ def main() -> None:
 
     target = eaglejax.load_target(args.model)
     eagle3 = eaglejax.load_draft(args.eagle3 or shipped_head(args.model), target=target)
-    peagle = eaglejax.load_draft(args.peagle, target=target)
+    peagle = eaglejax.load_draft(args.peagle or shipped_head(args.model, "peagle"), target=target)
     pairs = []
     for k in args.k:
         pairs += [("EAGLE-3", eagle3, SpecConfig.chain(k)),
@@ -53,6 +60,12 @@ def main() -> None:
     for tree in args.tree:
         top_k, depth, total = (int(n) for n in tree.split(":"))
         pairs.append(("P-EAGLE", peagle, SpecConfig.parallel_tree(top_k, depth, total)))
+    if args.dflash:
+        dflash = eaglejax.load_draft(args.dflash, target=target)
+        pairs.append(("DFlash", dflash, SpecConfig.dflash(dflash.config.block_size - 1)))
+        for tree in args.dflash_tree:
+            top_k, depth, total = (int(n) for n in tree.split(":"))
+            pairs.append(("DFlash", dflash, SpecConfig.dflash_tree(top_k, depth, total)))
     questions = interleave_categories(mt_bench_questions())[:args.num_prompts]
     reports = compare_drafts(target, [(draft, spec) for _, draft, spec in pairs], questions,
                              max_new_tokens=args.max_new_tokens)
