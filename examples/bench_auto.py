@@ -56,7 +56,7 @@ def main() -> None:
     draft = eaglejax.load_draft(args.draft, target=target)
     questions = (interleave_categories(mt_bench_questions())[:args.num_prompts]
                  if args.prompts == "mt_bench" else mix_questions(args.num_prompts))
-    plan = AutoPlan.for_target(target)
+    plan = AutoPlan.for_target(target, draft)
     runs: dict[str, dict] = {"plain": {}}
     runs.update({spec.describe(): dict(draft=draft, speculative=spec)
                  for spec in plan.modes[1:]})

@@ -43,7 +43,7 @@ def main() -> None:
     target = eaglejax.load_target("smollm2-135m-instruct", weight_dtype=args.weight_dtype)
     draft = eaglejax.load_draft(args.draft, target=target)
     greedy, stop = SamplingParams.make(), StopCriteria((), ())
-    plan = AutoPlan.for_target(target)
+    plan = AutoPlan.for_target(target, draft)
     ms: dict[str, list[float]] = {"plain": [], "segments": []}
     for repeat in range(args.repeats):
         for question in mt_bench_questions()[:args.num_prompts]:

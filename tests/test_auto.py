@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from eaglejax import SpecConfig
 from eaglejax.decoding.autotune import (
     EXPLORE,
     HALF_LIFE,
@@ -54,6 +55,20 @@ def test_the_plan_where_multiply_adds_bound_the_verify():
     assert [plan.count_column(m) for m in range(4)] == [None, 8, 9, None]
 
 
+def test_the_plan_without_a_draft_weighs_suffix_trees(target_of):
+    """With no draft, the trees are suffix drafting's (SpecConfig.suffix's matches and
+    depth) with no lookup branch (a suffix tree holds the copied continuation already):
+    the probe of the largest size the verify allows, the two sizes below it as candidates."""
+    plan = AutoPlan.for_device("cpu", probe_nodes=12, method="suffix")
+    suffix = SpecConfig.suffix()
+    assert plan.modes == (None, *(SpecConfig.suffix(suffix.top_k, suffix.depth, n)
+                                  for n in (6, 8, 12)))
+    assert plan.sizes == (6, 8, 12)
+    assert [plan.count_column(m) for m in range(4)] == [None, 0, 1, None]
+    target = target_of("llama")
+    assert AutoPlan.for_target(target, None).probe.method == "suffix"
+
+
 @pytest.mark.parametrize("flags,storage,nodes", [
     (["avx512f", "amx_bf16", "amx_tile"], "bfloat16", 16),  # the tile unit multiplies
     (["avx512f", "amx_bf16", "amx_tile"], "float32", 12),  # FMA-bound
@@ -61,12 +76,14 @@ def test_the_plan_where_multiply_adds_bound_the_verify():
 ])
 def test_the_probe_follows_what_bounds_the_verify(monkeypatch, target_of, flags, storage,
                                                   nodes):
+    from spec_helpers import random_eagle3
+
     from eaglejax.decoding import autotune
 
     monkeypatch.setattr(autotune.hardware, "isa_features", lambda: flags)
     assert autotune.cpu_probe_nodes(storage) == nodes
     target = target_of("llama").with_weight_dtype(storage)
-    assert AutoPlan.for_target(target).probe.num_nodes == nodes
+    assert AutoPlan.for_target(target, random_eagle3(target)).probe.num_nodes == nodes
 
 
 def _counts(al_small: float, al_large: float, rounds: int) -> np.ndarray:
@@ -331,7 +348,7 @@ def check_auto(target, cache_dir):
                                max_new_tokens=1, ignore_eos=True)
     assert one.token_ids == plain[0].token_ids[:1]
     assert one.metrics.speculative == "auto: no decode step"
-    plan = AutoPlan.for_target(target)  # the plan generate() used
+    plan = AutoPlan.for_target(target, good)  # the plan generate() used
     learnt = autotune.recall(target, good, 2, plan)
     # the self-draft's probe accepts deep paths; the random head's trees far less (its
     # lookup branch copies from the repeating text of this random target: AL about 2)
@@ -351,6 +368,18 @@ def check_auto(target, cache_dir):
     eaglejax.generate(prompts, target=target, draft=good, speculative="auto",
                       max_new_tokens=8, ignore_eos=True)
     assert len(json.loads((cache_dir / autotune.KNOWLEDGE_FILE).read_text())) == 1
+
+    # With no draft, auto weighs suffix trees: plain tokens, and where the text repeats
+    # itself the probe's suffix trees are accepted.
+    echo = prompts[0] + plain[0].token_ids + prompts[0]
+    (want,) = eaglejax.generate([echo], target=target, max_new_tokens=24, ignore_eos=True)
+    (got,) = eaglejax.generate([echo], target=target, speculative="auto", max_new_tokens=24,
+                               ignore_eos=True)
+    assert got.token_ids == want.token_ids
+    suffix_plan = AutoPlan.for_target(target, None)
+    assert suffix_plan.name(PROBE) in got.metrics.speculative
+    learnt = AutoPolicy(suffix_plan, autotune.recall(target, None, 1, suffix_plan))
+    assert learnt.acceptance_length(PROBE) > 1.5, learnt.knowledge  # the echo is copied
 
 
 def check_sampling(target):

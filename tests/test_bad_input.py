@@ -189,8 +189,6 @@ def no_model_loading(monkeypatch):
     ([[1, 2]], dict(speculative="bogus"), "speculative must be a SpecConfig"),
     ([[1, 2]], dict(speculative=eaglejax.SpecConfig.chain(3)),
      r"speculative \(chain K=3\) drafts with a draft head: pass draft=eaglejax.load_draft"),
-    ([[1, 2]], dict(speculative="auto"), r"speculative='auto' needs a draft head or a draft "
-                                         r"model"),
 ])
 def test_generate_refuses_bad_arguments_before_loading(prompts, kwargs, match, no_model_loading):
     with pytest.raises(InputError, match=match):
@@ -313,6 +311,8 @@ _TRAIN = ["train-draft", "--data", "README.md"]
      "--draft and --draft-model exclude each other"),
     (["generate", "hi", "--suffix", "--no-draft"], "--suffix and --no-draft exclude each other"),
     (["generate", "hi", "--suffix", "4,6"], "--suffix wants TOP_K,DEPTH,TOTAL (3 integers)"),
+    (["generate", "hi", "--suffix", "auto", "--lookup", "3"], "--lookup needs the shape it "
+                                                              "extends"),
     (["generate", "hi", "--draft-model", "y", "--parallel", "3"],
      "parallel K=3: a draft model drafts chains and dynamic trees only"),
     (["bench", "--draft-model", "y", "--suffix"], "--draft-model and --suffix exclude each other"),

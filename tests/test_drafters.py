@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -230,3 +231,44 @@ def test_suffix_drafting_needs_no_head_and_drafts_what_repeats(target, plain):
                             temperature=1.0, top_k=3, seed=list(range(N)), ignore_eos=True)
     assert_follows(np.array([g.token_ids for g in out]),
                    exact_marginals(target, SamplingParams.make(1.0, 3), 2, echo))
+
+
+def test_smaller_suffix_trees_are_the_best_ranked_nodes_of_a_larger_one():
+    """`auto`'s probe counts what a smaller suffix tree would have accepted from the larger
+    tree's best-ranked nodes (`decoding.calibration`): a suffix tree of s nodes must be
+    exactly those nodes, with the same paths."""
+    from eaglejax.decoding.drafters import drafter
+
+    rs = np.random.RandomState(3)
+    contexts = [np.tile(rs.randint(0, 5, 7), 6), rs.randint(0, 3, 40), rs.randint(0, 50, 40)]
+    width = 48
+    context = np.zeros((len(contexts), width), np.int32)
+    for row, tokens in enumerate(contexts):
+        context[row, :len(tokens)] = tokens
+    state = (jnp.asarray(context), jnp.array([len(c) for c in contexts], jnp.int32))
+    root = state[0][jnp.arange(len(contexts)), state[1] - 1]
+
+    def tree(total: int):
+        spec = SpecConfig.suffix(4, 6, total)
+        made, _ = drafter("suffix").draft(None, state, root, spec, True,
+                                          SamplingParams.make(), None, 64)
+        return jax.device_get(made)
+
+    def paths(made, row: int, keep) -> list[tuple[int, ...]]:
+        out = []
+        for node in range(len(made.tokens[row])):
+            if not keep(node):
+                continue
+            path, j = [], node
+            while j >= 0:
+                path.append(int(made.tokens[row, j]))
+                j = int(made.parents[row, j])
+            out.append(tuple(path[::-1]))
+        return sorted(out)
+
+    largest = tree(12)
+    for total in (6, 8):
+        smaller = tree(total)
+        for row in range(len(contexts)):
+            assert paths(smaller, row, lambda n: True) == paths(
+                largest, row, lambda n, row=row: largest.ranks[row, n] < total), (total, row)

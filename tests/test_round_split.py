@@ -73,7 +73,7 @@ def test_each_truncated_loop_keeps_the_work_of_its_phases(target_of):
 def test_bench_profiles_every_shape_it_may_run(target_of):
     target = target_of("llama")
     draft = random_eagle3(target, draft_vocab=60)
-    plan = AutoPlan.for_target(target)
+    plan = AutoPlan.for_target(target, draft)
     assert shapes_to_profile(target, draft, "auto") == [m for m in plan.modes if m is not None]
     assert shapes_to_profile(target, draft, None) == [SpecConfig.default_for(False, "cpu")]
     [split] = profile_rounds(target, draft, PROMPT, SPEC, rounds=3, repeats=1)

@@ -3,7 +3,10 @@ measured while decoding. No calibration pass: the choice adapts as the text goes
 
 The modes: plain decoding, a few dynamic trees of the device's preset top_k and depth (each
 with a context-lookup branch of `LOOKUP` copied tokens in place of its weakest nodes where
-the n-gram matched), and the probe: the largest tree with the branch grafted on top. A probe
+the n-gram matched), and the probe: the largest tree with the branch grafted on top. With no
+draft the trees are suffix drafting's (`drafters.suffix`: what followed earlier matches of
+the latest tokens, no model; they hold the lookup branch's copy already, so none is added),
+and `auto` speculates where the text repeats itself. A probe
 round verifies every node of the largest tree, so it counts exactly (greedy) what each
 smaller tree, with and without the branch, would have accepted in that round
 (`decoding.calibration`); a round of another mode counts its own acceptance. Acceptance is
@@ -123,31 +126,32 @@ class AutoPlan:
         branch on a CPU), the candidates the two sizes below it (a tree of 8 nodes or fewer:
         the one below and its own size, with the branch in place of its weakest nodes);
         every tree a dynamic tree of `method` ("tree": the head's, "draft_model_tree": a
-        draft model's, "dflash_tree": over a DFlash head's block)."""
-        preset = SpecConfig.preset(platform, 1)
+        draft model's, "dflash_tree": over a DFlash head's block; "suffix": suffix
+        drafting's, `SpecConfig.suffix`'s matches and depth, with no branch)."""
+        preset = SpecConfig.suffix() if method == "suffix" else SpecConfig.preset(platform, 1)
         top_k, depth = top_k or preset.top_k, depth or preset.depth
+        lookup = 0 if method == "suffix" else LOOKUP
         most = max_nodes(top_k, depth)
         if platform == "cpu":
-            most = min(most, probe_nodes - LOOKUP)
+            most = min(most, probe_nodes - lookup)
         sizes = tuple(s for s in SIZES if LOOKUP < s <= most)
         below = sizes[-3:-1] if sizes[-1] > 8 else sizes[-2:]
-        def tree(total: int) -> SpecConfig:
-            return SpecConfig(method=method, top_k=top_k, depth=depth, total_tokens=total)
+        def tree(total: int, replaces: bool) -> SpecConfig:
+            spec = SpecConfig(method=method, top_k=top_k, depth=depth, total_tokens=total)
+            return spec.with_lookup(lookup, LOOKUP_NGRAM, replaces) if lookup else spec
 
-        candidates = tuple(tree(s).with_lookup(LOOKUP, LOOKUP_NGRAM, replaces=True)
-                           for s in below)
-        probe = tree(sizes[-1]).with_lookup(LOOKUP, LOOKUP_NGRAM)
-        return cls((None, *candidates, probe), sizes)
+        candidates = tuple(tree(s, replaces=True) for s in below)
+        return cls((None, *candidates, tree(sizes[-1], replaces=False)), sizes)
 
     @classmethod
-    def for_target(cls, target: Target, draft: object = None) -> "AutoPlan":
+    def for_target(cls, target: Target, draft: object) -> "AutoPlan":
         """The plan for `target` and its `draft` (a head, a DFlash head or a `DraftModel`:
-        their trees) on the default device: on a CPU, the probe's size follows what bounds a
-        verify of its matrices (`cpu_probe_nodes`)."""
+        their trees; None: suffix drafting's) on the default device: on a CPU, the probe's
+        size follows what bounds a verify of its matrices (`cpu_probe_nodes`)."""
         kind = draft_kind(draft)
         method = {"model": "draft_model_tree",
                   "head": "dflash_tree" if kind and draft.dflash else "tree",
-                  None: "tree"}[kind]
+                  None: "suffix"}[kind]
         return cls.for_device(jax.default_backend(),
                               probe_nodes=cpu_probe_nodes(target.weight_dtype), method=method)
 
@@ -354,7 +358,7 @@ KNOWLEDGE_FILE = "autotune.json"
 _KNOWN: dict[tuple, Knowledge] = {}
 
 
-def _disk_key(target: Target, draft: "Draft", batch: int, plan: AutoPlan) -> str:
+def _disk_key(target: Target, draft: "Draft | None", batch: int, plan: AutoPlan) -> str:
     """What the knowledge depends on: the machine and software that measured it, the two
     models' contents, the batch size and the modes."""
     device = jax.devices()[0]
@@ -365,7 +369,8 @@ def _disk_key(target: Target, draft: "Draft", batch: int, plan: AutoPlan) -> str
                    hardware.cpu_cores(), jax.device_count()],
         "versions": [__version__, jax.__version__], "native": kernels,
         "modes": [plan.name(m) for m in range(len(plan.modes))],
-        "target": target_fingerprint(target), "draft": draft_fingerprint(draft),
+        "target": target_fingerprint(target),
+        "draft": None if draft is None else draft_fingerprint(draft),
         "batch": batch}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -378,10 +383,14 @@ def _read_disk() -> dict:
     return stored if isinstance(stored, dict) else {}
 
 
-def recall(target: Target, draft: "Draft", batch: int, plan: AutoPlan) -> Knowledge:
-    """What earlier calls learnt for this target, head and batch size (in this process, else
-    on disk), or nothing yet; a malformed disk entry counts as nothing."""
-    key = (id(target), id(draft), draft.source, batch, plan)
+def _memory_key(target: Target, draft: "Draft | None", batch: int, plan: AutoPlan) -> tuple:
+    return (id(target), id(draft), getattr(draft, "source", None), batch, plan)
+
+
+def recall(target: Target, draft: "Draft | None", batch: int, plan: AutoPlan) -> Knowledge:
+    """What earlier calls learnt for this target, head (None: no draft) and batch size (in
+    this process, else on disk), or nothing yet; a malformed disk entry counts as nothing."""
+    key = _memory_key(target, draft, batch, plan)
     if key not in _KNOWN:
         knowledge = Knowledge()
         if switched_on(SWITCH_ENV):
@@ -394,11 +403,11 @@ def recall(target: Target, draft: "Draft", batch: int, plan: AutoPlan) -> Knowle
     return Knowledge.from_json(json.loads(json.dumps(_KNOWN[key].to_json())))  # a copy
 
 
-def remember(target: Target, draft: "Draft", batch: int, plan: AutoPlan,
+def remember(target: Target, draft: "Draft | None", batch: int, plan: AutoPlan,
              knowledge: Knowledge) -> None:
     """Keep `knowledge` for the next call (in this process, and on disk unless switched off;
     a read-only cache folder keeps it in memory only)."""
-    _KNOWN[(id(target), id(draft), draft.source, batch, plan)] = knowledge
+    _KNOWN[_memory_key(target, draft, batch, plan)] = knowledge
     if not switched_on(SWITCH_ENV):
         return
     stored = _read_disk()  # another process may have added entries meanwhile

@@ -252,10 +252,10 @@ class SpecConfig:
 
     @property
     def is_dynamic_tree(self) -> bool:
-        """EAGLE-2's dynamic tree, drafted by a head, a draft model or over a DFlash block:
-        its best `n` nodes by score come first, so a smaller tree's nodes are a prefix
-        (`decoding.calibration`)."""
-        return self.method in ("tree", "draft_model_tree", "dflash_tree")
+        """EAGLE-2's dynamic tree, drafted by a head, a draft model or over a DFlash block,
+        or a suffix tree (nodes scored by their match counts): its best `n` nodes by score
+        come first, so a smaller tree's nodes are a prefix (`decoding.calibration`)."""
+        return self.method in ("tree", "draft_model_tree", "dflash_tree", "suffix")
 
     @property
     def is_dflash(self) -> bool:

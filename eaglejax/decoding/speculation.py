@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from eaglejax.target import Target
 
 AUTO = "auto"
+AUTO_OVER_PROCESSES = ("speculative='auto' times this machine alone, and the processes of a "
+                       "multi-process run must agree on one shape: pass a SpecConfig")
 
 
 WEIGHTS_HINT = {"head": "draft=eaglejax.load_draft(path, target=...)",
@@ -37,17 +39,13 @@ def draft_kind(draft: object) -> str | None:
 
 def check_speculation(draft: object, speculative: object) -> None:
     """InputError unless `draft` is a Draft, a DraftModel or None and `speculative` a
-    SpecConfig whose method drafts with what `draft` is, "auto" (with a draft) or None
-    (checked before any model is loaded)."""
+    SpecConfig whose method drafts with what `draft` is, "auto" (with no draft: suffix
+    drafting's trees against plain decoding) or None (checked before any model is loaded)."""
     given = draft_kind(draft)
     is_auto = isinstance(speculative, str) and speculative == AUTO
     if not (speculative is None or is_auto or isinstance(speculative, SpecConfig)):
         raise InputError(f"speculative must be a SpecConfig, 'auto' or None, "
                          f"got {speculative!r:.60}")
-    if is_auto and given is None:
-        raise InputError(f"speculative='auto' needs a draft head or a draft model: pass "
-                         f"{WEIGHTS_HINT['head']} or {WEIGHTS_HINT['model']}, or leave "
-                         f"speculative out")
     if isinstance(speculative, SpecConfig) and speculative.drafts_with != given:
         wants = speculative.drafts_with
         needs = {"head": "a draft head", "model": "a draft model", None: "no draft"}
@@ -73,7 +71,9 @@ def resolve_speculation(target: "Target", draft: Draft | DraftModel | None,
     several processes (it times this machine alone, and they must agree on one shape)."""
     check_speculation(draft, speculative)
     if draft is None:
-        return speculative  # None, or a method that drafts without a head
+        if speculative == AUTO and jax.process_count() > 1:
+            raise InputError(AUTO_OVER_PROCESSES)
+        return speculative  # None, "auto" (suffix drafting) or a method drafting without one
     if draft.target is not target:
         raise ConfigError(f"the draft {draft.source} was loaded for target "
                           f"{draft.target.source}, not {target.source}; load it with this "
@@ -83,9 +83,7 @@ def resolve_speculation(target: "Target", draft: Draft | DraftModel | None,
             default_shape(draft, jax.default_backend(), batch)
     if speculative == AUTO:
         if jax.process_count() > 1:
-            raise InputError("speculative='auto' times this machine alone, and the processes "
-                             "of a multi-process run must agree on one shape: pass a "
-                             "SpecConfig")
+            raise InputError(AUTO_OVER_PROCESSES)
         return AUTO
     if speculative.is_dflash != draft.dflash:
         raise ConfigError(f"{speculative.describe()} and {draft.source} ({draft.config.kind} "
