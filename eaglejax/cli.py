@@ -283,7 +283,8 @@ def _parser() -> argparse.ArgumentParser:
         "convert", help="convert a draft head between checkpoint layouts, or write a target "
                         "model as a Hugging Face directory (--to hf)")
     convert.add_argument("src", help="draft head directory: EAGLE-1/2, EAGLE-3 (reference, "
-                                     "SpecForge, speculators) or eaglejax; with --to hf the "
+                                     "SpecForge, speculators), DFlash (z-lab, speculators) "
+                                     "or eaglejax; with --to hf the "
                                      "TARGET model: built-in name, GGUF file, Hugging Face "
                                      "directory or eaglejax checkpoint")
     convert.add_argument("dst", help="new (or empty) output directory")
@@ -292,10 +293,13 @@ def _parser() -> argparse.ArgumentParser:
                               "directory or eaglejax checkpoint (required for the head "
                               "layouts; not with --to hf)")
     convert.add_argument("--to", default="eaglejax",
-                         choices=["eaglejax", "reference", "speculators", "hf"],
-                         help="output layout (default: eaglejax); hf: SRC is a target model, "
-                              "written for transformers and vLLM (config.json, safetensors, "
-                              "tokenizer)")
+                         choices=["eaglejax", "reference", "speculators", "dflash", "hf"],
+                         help="output layout (default: eaglejax); reference: EAGLE-3 heads "
+                              "for SafeAILab/EAGLE, SpecForge and SGLang; speculators: "
+                              "EAGLE-3, P-EAGLE and DFlash drafters for vLLM and the "
+                              "speculators package; dflash: DFlash drafters in the z-lab "
+                              "layout (vLLM, SGLang); hf: SRC is a target model, written for "
+                              "transformers and vLLM (config.json, safetensors, tokenizer)")
     convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                          help="parameter dtype (default: the target's as it loads: an "
                               "eaglejax checkpoint's saved dtype, else float32 on CPU and "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import jax
 import numpy as np
@@ -17,6 +17,9 @@ from eaglejax.errors import ConfigError, EaglejaxError, LoadError
 from eaglejax.loading.hf_dir import HFWeights, read_json
 from eaglejax.loading.weights import check_tensor_shapes
 from eaglejax.models.llama import Params
+
+if TYPE_CHECKING:
+    from eaglejax.target import Target
 
 Shapes = dict[str, tuple[int, ...]]
 ReadResult = tuple[DraftConfig, Params, np.ndarray]
@@ -245,6 +248,21 @@ def consumer_layer_config(decoder: ModelConfig, dtype: str) -> dict[str, Any]:
         out["layer_types"] = ["sliding_attention"] * decoder.num_layers
     out["torch_dtype"] = dtype
     return out
+
+
+def speculators_section(algorithm: str, speculative_tokens: int, target: "Target"
+                        ) -> dict[str, Any]:
+    """The `speculators_config` entry of a speculators-layout config.json: greedy proposals
+    of `speculative_tokens` tokens and the verifier (the target's source and architecture)."""
+    return {
+        "algorithm": algorithm,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy",
+                              "speculative_tokens": speculative_tokens,
+                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "verifier": {"name_or_path": target.source,
+                     "architectures": target.config.to_hf_dict()["architectures"]},
+    }
 
 
 def weights_source(path: Path) -> str:

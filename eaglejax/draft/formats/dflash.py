@@ -1,19 +1,26 @@
-"""DFlash drafters in the layouts they are published in.
+"""DFlash drafters in the layouts they are published in, read and written.
 
 z-lab (the authors' checkpoints, read by vLLM and SGLang): `config.json` is the drafter's own
 Qwen3 config (`num_hidden_layers`: the drafter's layers) plus `block_size` (top level, or in
 `dflash_config`), `dflash_config.mask_token_id` and `dflash_config.target_layer_ids`
-(0-based target layers whose OUTPUTS are tapped: eaglejax's entering-layer taps + 1).
+(0-based target layers whose OUTPUTS are tapped: eaglejax's entering-layer taps - 1).
 speculators (`speculators_model_type: "dflash"`): `transformer_layer_config` (the drafter's
 layers), `block_size`, `mask_token_id`, `aux_hidden_state_layer_ids` (hidden-state indices:
 eaglejax's taps as they are) and `draft_vocab_size` (the target's: a reduced draft
 vocabulary is not read yet). Weights in both: `fc.weight` [H, taps x H], `hidden_norm`,
 `norm` and Qwen3 layers `layers.N.*` with q/k norms; no embedding, no output head (the
 target's serve), an `embed_tokens.weight` copy of the target's table is ignored.
+
+`export_dflash` writes the z-lab layout (block size at the top level and in `dflash_config`,
+plus `num_target_layers`), `export_speculators_dflash` the speculators one (with
+`speculators_config`: block_size - 1 greedy proposals and the verifier); both write the
+weights above in the drafter's dtype and a complete Qwen3 layer config, and refuse drafters
+whose layers are not Qwen3's (q/k norms, no biases).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -22,12 +29,15 @@ import numpy as np
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import (
-    ReadResult, check_tensors, layer_ids, open_weights, parse_decoder, read_head_config,
+    ReadResult, check_tensors, consumer_layer_config, dtype_name, layer_ids, open_weights,
+    parse_decoder, prepare_output_dir, read_head_config, speculators_section, to_numpy,
     validate, weights_source)
 from eaglejax.errors import ConfigError
-from eaglejax.loading.weights import hf_layer_shapes, layer_params_from_hf
+from eaglejax.loading.safetensors_file import save_safetensors
+from eaglejax.loading.weights import hf_layer_shapes, layer_params_from_hf, layer_params_to_hf
 
 if TYPE_CHECKING:
+    from eaglejax.draft.draft import Draft
     from eaglejax.loading.hf_dir import HFWeights
 
 IGNORED = ("embed_tokens.weight", "d2t", "t2d")
@@ -114,3 +124,84 @@ def read_dflash(path: Path, target: ModelConfig, weights: "HFWeights | None" = N
     d2t = np.zeros((config.draft_vocab_size,), np.int32)
     validate(config, params, d2t, target, source, "the tapped layers")
     return config, params, d2t
+
+
+def export_dflash(draft: "Draft", path: str | Path) -> Path:
+    """Write a DFlash drafter in the z-lab layout (what vLLM and SGLang read, and speculators'
+    DFlash converter takes) to `path`, a new or empty directory; returns it."""
+    c = draft.config
+    _check_exportable(draft, "z-lab DFlash")
+    if 0 in c.tap_layers:
+        raise ConfigError(f"cannot export {draft.source} in the z-lab DFlash layout: it taps "
+                          f"the embeddings (entering layer 0), which has no target-layer "
+                          f"output id; use the speculators layout")
+    dflash_section = {"mask_token_id": c.mask_token_id, "block_size": c.block_size,
+                      "target_layer_ids": [i - 1 for i in c.tap_layers]}
+    config = {**_layer_config(draft), "architectures": ["DFlashDraftModel"],
+              "block_size": c.block_size, "dflash_config": dflash_section,
+              "num_target_layers": draft.target.config.num_layers}
+    return _write(draft, path, config)
+
+
+def export_speculators_dflash(draft: "Draft", path: str | Path) -> Path:
+    """Write a DFlash drafter in the speculators dflash layout (what the speculators package
+    and vLLM read) to `path`, a new or empty directory; returns it."""
+    c = draft.config
+    _check_exportable(draft, "speculators dflash")
+    layer_config = _layer_config(draft)
+    config = {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "block_size": c.block_size,
+        "mask_token_id": c.mask_token_id,
+        "aux_hidden_state_layer_ids": list(c.tap_layers),
+        "sample_from_anchor": False,
+        "sliding_window_non_causal": False,
+        "speculators_config": speculators_section("dflash", c.block_size - 1, draft.target),
+        "torch_dtype": layer_config["torch_dtype"],
+    }
+    return _write(draft, path, config)
+
+
+def _check_exportable(draft: "Draft", layout: str) -> None:
+    """ConfigError, naming the drafter and why, unless the layout can hold it."""
+    c = draft.config
+    why = None
+    if c.kind != "dflash":
+        why = f"it is an {c.kind} head (the layout holds DFlash drafters only)"
+    elif c.decoder.attention_bias or not c.decoder.qk_norm:
+        why = ("its layers are not Qwen3 layers (q/k norms, no biases), which the consumers' "
+               "DFlash layers are")
+    if why is not None:
+        raise ConfigError(f"cannot export {draft.source} in the {layout} layout: {why}")
+
+
+def _layer_config(draft: "Draft") -> dict[str, Any]:
+    """The drafter's layers as a complete Qwen3 config.json dict (vLLM builds its layers
+    from it; speculators passes it to transformers' Qwen3Config)."""
+    d = draft.config.decoder
+    config = consumer_layer_config(d, dtype_name(draft.params))
+    del config["mlp_bias"], config["pretraining_tp"]  # Llama's, not Qwen3's
+    window = "sliding_attention" if d.sliding_window else "full_attention"
+    config.update(use_sliding_window=d.sliding_window is not None,
+                  max_window_layers=0 if d.sliding_window else d.num_layers,
+                  layer_types=[window] * d.num_layers)
+    return config
+
+
+def _write(draft: "Draft", path: str | Path, config: dict[str, Any]) -> Path:
+    """model.safetensors (the drafter's tensors in their own dtype) and config.json."""
+    c = draft.config
+    out = prepare_output_dir(path)
+    params = to_numpy(draft.params)
+    tensors = {"fc.weight": params["fc"], "hidden_norm.weight": params["hidden_norm"]}
+    for i, layer in enumerate(params["layers"]):
+        tensors.update({f"layers.{i}.{k}": v
+                        for k, v in layer_params_to_hf(c.decoder, layer).items()})
+    tensors["norm.weight"] = params["final_norm"]
+    save_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

@@ -88,6 +88,10 @@ def export_reference(draft: "Draft", path: str | Path) -> Path:
     (SGLang adds one); default taps are left implicit. Refuses heads this layout cannot hold.
     """
     c = draft.config
+    if c.kind == "dflash":
+        raise ConfigError(f"cannot export {draft.source} in the EAGLE-3 reference layout: it is "
+                          f"a DFlash drafter, which that layout cannot hold; use export_dflash "
+                          f"(the z-lab layout) or export_speculators")
     why = None
     if c.kind != "eagle3":
         why = f"it is an {c.kind} head (the layout holds EAGLE-3 heads only)"

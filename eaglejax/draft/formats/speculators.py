@@ -9,6 +9,7 @@ PretrainedConfig, so every key its layers read must be written), `draft_vocab_si
 `fc_norm` and `eagle_aux_hidden_state_layer_ids` (layers ENTERED, vLLM's semantics, the same
 as eaglejax's).
 Weights: `layers.0.*` (2H attention input), standard `layers.1..`, `norm`, `lm_head`, d2t, t2d.
+DFlash drafters (`speculators_model_type: "dflash"`) are read and written by `formats.dflash`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from eaglejax.draft.formats.common import (
     open_weights,
     parse_decoder,
     read_head_config,
+    speculators_section,
 )
+from eaglejax.draft.formats.dflash import export_speculators_dflash
 from eaglejax.draft.formats.eagle3_tensors import (
     SPECULATORS_FIRST,
     eagle3_config,
@@ -78,11 +81,16 @@ def read_speculators(path: Path, target: ModelConfig, weights: "HFWeights | None
 
 def export_speculators(draft: "Draft", path: str | Path, speculative_tokens: int = 3) -> Path:
     """Write `draft` in the speculators layout as vLLM and the speculators package read it
-    (config.json with `speculators_config`, model.safetensors with d2t int64 and t2d bool)."""
+    (config.json with `speculators_config`, model.safetensors with d2t int64 and t2d bool).
+    A DFlash drafter is written in the speculators dflash layout (`formats.dflash`), which
+    proposes block_size - 1 tokens (`speculative_tokens` is not used)."""
     c = draft.config
+    if c.kind == "dflash":
+        return export_speculators_dflash(draft, path)
     why = None
     if c.kind != "eagle3":
-        why = f"it is an {c.kind} head (the speculators eagle3 layout holds EAGLE-3 heads only)"
+        why = (f"it is an {c.kind} head (the speculators layout holds EAGLE-3, P-EAGLE and "
+               f"DFlash drafters)")
     elif c.decoder.attention_bias:
         why = ("its layer has q/k/v biases without an o_proj bias, which the consumers' "
                "llama/qwen3 layers (biases on q, k, v and o together, or none) cannot hold")
@@ -104,7 +112,6 @@ def _config_json(draft: "Draft", speculative_tokens: int) -> dict[str, Any]:
     layer_config = consumer_layer_config(decoder, dtype)
     # vLLM sizes fc from `num_aux_hidden_states` (else 3 taps), not from the tap list
     layer_config["num_aux_hidden_states"] = len(c.tap_layers)
-    target = draft.target
     kind = "peagle" if c.parallel else "eagle3"
     parallel = {"mask_token_id": c.mask_token_id} if c.parallel else {}
     return {
@@ -119,14 +126,6 @@ def _config_json(draft: "Draft", speculative_tokens: int) -> dict[str, Any]:
         "fc_norm": c.fc_norm,
         "norm_output": False,
         "transformer_layer_config": layer_config,
-        "speculators_config": {
-            "algorithm": kind,
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": speculative_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": target.source,
-                         "architectures": target.config.to_hf_dict()["architectures"]},
-        },
+        "speculators_config": speculators_section(kind, speculative_tokens, draft.target),
         "torch_dtype": dtype,
     }
