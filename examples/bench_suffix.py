@@ -1,4 +1,5 @@
-"""Suffix drafting (no head) beside the EAGLE-3 head and plain decoding, in one run.
+"""Suffix drafting (no head; a fixed tree, and `auto` switching between suffix trees and
+plain decoding) beside the EAGLE-3 head and plain decoding, in one run.
 
     python examples/bench_suffix.py [--num-prompts 8] [--max-new-tokens 128] [--json]
 
@@ -54,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     target = eaglejax.load_target("smollm2-135m-instruct", weight_dtype="auto")
     head = eaglejax.load_draft(shipped_head("smollm2-135m-instruct"), target=target)
-    runs = [(None, SpecConfig.suffix(4, 6, 12)),
+    runs = [(None, SpecConfig.suffix(4, 6, 12)), (None, "auto"),
             (head, SpecConfig.tree(4, 4, 8).with_lookup(4)),
             (head, SpecConfig.tree(4, 4, 8))]
     workloads = {
