@@ -15,6 +15,7 @@ from eaglejax.decoding.batch import decode
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculation import AUTO, check_speculation, resolve_speculation
+from eaglejax.decoding.suffix_history import shared_history
 from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP
 from eaglejax.draft.draft import Draft
 from eaglejax.errors import InputError
@@ -188,4 +189,6 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
             speculative=shape,
             **(acceptance_metrics(hist[i]) if hist is not None else {}))
         results.append(Generation(text, ids, reason, metrics))
+    if speculative == AUTO and draft is None or getattr(speculative, "method", "") == "suffix":
+        shared_history().add(r.token_ids for r in results)  # later suffix drafters search them
     return results

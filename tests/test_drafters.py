@@ -12,6 +12,7 @@ properties (oracles, acceptance, sampling exactness) have their own tests.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -250,9 +251,9 @@ def test_smaller_suffix_trees_are_the_best_ranked_nodes_of_a_larger_one():
 
     def tree(total: int):
         spec = SpecConfig.suffix(4, 6, total)
-        made, _ = drafter("suffix").draft(None, state, root, spec, True,
-                                          SamplingParams.make(), None, 64)
-        return jax.device_get(made)
+        draft = jax.jit(lambda s, r: drafter("suffix").draft(None, s, r, spec, True,
+                                                             SamplingParams.make(), None, 64)[0])
+        return jax.device_get(draft(state, root))
 
     def paths(made, row: int, keep) -> list[tuple[int, ...]]:
         out = []
@@ -272,3 +273,38 @@ def test_smaller_suffix_trees_are_the_best_ranked_nodes_of_a_larger_one():
         for row in range(len(contexts)):
             assert paths(smaller, row, lambda n: True) == paths(
                 largest, row, lambda n, row=row: largest.ranks[row, n] < total), (total, row)
+
+
+def test_suffix_drafting_searches_the_replies_decoded_before(target, plain):
+    """Suffix drafters read the process's history of earlier replies (`generate` and the
+    engine add theirs): a prompt answered before is drafted from its earlier reply, with
+    the same tokens; the history keeps the newest tokens in a fixed size."""
+    from eaglejax.decoding.suffix_history import SEPARATOR, SuffixHistory, shared_history
+    from eaglejax.serving.engine import Engine, Request
+
+    spec = SpecConfig.suffix(4, 6, 12)
+    shared_history().clear()
+    first = eaglejax.generate(_prompts(), target=target, speculative=spec, max_new_tokens=12,
+                              ignore_eos=True)
+    again = eaglejax.generate(_prompts(), target=target, speculative=spec, max_new_tokens=12,
+                              ignore_eos=True)
+    assert [g.token_ids for g in first] == [g.token_ids for g in again] == plain
+    before = [g.metrics.acceptance_length for g in first]
+    after = [g.metrics.acceptance_length for g in again]
+    assert all(a >= b for a, b in zip(after, before)), (before, after)
+    assert np.mean(after) > np.mean(before) + 0.5, (before, after)
+
+    shared_history().clear()
+    engine = Engine(target, None, speculative=spec, num_slots=1, capacity=64)
+    request = Request("a", _prompts(1)[0], 12, ignore_eos=True)
+    once, twice = (engine.run([dataclasses.replace(request, key=key)])[key]
+                   for key in ("a", "b"))
+    assert once.generated == twice.generated == 12
+    assert twice.acceptance_length > once.acceptance_length + 1, (once, twice)
+
+    history = SuffixHistory(size=6)
+    history.add([[1, 2], [3, 4, 5], []])
+    assert history.tokens.tolist() == [2, SEPARATOR, 3, 4, 5, SEPARATOR]
+    history.add([[6, 7, 8, 9, 10, 11, 12]])
+    assert history.tokens.tolist() == [8, 9, 10, 11, 12, SEPARATOR]
+    shared_history().clear()

@@ -20,6 +20,7 @@ from eaglejax import compilation_cache
 from eaglejax.decoding.loops import Loop, PlainLoop, SpecLoop, State, Weights, empty_state
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopTable
+from eaglejax.decoding.suffix_history import shared_history
 from eaglejax.models.placement import replicate
 from eaglejax.sharding.distributed import fetch
 from eaglejax.sharding.mesh import mesh_context
@@ -68,8 +69,9 @@ class Bundle:
             return cls(PlainLoop(target.config, target.attn_impl), Weights(target.params),
                        target.mesh)
         if draft is None:
-            return cls(SpecLoop(target.config, None, spec, target.attn_impl),
-                       Weights(target.params), target.mesh)
+            models = cls(SpecLoop(target.config, None, spec, target.attn_impl),
+                         Weights(target.params), target.mesh)
+            return models.with_current_history() if spec.method == "suffix" else models
         return cls(SpecLoop(target.config, draft.config, spec, target.attn_impl),
                    Weights(target.params, draft.params, draft.d2t), target.mesh)
 
@@ -79,6 +81,13 @@ class Bundle:
 
     def with_spec(self, spec: SpecConfig) -> "Bundle":
         return self.with_loop(self.loop.with_spec(spec))
+
+    def with_current_history(self) -> "Bundle":
+        """For suffix drafting: the process's shared history of earlier replies as it is now
+        (`decoding.suffix_history`) in place of the draft weights (one shape: a prefill
+        reads it, nothing recompiles)."""
+        history = self.put({"history": shared_history().tokens})
+        return dataclasses.replace(self, weights=self.weights._replace(draft=history))
 
     def put(self, tree: Any) -> Any:
         """Host values as device arrays; on a mesh, global arrays replicated over it (every

@@ -91,9 +91,10 @@ def bind_head(params: Params, draft_params: Params | None,
               draft_config: DraftConfig | ModelConfig | None, d2t: jax.Array | None,
               attn_impl: AttentionImpl) -> Head | ModelHead | None:
     """The draft weights bound inside the compiled loop: a head bound to its target, a draft
-    model (its `d2t` spans the ids it shares with the target), or None."""
+    model (its `d2t` spans the ids it shares with the target), or with neither, the arrays
+    a model-free drafter reads (suffix drafting's history), if any."""
     if draft_config is None:
-        return None
+        return draft_params
     if isinstance(draft_config, ModelConfig):
         return ModelHead(draft_params, draft_config,
                          to_target_ids(jnp.arange(d2t.shape[0]), d2t), attn_impl)

@@ -32,6 +32,7 @@ from eaglejax.decoding.loops import State
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculation import AUTO, resolve_speculation
+from eaglejax.decoding.suffix_history import shared_history
 from eaglejax.decoding.stopping import (
     FINISH_NONE,
     FINISH_REASONS,
@@ -135,6 +136,7 @@ class Engine:
         # The loop and weights every program runs (on a target's mesh, the batch follows
         # its sharding rules).
         self.models = Bundle.of(target, draft, speculative)
+        self._suffix = speculative is not None and speculative.method == "suffix"
         self.num_slots, self.capacity = num_slots, capacity
         self.rounds_per_call = np.int32(rounds_per_call)
         self.eos_ids = tuple(sorted(set(target.eos_token_ids)))
@@ -350,6 +352,8 @@ class Engine:
             live[slot] = True
             target_only = self.policy is not None and self._target_alone(live)
         fill = slots.fill_target if target_only and self.spec is not None else slots.fill
+        if self._suffix:
+            self.models = self.models.with_current_history()
         self.state = self.models.run(fill, self.state, *args, greedy=greedy)
         self.slots[slot] = _Live(request)
         self._plain_steps[slot], self._stale[slot] = 0, bool(target_only)
@@ -469,6 +473,8 @@ class Engine:
                                   FINISH_REASONS[int(finish[i])] if ended else None,
                                   len(request.prompt), int(counts[i]), int(max(rounds[i], 0))))
             live.reported = int(counts[i])
+            if ended and self._suffix:  # later requests' suffix drafters search it
+                shared_history().add([tokens[i, :counts[i]]])
             if ended:
                 self._free(i)
         return updates

@@ -1,12 +1,15 @@
 """Suffix drafting (method "suffix"): with no model, a tree of what followed the earlier
 occurrences of the context's latest tokens (the idea of suffix decoding, arXiv 2411.04975,
-here over each row's own prompt and output).
+over each row's own prompt and output and over the replies decoded before it:
+`decoding.suffix_history`).
 
-The drafter keeps each row's context (the prompt, then every accepted token) and its
-length. A round finds the `top_k` earlier positions whose tokens
+The drafter keeps each row's context (the shared history of earlier replies, then the
+prompt, then every accepted token) and its length. A round finds the `top_k` earlier
+positions whose tokens
 match the longest suffix of the context (up to `MAX_MATCH` tokens; among equally long
 matches, the latest), follows each for up to `depth` tokens, merges continuations that
-share a prefix into one trie, and keeps the `total_tokens - 1` nodes that the most matches
+share a prefix into one trie (a continuation ends at the history's separators), and keeps
+the `total_tokens - 1` nodes that the most matches
 pass through (a node's count never exceeds its parent's, and a parent comes first among
 equals, so every kept node's parent is kept). Unused places in the tree hold the root's
 token as extra children of the root. Deterministic: trees verify greedily or by recursive
@@ -31,16 +34,20 @@ MAX_MATCH = 8  # the longest suffix matched
 
 
 class SuffixDrafter:
-    """State per row: context [B,C] (x_0..x_n, then accepted tokens) and its length [B]."""
+    """State per row: context [B,H+C] (the history, x_0..x_n, then accepted tokens) and its
+    length [B]. Its weights (`head`) are {"history": int32 [H]} or None (no history)."""
 
     drafts_with = None
 
-    def prefill(self, head: None, spec: "SpecConfig", tokens: jax.Array, features: jax.Array,
-                prompt_lengths: jax.Array, capacity: int, chunk: int
+    def prefill(self, head: dict[str, jax.Array] | None, spec: "SpecConfig", tokens: jax.Array,
+                features: jax.Array, prompt_lengths: jax.Array, capacity: int, chunk: int
                 ) -> tuple[jax.Array, jax.Array]:
         batch, width = tokens.shape
-        context = jnp.zeros((batch, max(capacity, width)), jnp.int32)
-        return context.at[:, :width].set(tokens), prompt_lengths + 1
+        history = jnp.zeros((0,), jnp.int32) if head is None else head["history"]
+        context = jnp.zeros((batch, history.shape[0] + max(capacity, width)), jnp.int32)
+        context = context.at[:, :history.shape[0]].set(history[None])
+        context = context.at[:, history.shape[0]:history.shape[0] + width].set(tokens)
+        return context, history.shape[0] + prompt_lengths + 1
 
     def draft(self, head: None, state: tuple[jax.Array, jax.Array], token: jax.Array,
               spec: "SpecConfig", greedy: bool, sampling: SamplingParams, keys: jax.Array,
@@ -64,8 +71,9 @@ class SuffixDrafter:
                                        matches)
         # Continuations [B,M,D] and where they exist.
         index = position[:, :, None] + 1 + jnp.arange(depth)[None, None, :]
-        exists = (best >= 0)[:, :, None] & (index <= last[:, None, None])
         follow = context[rows[:, None, None], jnp.minimum(index, width - 1)]
+        exists = ((best >= 0)[:, :, None] & (index <= last[:, None, None])
+                  & (jnp.cumsum(follow < 0, axis=-1) == 0))  # up to a history separator
         # shared[b,m,q,d]: continuations m and q agree through depth d (both existing).
         agree = (follow[:, :, None] == follow[:, None]) & exists[:, :, None] & exists[:, None]
         shared = jnp.cumsum(~agree, axis=-1) == 0
