@@ -220,3 +220,26 @@ def test_training_with_a_draft_vocabulary_size_trains_a_reduced_drafter(tmp_path
     assert head.params["lm_head"].shape == (24, target.config.hidden_size)
     losses = [e["loss"] for e in result.log if "loss" in e]
     assert losses and np.isfinite(losses).all()
+
+
+@pytest.mark.parametrize("flags, want", [([], None), (["--draft-vocab-size", "24"], 24)])
+def test_cli_trains_dflash_over_the_draft_vocabulary_size_given(target, tmp_path, monkeypatch,
+                                                                flags, want):
+    """`train-draft --method dflash` reads out through the target's head unless given
+    `--draft-vocab-size` (the run itself: the test above)."""
+    import types
+
+    import eaglejax.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "load_target", lambda *args, **kwargs: target)
+    monkeypatch.setattr(cli, "prepare_rows", lambda *args, **kwargs: "the rows")
+    monkeypatch.setattr(cli, "train", lambda target, rows, out, config, **kwargs: (
+        seen.append(config) or types.SimpleNamespace(log=[], out=tmp_path)))
+    data = tmp_path / "data.jsonl"
+    data.write_text("")
+    assert main(["train-draft", "--data", str(data), "--out", str(tmp_path / "run"),
+                 "--method", "dflash", "--mask-token-id", "3", "--eval-questions", "0",
+                 *flags]) == 0
+    assert seen[0].method == "dflash" and seen[0].draft_vocab_size == want
+    assert seen[0].draft_vocab(V) == (want or V)
