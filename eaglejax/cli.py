@@ -364,7 +364,8 @@ def _add_train_args(commands) -> None:
                             "forward (mask slots, depths sampled as --cod-rate^d, at least "
                             "--cod-floor); dflash: a --num-layers drafter filling blocks of "
                             "--block-size (--num-anchors blocks per row) over the target's "
-                            "whole vocabulary")
+                            "whole vocabulary, or its own head over --draft-vocab-size "
+                            "tokens")
     train.add_argument("--mask-token-id", type=int, default=None,
                        help="peagle, dflash: the mask slots' token (default: the tokenizer's "
                             "highest special token that text and chat turns never use)")

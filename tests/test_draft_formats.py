@@ -635,10 +635,11 @@ def test_refuses_unsupported_flags_and_kinds(tmp_path, target):
                       eagle3_tensors(10, s, first="layers.0."), "safetensors")
     with pytest.raises(ConfigError, match="speculators_model_type 'dspark'"):
         load_draft(path, target=target)
-    # DFlash is read (tests/test_dflash.py), but not with a reduced draft vocabulary
+    # DFlash is read (tests/test_dflash.py, its reduced vocabularies tests/test_dflash_vocab.py),
+    # but an EAGLE-3 config relabelled as DFlash names no taps where DFlash's layout does
     path = write_head(tmp_path / "dflash", _speculators_config(s, speculators_model_type="dflash"),
                       eagle3_tensors(10, s, first="layers.0."), "safetensors")
-    with pytest.raises(ConfigError, match="a reduced draft vocabulary is not supported"):
+    with pytest.raises(ConfigError, match="the tapped target layers are missing"):
         load_draft(path, target=target)
     # P-EAGLE is read (tests/test_peagle.py), but not without its mask token
     path = write_head(tmp_path / "peagle", _speculators_config(s, speculators_model_type="peagle"),

@@ -3,7 +3,8 @@
 Oracle: the `speculators` package's own DFlash training forward and loss
 (`DFlashDraftModel._backbone_forward`: its anchors, its attention mask as its eager path
 builds it, its layers and readout; `compute_metrics` with its KL loss and slot decay), on a
-drafter it saved itself (`save_pretrained`) and eaglejax loaded. The training forward
+drafter it saved itself (`save_pretrained`) and eaglejax loaded: with the full vocabulary,
+and with a reduced one (its own lm_head, targets restricted to the draft vocabulary). The training forward
 proposes, for every anchor, what decoding's block forward proposes after that context; a
 short run on the tiny target raises the acceptance length of DFlash decoding.
 """
@@ -31,7 +32,7 @@ from eaglejax.training.ttt import Batch, TargetSignal
 from hf_oracle import make_hf_model
 from test_training import V as TINY_V
 from test_training import make_tiny_target, sample_rows
-from tolerances import FORWARD_UNITS, assert_close_scaled
+from tolerances import FORWARD_UNITS, ONE_ROUNDING_UNITS, assert_close_scaled
 
 V, MASK, BLOCK, GAMMA = 97, 96, 4, 3.0
 # One packed row: (segment, prompt tokens, reply tokens) per conversation, then padding.
@@ -56,9 +57,11 @@ def _row(seed: int) -> Batch:
                     np.array(loss_mask))))
 
 
-def _speculators_drafter(directory, hf_target):
+def _speculators_drafter(directory, hf_target, used=None):
     """A random 2-layer DFlash drafter built and saved by speculators, reading out through
-    `hf_target`'s embedding, final norm and head."""
+    `hf_target`'s embedding, final norm and head, or, with `used` (sorted target ids), a
+    random lm_head of its own over those tokens (its t2d/d2t from `load_vocab_mappings`,
+    its targets the verifier's logits of those tokens)."""
     import torch
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash.config import DFlashSpeculatorConfig
@@ -72,36 +75,49 @@ def _speculators_drafter(directory, hf_target):
     layer._attn_implementation = "eager"
     proposal = GreedyTokenProposalConfig(speculative_tokens=BLOCK - 1)
     config = DFlashSpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=V, block_size=BLOCK,
-        aux_hidden_state_layer_ids=[1, 2], mask_token_id=MASK,
+        transformer_layer_config=layer, draft_vocab_size=V if used is None else len(used),
+        block_size=BLOCK, aux_hidden_state_layer_ids=[1, 2], mask_token_id=MASK,
         speculators_config=SpeculatorsConfig(
             algorithm="dflash", proposal_methods=[proposal], default_proposal_method="greedy",
             verifier=VerifierConfig(name_or_path=str(directory),
                                     architectures=["Qwen3ForCausalLM"])))
     torch.manual_seed(4)
     model = DFlashDraftModel(config).float().eval()
+    rows = hf_target.lm_head.weight
+    if used is not None:
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[torch.tensor(used)] = True
+        model.load_vocab_mappings(t2d, torch.tensor(used - np.arange(len(used))))
+        rows = rows[t2d]
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight")
                     else 0.1 * torch.randn_like(p))
         model.embed_tokens.weight.copy_(hf_target.model.embed_tokens.weight)
-        model.lm_head.weight.copy_(hf_target.lm_head.weight)
-        model.verifier_lm_head.weight.copy_(hf_target.lm_head.weight)
+        if used is None:
+            model.lm_head.weight.copy_(rows)
+        model.verifier_lm_head.weight.copy_(rows)
         model.verifier_norm.weight.copy_(hf_target.model.norm.weight)
     model.save_pretrained(directory / "drafter")
     return model
 
 
-def test_loss_and_slot_accuracies_equal_speculators(tmp_path):
+def _assert_loss_and_slot_accuracies_equal_speculators(tmp_path, used=None):
+    """eaglejax's `dflash_loss` on the drafter speculators saved (`_speculators_drafter`)
+    equals speculators' `_backbone_forward` and `compute_metrics` on one packed row; the
+    target's distributions restricted to `used` and renormalised, as `target_signal` gives
+    them."""
     import torch
     from speculators.losses import resolve_loss_config
     from speculators.models.dflash.metrics import compute_metrics
 
     hf_target = make_hf_model("qwen3", tmp_path / "target", seed=3, vocab_size=V)
-    oracle = _speculators_drafter(tmp_path, hf_target)
+    oracle = _speculators_drafter(tmp_path, hf_target, used)
     target = eaglejax.load_target(tmp_path / "target")
     draft = eaglejax.load_draft(tmp_path / "drafter", target=target)
     assert (draft.config.block_size, draft.config.mask_token_id) == (BLOCK, MASK)
+    used = np.arange(V) if used is None else used
+    assert np.array_equal(np.arange(len(used)) + np.asarray(draft.d2t), used)
 
     batch = _row(seed=0)
     rs = np.random.RandomState(1)
@@ -110,7 +126,7 @@ def test_loss_and_slot_accuracies_equal_speculators(tmp_path):
     last_hidden = rs.randn(1, length, 64).astype(np.float32)  # the target's, before its norm
     logits = lm_head(target.params, rms_norm(jnp.asarray(last_hidden),
                                              target.params["final_norm"], 1e-6))
-    signal = TargetSignal(jnp.asarray(features), jax.nn.softmax(logits, axis=-1),
+    signal = TargetSignal(jnp.asarray(features), jax.nn.softmax(logits[..., used], axis=-1),
                           jnp.argmax(logits, axis=-1))
     anchors = int(np.sum(np.array(batch.loss_mask)))  # more than the valid ones: all are taken
     loss, (_, accuracies) = jax.jit(dflash_loss, static_argnums=(1, 6))(
@@ -126,10 +142,23 @@ def test_loss_and_slot_accuracies_equal_speculators(tmp_path):
             torch.tensor(np.array(batch.positions), dtype=torch.long), max_anchors=anchors)[1:]
         want, metrics = compute_metrics(out_logits, targets, mask, BLOCK, gamma=GAMMA,
                                         loss_config=resolve_loss_config("kl_div", "eager"))
-    assert_close_scaled(float(loss), float(want), units=FORWARD_UNITS, depth=V)
+    assert out_logits.shape[-1] == targets.shape[-1] == len(used)
+    assert_close_scaled(float(loss), float(want), units=FORWARD_UNITS, depth=len(used))
     want_accuracy = [float(metrics[f"position_{k}_acc_sum"] / metrics[f"position_{k}_acc_total"])
                      for k in range(1, BLOCK)]
-    np.testing.assert_allclose(np.asarray(accuracies), want_accuracy, rtol=0, atol=1e-6)
+    assert_close_scaled(np.asarray(accuracies), want_accuracy, units=ONE_ROUNDING_UNITS,
+                        scale=1.0, what="slot accuracies")  # means of counts
+
+
+def test_loss_and_slot_accuracies_equal_speculators(tmp_path):
+    _assert_loss_and_slot_accuracies_equal_speculators(tmp_path)
+
+
+def test_reduced_vocabulary_loss_and_slot_accuracies_equal_speculators(tmp_path):
+    """The twin with a draft vocabulary of 40 tokens: the drafter's own lm_head, and
+    targets from the verifier's logits of those tokens only."""
+    used = np.sort(np.random.RandomState(6).choice(V, 40, replace=False))
+    _assert_loss_and_slot_accuracies_equal_speculators(tmp_path, used)
 
 
 def test_anchors_are_distinct_valid_positions():

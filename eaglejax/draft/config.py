@@ -20,7 +20,8 @@ class DraftConfig:
     have `tap_layers == ()`. A P-EAGLE head is an EAGLE-3 head with `mask_token_id`. A
     DFlash drafter (`kind` "dflash", `draft.dflash`) fills a block of `block_size` tokens
     (the last accepted one, then `mask_token_id`) in one forward over its context's
-    projected taps; it shares the target's embedding and output head.
+    projected taps; it shares the target's embedding, and its output head too unless its
+    vocabulary is reduced (`reduced_vocab`: then it has its own `lm_head`).
     """
 
     kind: DraftKind
@@ -42,6 +43,13 @@ class DraftConfig:
         (`mask_token_id` embedded, the learned `mask_hidden` in place of target features),
         all in one forward."""
         return self.kind == "eagle3" and self.mask_token_id is not None
+
+    @property
+    def reduced_vocab(self) -> bool:
+        """Whether the head predicts fewer tokens than the target's vocabulary (its d2t then
+        maps its draft ids to target ids; an EAGLE-3 head has its own `lm_head` either way,
+        a DFlash drafter only then)."""
+        return self.draft_vocab_size < self.decoder.vocab_size
 
     @property
     def hidden_size(self) -> int:

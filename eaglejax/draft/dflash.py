@@ -2,8 +2,11 @@
 parameter dict.
 
 A DFlash drafter is a stack of decoder layers of the target's kind (Qwen3-style: per-head
-q/k norms) with no embedding and no output head of its own: it embeds with the target's
-table and reads out with the target's head. The target's taps at each committed position
+q/k norms) with no embedding of its own: it embeds with the target's table and reads out
+(`readout`) with the target's head, or, with a reduced draft vocabulary
+(`DraftConfig.reduced_vocab`, as speculators trains them), with its own `lm_head` [DV, H]
+over DV target tokens (`d2t`): its proposals are then draft-vocabulary logits, which the
+decoding loop maps to target ids as it does an EAGLE-3 head's. The target's taps at each committed position
 are projected once into a context vector, `ctx = hidden_norm(fc(taps))`, from which every
 layer takes that position's key and value directly (`k_norm(k_proj(ctx))` rotated at the
 position, `v_proj(ctx)`; no input norm, and the layers never update ctx): the drafter's
@@ -39,11 +42,26 @@ def default_taps(num_target_layers: int, count: int) -> tuple[int, ...]:
 
 def param_info(config: DraftConfig) -> Params:
     """Every DFlash parameter's `ParamInfo`: `fc` [H, taps x H_target], `hidden_norm`, the
-    decoder layers and `final_norm` (the embedding and output head are the target's)."""
+    decoder layers, `final_norm` and, with a reduced vocabulary, `lm_head` [DV, H] (the
+    embedding, and otherwise the output head, are the target's)."""
     decoder = decoder_info(config.decoder)
     norm = decoder["final_norm"]
-    return {"fc": ParamInfo((config.hidden_size, config.feature_size), ("embed", "features")),
-            "hidden_norm": norm, "layers": decoder["layers"], "final_norm": norm}
+    infos = {"fc": ParamInfo((config.hidden_size, config.feature_size), ("embed", "features")),
+             "hidden_norm": norm, "layers": decoder["layers"], "final_norm": norm}
+    if config.reduced_vocab:
+        infos["lm_head"] = ParamInfo((config.draft_vocab_size, config.hidden_size),
+                                     ("draft_vocab", "embed"))
+    return infos
+
+
+def readout(params: Params, config: DraftConfig, target_params: Params,
+            hidden: jax.Array) -> jax.Array:
+    """Float32 draft-vocabulary logits [..., DV] of final-normed drafter outputs [..., H]:
+    through the drafter's own `lm_head` when its vocabulary is reduced, else the target's
+    head (DV = V)."""
+    if config.reduced_vocab:
+        return linear(hidden, params["lm_head"]).astype(jnp.float32)
+    return lm_head(target_params, hidden)
 
 
 def context_kv(params: Params, config: DraftConfig, features: jax.Array,
@@ -74,9 +92,10 @@ def context_kv(params: Params, config: DraftConfig, features: jax.Array,
 def block_logits(params: Params, config: DraftConfig, target_params: Params,
                  tokens: jax.Array, positions: jax.Array, cache: KVCache,
                  attn_impl: AttentionImpl = "auto") -> tuple[jax.Array, KVCache]:
-    """Target-vocabulary logits [B,T-1,V] proposed by block slots 1.. for a block of tokens
-    [B,T] (the last accepted token, then mask tokens) at positions [B,T], over the context
-    keys and values in `cache` (every block token sees the whole context and the block);
+    """Draft-vocabulary logits [B,T-1,DV] (`readout`; DV = V for a full-vocabulary
+    drafter) proposed by block slots 1.. for a block of tokens [B,T] (the last accepted
+    token, then mask tokens) at positions [B,T], over the context keys and values in
+    `cache` (every block token sees the whole context and the block);
     and the cache with the block's rows staged past its valid prefix (lengths unchanged:
     keeping it rather than the input spares a copy of the cache)."""
     batch, width = tokens.shape
@@ -85,5 +104,5 @@ def block_logits(params: Params, config: DraftConfig, target_params: Params,
     everywhere = jnp.ones((batch, width, width), bool)
     out = forward(model, config.decoder, tokens, positions, cache, mask=everywhere,
                   attn_impl=attn_impl)
-    return lm_head(target_params, out.hidden[:, 1:]), out.cache
+    return readout(params, config, target_params, out.hidden[:, 1:]), out.cache
 

@@ -143,12 +143,15 @@ class Draft:
 
 
 def new_dflash_draft(target: "Target", *, num_layers: int = 2, block_size: int = 8,
-                     mask_token_id: int, seed: int = 0, scale: float = 0.02,
-                     from_target: bool = False) -> Draft:
+                     mask_token_id: int, used_tokens: np.ndarray | None = None, seed: int = 0,
+                     scale: float = 0.02, from_target: bool = False) -> Draft:
     """A freshly initialised DFlash drafter for `target`: `num_layers` Qwen3-style layers of
     the target's attention shape (q/k norms, no biases), filling blocks of `block_size`
     (the last accepted token, then `mask_token_id`), tapping `num_layers` target layers.
 
+    `used_tokens` (sorted target ids, fewer than V) reduces its vocabulary to those tokens:
+    it then reads out through its own `lm_head`, the target's output rows of those tokens;
+    None (or all V ids): through the target's head.
     `from_target` starts it from the target: its layers are copies of the target's last
     `num_layers` (q/k norms at one), its final norm is the target's, and `fc` passes the
     deepest tap through, so the context keys and values start as those last layers
@@ -156,17 +159,40 @@ def new_dflash_draft(target: "Target", *, num_layers: int = 2, block_size: int =
     c = target.config
     validation.integer("mask_token_id", mask_token_id, 0, c.vocab_size - 1)
     validation.integer("block_size", block_size, 2)
+    used = _used_tokens(used_tokens, c.vocab_size)
     decoder = dataclasses.replace(c, model_type="qwen3", num_layers=num_layers,
                                   tie_word_embeddings=False, attention_bias=False,
                                   qk_norm=True)
     taps = default_taps(c.num_layers, num_layers)
-    config = DraftConfig("dflash", decoder, c.vocab_size, c.hidden_size, taps,
+    config = DraftConfig("dflash", decoder, len(used), c.hidden_size, taps,
                          mask_token_id=mask_token_id, block_size=block_size)
     params = init_params(config, jax.random.PRNGKey(seed), dtype=target.dtype, scale=scale)
+    if config.reduced_vocab:
+        params["lm_head"] = _output_rows(target, used)
     if from_target:
         _start_from_target_layers(params, target, config)
-    return Draft(config, params, jnp.zeros((c.vocab_size,), jnp.int32), target,
-                 f"new-dflash-seed{seed}")
+    return Draft(config, params, _d2t(used), target, f"new-dflash-seed{seed}")
+
+
+def _used_tokens(used_tokens: np.ndarray | None, vocab_size: int) -> np.ndarray:
+    """A draft vocabulary's sorted target ids (all of V if None), checked."""
+    used = np.arange(vocab_size) if used_tokens is None else np.asarray(used_tokens)
+    if used.ndim != 1 or not used.size or np.any(np.diff(used) <= 0) or used[0] < 0 \
+            or used[-1] >= vocab_size:
+        raise InputError(f"used_tokens must be strictly increasing target ids in "
+                         f"[0, {vocab_size}), got {used!r:.80}")
+    return used
+
+
+def _d2t(used: np.ndarray) -> jax.Array:
+    """The draft -> target offsets of sorted target ids `used`."""
+    return jnp.asarray(used - np.arange(len(used)), jnp.int32)
+
+
+def _output_rows(target: "Target", used: np.ndarray) -> jax.Array:
+    """The target's output-head rows of token ids `used` [DV, H], in the target's dtype."""
+    output_rows = target.params.get("lm_head", target.params["embed"])
+    return jnp.asarray(output_rows)[jnp.asarray(used)].astype(target.dtype)
 
 
 def _start_from_target_layers(params: Params, target: "Target", config: DraftConfig) -> None:
@@ -199,10 +225,7 @@ def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
     target's row); `own_embedding`: the head keeps a trainable copy of the whole table.
     """
     c = target.config
-    used = np.arange(c.vocab_size) if used_tokens is None else np.asarray(used_tokens)
-    if used.ndim != 1 or np.any(np.diff(used) <= 0) or used[0] < 0 or used[-1] >= c.vocab_size:
-        raise InputError(f"used_tokens must be strictly increasing target ids in "
-                         f"[0, {c.vocab_size}), got {used!r:.80}")
+    used = _used_tokens(used_tokens, c.vocab_size)
     decoder = dataclasses.replace(c, model_type="llama", num_layers=num_layers,
                                   tie_word_embeddings=False, attention_bias=False, qk_norm=False)
     if mask_token_id is not None:
@@ -217,10 +240,8 @@ def new_eagle3_draft(target: "Target", *, used_tokens: np.ndarray | None = None,
         params["mask_embed"] = jnp.array(target.params["embed"][mask_token_id], target.dtype)
     if from_target:
         h, deepest = c.hidden_size, int(np.argmax(config.tap_layers))
-        output_rows = target.params.get("lm_head", target.params["embed"])
-        params["lm_head"] = jnp.asarray(output_rows)[jnp.asarray(used)].astype(target.dtype)
+        params["lm_head"] = _output_rows(target, used)
         params["final_norm"] = jnp.array(target.params["final_norm"], target.dtype, copy=True)
         params["fc"] = jnp.zeros_like(params["fc"]).at[:, deepest * h:(deepest + 1) * h].set(
             jnp.eye(h, dtype=target.dtype))
-    d2t = jnp.asarray(used - np.arange(len(used)), jnp.int32)
-    return Draft(config, params, d2t, target, f"new-eagle3-seed{seed}")
+    return Draft(config, params, _d2t(used), target, f"new-eagle3-seed{seed}")

@@ -193,8 +193,11 @@ def draft_forward_chunked(params: Params, config: DraftConfig, target_params: Pa
 
 def head_logits(params: Params, config: DraftConfig, target_params: Params,
                 hidden: jax.Array) -> jax.Array:
-    """Float32 draft-vocabulary logits [..., DV] of un-normed head outputs [..., H]
-    (computed only where needed: the vocabulary projection is the head's largest matmul)."""
+    """Float32 draft-vocabulary logits [..., DV] of un-normed head outputs [..., H] (a
+    DFlash drafter's: final-normed, `dflash.readout`); computed only where needed: the
+    vocabulary projection is the head's largest matmul."""
+    if config.kind == "dflash":  # its outputs are final-normed already
+        return dflash.readout(params, config, target_params, hidden)
     if config.kind == "eagle3":
         logits = linear(hidden, params["lm_head"], norm=params["final_norm"],
                         eps=config.decoder.rms_norm_eps)

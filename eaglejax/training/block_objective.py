@@ -8,8 +8,10 @@ positions pos_a .. pos_a + block_size - 1, every block token seeing the context 
 values of its segment's positions strictly before a (x_a's own target features do not
 exist yet at decoding time) and the whole block. Slot k >= 1 proposes x_{a+k}; it is
 supervised by the target's distribution at a+k-1 (KL divergence, as speculators trains
-DFlash), weighted exp(-(k-1)/gamma), where a+k is supervised and in a's segment. All of a
-row's blocks run in one forward (queries N x block_size, keys S + own block).
+DFlash), weighted exp(-(k-1)/gamma), where a+k is supervised and in a's segment. A
+drafter with a reduced vocabulary is supervised by that distribution restricted to its
+tokens and renormalised (as speculators and EAGLE-3 training do). All of a row's blocks
+run in one forward (queries N x block_size, keys S + own block).
 """
 
 from __future__ import annotations
@@ -98,8 +100,9 @@ def dflash_loss(params: Params, config: DraftConfig, target_params: Params, batc
                 gamma: float = 7.0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """sum over valid (block, slot k) of exp(-(k-1)/gamma) KL_k, divided by the number of
     valid pairs (speculators' normalisation); and (KL_k, top-1 accuracy_k), each
-    [block_size - 1], means over slot k's valid blocks. `signal.probs` must cover the whole
-    vocabulary (a DFlash drafter reads out through the target's head)."""
+    [block_size - 1], means over slot k's valid blocks. `signal.probs` covers the drafter's
+    vocabulary: the whole one, or a reduced one's tokens (restricted and renormalised,
+    `ttt.target_signal`)."""
     anchors, anchor_valid = sample_anchors(key, batch, num_anchors)
     hidden = anchored_blocks(params, config, target_params, batch, signal.features, anchors)
     length = batch.segments.shape[1]

@@ -54,6 +54,7 @@ from eaglejax.training.vocab import (
 from eaglejax.validation import bounded, check_fields
 
 SCHEDULES = ("cosine", "constant")
+DEFAULT_DRAFT_VOCAB = 8192  # an EAGLE-3 or P-EAGLE head's (a DFlash drafter's: the whole)
 # Settings that do not change the trained parameters (a resumed run may change them).
 BOOKKEEPING = ("checkpoint_every", "keep_checkpoints", "eval_every", "eval_max_new_tokens",
                "eval_num_draft_tokens", "log_every")
@@ -67,15 +68,19 @@ class TrainConfig:
     `lr * final_lr_fraction` at `steps`, or "constant" at `lr`. A constant schedule does
     not depend on `steps`, so such a run can be extended: run it again with more steps.
     `init_from_target`: warm-start the head's output side from the target (see
-    `new_eagle3_draft(from_target=True)`).
+    `new_eagle3_draft(from_target=True)`). `draft_vocab_size`: the head predicts that many
+    of the most frequent supervised tokens (`draft_vocab`; None: the method's default),
+    trained on the target's next-token distributions restricted to them and renormalised.
     `mask_token_id` trains a P-EAGLE head instead (`ttt.peagle_loss`): `ttt_length` mask
     depths, a share max(cod_rate^d, cod_floor) of roots at depth d, the mask token's own
     embedding learned (`mask_embed`, starting from the target's row).
     `block_size` (with `mask_token_id`) trains a DFlash drafter of `num_layers` layers
     (`block_objective.dflash_loss`): `num_anchors` blocks per row, slot k weighted
-    exp(-(k-1)/loss_decay_gamma); it reads out through the target's head, so
-    `draft_vocab_size`, `ttt_length` and `step_weight` do not apply; `init_from_target`
-    starts its layers from the target's last ones (`new_dflash_draft(from_target=True)`)."""
+    exp(-(k-1)/loss_decay_gamma); by default it reads out through the target's head (the
+    whole vocabulary), and with `draft_vocab_size` < V through its own lm_head, started
+    from the target's output rows of its tokens (`new_dflash_draft(used_tokens=...)`);
+    `ttt_length` and `step_weight` do not apply; `init_from_target` starts its layers from
+    the target's last ones (`new_dflash_draft(from_target=True)`)."""
 
     seq_len: int = bounded(1024, "integer", 1, help="tokens per packed training row")
     batch_size: int = bounded(4, "integer", 1, help="rows per step")
@@ -93,7 +98,10 @@ class TrainConfig:
     b2: float = 0.95
     ttt_length: int = bounded(7, "integer", 1, help="training-time-test unroll steps")
     step_weight: float = 0.8
-    draft_vocab_size: int = bounded(8192, "integer", 1, help="the head's output vocabulary")
+    draft_vocab_size: int | None = bounded(
+        None, "integer", 1, help=f"the head's output vocabulary, the most frequent supervised "
+                                 f"tokens (default: {DEFAULT_DRAFT_VOCAB} for eagle3 and "
+                                 f"peagle, the whole vocabulary for dflash)")
     num_layers: int = bounded(1, "integer", 1, help="head decoder layers")
     init_from_target: bool = False
     seed: int = bounded(0, "seed", help="initialisation and data order")
@@ -145,6 +153,13 @@ class TrainConfig:
             return "dflash"
         return "eagle3" if self.mask_token_id is None else "peagle"
 
+    def draft_vocab(self, vocab_size: int) -> int:
+        """The draft vocabulary size of this run for a target of `vocab_size` tokens:
+        `draft_vocab_size`, or the method's default (`DEFAULT_DRAFT_VOCAB`; DFlash: all)."""
+        if self.draft_vocab_size is not None:
+            return self.draft_vocab_size
+        return vocab_size if self.method == "dflash" else DEFAULT_DRAFT_VOCAB
+
     @property
     def warmup(self) -> int:
         return self.steps // 20 if self.warmup_steps is None else self.warmup_steps
@@ -162,11 +177,15 @@ class TrainConfig:
             ignored += ("cod_rate", "cod_floor")
         if self.method == "eagle3":  # as before P-EAGLE's settings existed
             ignored += ("mask_token_id",)
-        if self.method == "dflash":
-            ignored += ("ttt_length", "step_weight", "draft_vocab_size")
+        if self.method == "dflash":  # a full vocabulary: as before it could be reduced
+            ignored += ("ttt_length", "step_weight") + (
+                ("draft_vocab_size",) if self.draft_vocab_size is None else ())
         else:  # as before DFlash's settings existed
             ignored += ("block_size", "num_anchors", "loss_decay_gamma")
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
+        settings = {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
+        if self.method != "dflash" and self.draft_vocab_size is None:  # as before the
+            settings["draft_vocab_size"] = DEFAULT_DRAFT_VOCAB  # default depended on the method
+        return settings
 
     def core(self) -> TrainConfig:
         """This config with the bookkeeping settings at their defaults (a compile-cache key)."""
@@ -267,21 +286,20 @@ def acceptance_length(draft: Draft, prompts: Sequence[str] | Sequence[Sequence[i
 
 def _draft_vocab(target: Target, rows: PackedRows, config: TrainConfig,
                  init_head: Draft | None) -> DraftVocab:
-    """The most frequent supervised tokens of `rows` (DFlash: the whole vocabulary), or
-    `init_head`'s vocabulary (checked against `config`)."""
+    """The `config.draft_vocab` most frequent supervised tokens of `rows` (all of them for
+    a full-vocabulary DFlash drafter), or `init_head`'s vocabulary (checked against
+    `config`)."""
     dflash = config.method == "dflash"
     vocab_size = target.config.vocab_size
-    if init_head is None and dflash:
-        return vocab_from_used(np.arange(vocab_size), supervised_token_counts(rows, vocab_size))
+    size = config.draft_vocab(vocab_size)
     if init_head is None:
-        return select_draft_vocab(rows, vocab_size, config.draft_vocab_size)
+        return select_draft_vocab(rows, vocab_size, size)
     c = init_head.config
     wanted = {"kind": ("dflash" if dflash else "eagle3", c.kind),
               "num_layers": (config.num_layers, c.decoder.num_layers),
               "mask_token_id": (config.mask_token_id, c.mask_token_id),
-              "block_size": (config.block_size, c.block_size)}
-    if not dflash:
-        wanted["draft_vocab_size"] = (config.draft_vocab_size, c.draft_vocab_size)
+              "block_size": (config.block_size, c.block_size),
+              "draft_vocab_size": (size, c.draft_vocab_size)}
     wrong = [f"{name} {have!r} (settings: {want!r})" for name, (want, have) in wanted.items()
              if want != have]
     if wrong:
@@ -431,8 +449,8 @@ def train(target: Target, rows: PackedRows, out: str | Path,
     if init_head is None and config.method == "dflash":
         draft = new_dflash_draft(target, num_layers=config.num_layers,
                                  block_size=config.block_size,
-                                 mask_token_id=config.mask_token_id, seed=config.seed,
-                                 from_target=config.init_from_target)
+                                 mask_token_id=config.mask_token_id, used_tokens=vocab.used,
+                                 seed=config.seed, from_target=config.init_from_target)
     elif init_head is None:
         draft = new_eagle3_draft(target, used_tokens=vocab.used, num_layers=config.num_layers,
                                  from_target=config.init_from_target, seed=config.seed,

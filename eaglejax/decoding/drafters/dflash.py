@@ -2,8 +2,10 @@
 per-slot top-k): one drafter forward fills a block of `block_size` tokens (`draft.dflash`).
 
 State (`DFlashState`): the drafter's cache of context keys and values for x_0..x_{n-1}
-(the target's committed positions, from their taps) and the block's proposals [B,S,V] for
-x_{n+1}..x_{n+S} (S = block_size - 1), computed when x_n became the last accepted token.
+(the target's committed positions, from their taps) and the block's proposals [B,S,DV] for
+x_{n+1}..x_{n+S} (S = block_size - 1), computed when x_n became the last accepted token:
+draft-vocabulary logits, DV = V unless the drafter's vocabulary is reduced; drafted ids
+map to target ids through `Head.draft_ids` as an EAGLE-3 head's do.
 A round drafts from the proposals with no forward at all: their argmax (or samples) as a
 chain of K <= S, as P-EAGLE's mask slots are drafted (`parallel.parallel`), or EAGLE-2's
 expansion over the lattice of each slot's top tokens (`parallel.draft_parallel_tree`). The
@@ -31,14 +33,14 @@ if TYPE_CHECKING:
 
 
 class DFlashState(NamedTuple):
-    """Per row: the context cache (x_0..x_{n-1}) and the block's proposals [B,S,V]."""
+    """Per row: the context cache (x_0..x_{n-1}) and the block's proposals [B,S,DV]."""
 
     cache: kv_cache.KVCache
     logits: jax.Array
 
 
 def _next_block(head: Head, cache: kv_cache.KVCache, token: jax.Array) -> DFlashState:
-    """The state whose proposals [B,S,V] are the block's rooted at token [B] after the
+    """The state whose proposals [B,S,DV] are the block's rooted at token [B] after the
     context cache (the block's rows staged past the context: never read)."""
     c = head.config
     batch = token.shape[0]

@@ -137,11 +137,18 @@ def d2t_from_tensors(d2t: np.ndarray | None, draft_vocab: int, vocab: int,
     return d2t.astype(np.int32)
 
 
-def t2d_for(d2t: np.ndarray, vocab: int) -> np.ndarray:
-    """The bool [V] mask of target tokens in the draft vocabulary."""
+def vocab_map_tensors(d2t: np.ndarray, vocab: int) -> dict[str, np.ndarray]:
+    """The vocabulary maps as the EAGLE-3 and DFlash layouts store them: 'd2t' int64 [DV]
+    and 't2d', the bool [V] mask of target tokens in the draft vocabulary."""
+    d2t = np.asarray(d2t).astype(np.int64)
     t2d = np.zeros((vocab,), bool)
-    t2d[np.arange(d2t.size) + d2t.astype(np.int64)] = True
-    return t2d
+    t2d[np.arange(d2t.size) + d2t] = True
+    return {"d2t": d2t, "t2d": t2d}
+
+
+def with_vocab_maps(shapes: Mapping[str, tuple[int, ...]], expected: Shapes) -> Shapes:
+    """`expected` plus d2t/t2d when the file has them (their contents are checked apart)."""
+    return {**expected, **{k: tuple(shapes[k]) for k in ("d2t", "t2d") if k in shapes}}
 
 
 def check_t2d(t2d_shape: tuple[int, ...] | None, vocab: int, source: str) -> None:

@@ -6,16 +6,19 @@ Qwen3 config (`num_hidden_layers`: the drafter's layers) plus `block_size` (top 
 (0-based target layers whose OUTPUTS are tapped: eaglejax's entering-layer taps - 1).
 speculators (`speculators_model_type: "dflash"`): `transformer_layer_config` (the drafter's
 layers), `block_size`, `mask_token_id`, `aux_hidden_state_layer_ids` (hidden-state indices:
-eaglejax's taps as they are) and `draft_vocab_size` (the target's: a reduced draft
-vocabulary is not read yet). Weights in both: `fc.weight` [H, taps x H], `hidden_norm`,
-`norm` and Qwen3 layers `layers.N.*` with q/k norms; no embedding, no output head (the
-target's serve), an `embed_tokens.weight` copy of the target's table is ignored.
+eaglejax's taps as they are) and `draft_vocab_size`. Weights in both: `fc.weight`
+[H, taps x H], `hidden_norm`, `norm` and Qwen3 layers `layers.N.*` with q/k norms; no
+embedding (an `embed_tokens.weight` copy of the target's table is ignored) and no output
+head: the target's serves. A speculators drafter with a reduced draft vocabulary
+(`draft_vocab_size` < vocab_size) has its own `lm_head.weight` [DV, H] and the EAGLE-3
+vocabulary maps `d2t` (int [DV]: draft id i is target id i + d2t[i]) and `t2d` (bool [V]);
+a full-vocabulary one's d2t/t2d, if any, are ignored.
 
 `export_dflash` writes the z-lab layout (block size at the top level and in `dflash_config`,
-plus `num_target_layers`), `export_speculators_dflash` the speculators one (with
-`speculators_config`: block_size - 1 greedy proposals and the verifier); both write the
-weights above in the drafter's dtype and a complete Qwen3 layer config, and refuse drafters
-whose layers are not Qwen3's (q/k norms, no biases).
+plus `num_target_layers`; it cannot hold a reduced vocabulary), `export_speculators_dflash`
+the speculators one (with `speculators_config`: block_size - 1 greedy proposals and the
+verifier); both write the weights above in the drafter's dtype and a complete Qwen3 layer
+config, and refuse drafters whose layers are not Qwen3's (q/k norms, no biases).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ import numpy as np
 from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.formats.common import (
-    ReadResult, check_tensors, consumer_layer_config, dtype_name, layer_ids, open_weights,
-    parse_decoder, prepare_output_dir, read_head_config, speculators_section, to_numpy,
-    validate, weights_source)
+    ReadResult, check_t2d, check_tensors, consumer_layer_config, d2t_from_tensors, dtype_name,
+    layer_ids, open_weights, parse_decoder, prepare_output_dir, read_head_config,
+    speculators_section, to_numpy, validate, vocab_map_tensors, weights_source,
+    with_vocab_maps)
 from eaglejax.errors import ConfigError
 from eaglejax.loading.safetensors_file import save_safetensors
 from eaglejax.loading.weights import hf_layer_shapes, layer_params_from_hf, layer_params_to_hf
@@ -40,7 +44,7 @@ if TYPE_CHECKING:
     from eaglejax.draft.draft import Draft
     from eaglejax.loading.hf_dir import HFWeights
 
-IGNORED = ("embed_tokens.weight", "d2t", "t2d")
+IGNORED = ("embed_tokens.weight", "d2t", "t2d")  # a reduced vocabulary's d2t/t2d are read
 
 
 def is_dflash(cfg: Mapping[str, Any]) -> bool:
@@ -74,10 +78,10 @@ def dflash_config(cfg: Mapping[str, Any], source: str, target: ModelConfig) -> D
             raise ConfigError(f"{source}: 'sample_from_anchor: true' is not supported (the "
                               f"block's first slot holds the last accepted token)")
         draft_vocab = cfg.get("draft_vocab_size", decoder.vocab_size)
-        if draft_vocab != decoder.vocab_size:
-            raise ConfigError(f"{source}: draft_vocab_size {draft_vocab} != vocab_size "
-                              f"{decoder.vocab_size}: a reduced draft vocabulary is not "
-                              f"supported for DFlash")
+        if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) \
+                or not 1 <= draft_vocab <= decoder.vocab_size:
+            raise ConfigError(f"{source}: 'draft_vocab_size' must be an integer in [1, "
+                              f"vocab_size {decoder.vocab_size}], got {draft_vocab!r}")
     else:
         decoder = parse_decoder(cfg, source)
         section = cfg.get("dflash_config") or {}
@@ -87,15 +91,15 @@ def dflash_config(cfg: Mapping[str, Any], source: str, target: ModelConfig) -> D
                             "dflash_config.target_layer_ids")
         taps = None if outputs is None else tuple(i + 1 for i in outputs)
         where = cfg if "block_size" in cfg else section
-        block_key, mask = "block_size", section.get("mask_token_id")
+        block_key, mask, draft_vocab = "block_size", section.get("mask_token_id"), None
     if taps is None:
         raise ConfigError(f"{source}: the tapped target layers are missing "
                           f"('dflash_config.target_layer_ids' or 'aux_hidden_state_layer_ids')")
     if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < target.vocab_size:
         raise ConfigError(f"{source}: the mask token id must be a token of the target's "
                           f"vocabulary [0, {target.vocab_size}), got {mask!r}")
-    return DraftConfig("dflash", decoder, decoder.vocab_size, target.hidden_size, taps,
-                       mask_token_id=mask, block_size=_positive(where, block_key, source))
+    return DraftConfig("dflash", decoder, draft_vocab or decoder.vocab_size, target.hidden_size,
+                       taps, mask_token_id=mask, block_size=_positive(where, block_key, source))
 
 
 def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
@@ -103,6 +107,8 @@ def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
     h = config.hidden_size
     shapes = {"fc.weight": (h, config.feature_size), "hidden_norm.weight": (h,),
               "norm.weight": (h,)}
+    if config.reduced_vocab:
+        shapes["lm_head.weight"] = (config.draft_vocab_size, h)
     for i in range(config.decoder.num_layers):
         shapes.update({f"layers.{i}.{k}": s for k, s in hf_layer_shapes(config.decoder).items()})
     return shapes
@@ -114,14 +120,20 @@ def read_dflash(path: Path, target: ModelConfig, weights: "HFWeights | None" = N
     cfg, source = read_head_config(path)
     config = dflash_config(cfg, source, target)
     weights = open_weights(path, weights)
-    shapes = {k: v for k, v in weights.shapes().items() if k not in IGNORED}
-    check_tensors(shapes, expected_shapes(config), weights_source(path))
+    wsource = weights_source(path)
+    ignored = ("embed_tokens.weight",) if config.reduced_vocab else IGNORED
+    shapes = {k: v for k, v in weights.shapes().items() if k not in ignored}
+    check_tensors(shapes, with_vocab_maps(shapes, expected_shapes(config)), wsource)
+    check_t2d(shapes.get("t2d"), target.vocab_size, wsource)
+    d2t = d2t_from_tensors(weights.get("d2t") if "d2t" in shapes else None,
+                           config.draft_vocab_size, target.vocab_size, wsource)
     f32 = lambda name: np.asarray(weights.get(name), np.float32)  # noqa: E731
     layers = [layer_params_from_hf(config.decoder, lambda n, i=i: weights.get(f"layers.{i}.{n}"))
               for i in range(config.decoder.num_layers)]
     params = {"fc": f32("fc.weight"), "hidden_norm": f32("hidden_norm.weight"),
               "layers": layers, "final_norm": f32("norm.weight")}
-    d2t = np.zeros((config.draft_vocab_size,), np.int32)
+    if config.reduced_vocab:
+        params["lm_head"] = f32("lm_head.weight")
     validate(config, params, d2t, target, source, "the tapped layers")
     return config, params, d2t
 
@@ -135,6 +147,11 @@ def export_dflash(draft: "Draft", path: str | Path) -> Path:
         raise ConfigError(f"cannot export {draft.source} in the z-lab DFlash layout: it taps "
                           f"the embeddings (entering layer 0), which has no target-layer "
                           f"output id; use the speculators layout")
+    if c.reduced_vocab:
+        raise ConfigError(f"cannot export {draft.source} in the z-lab DFlash layout: its "
+                          f"draft vocabulary is reduced ({c.draft_vocab_size} of "
+                          f"{c.decoder.vocab_size} tokens), which the layout cannot hold; "
+                          f"use the speculators layout")
     dflash_section = {"mask_token_id": c.mask_token_id, "block_size": c.block_size,
                       "target_layer_ids": [i - 1 for i in c.tap_layers]}
     config = {**_layer_config(draft), "architectures": ["DFlashDraftModel"],
@@ -193,7 +210,8 @@ def _layer_config(draft: "Draft") -> dict[str, Any]:
 
 
 def _write(draft: "Draft", path: str | Path, config: dict[str, Any]) -> Path:
-    """model.safetensors (the drafter's tensors in their own dtype) and config.json."""
+    """model.safetensors (the drafter's tensors in their own dtype; with a reduced
+    vocabulary its lm_head, d2t and t2d too) and config.json."""
     c = draft.config
     out = prepare_output_dir(path)
     params = to_numpy(draft.params)
@@ -202,6 +220,9 @@ def _write(draft: "Draft", path: str | Path, config: dict[str, Any]) -> Path:
         tensors.update({f"layers.{i}.{k}": v
                         for k, v in layer_params_to_hf(c.decoder, layer).items()})
     tensors["norm.weight"] = params["final_norm"]
+    if c.reduced_vocab:
+        tensors["lm_head.weight"] = params["lm_head"]
+        tensors.update(vocab_map_tensors(np.asarray(draft.d2t), c.decoder.vocab_size))
     save_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -19,11 +19,12 @@ from eaglejax.draft.formats.common import (
     d2t_from_tensors,
     flag,
     prepare_output_dir,
-    t2d_for,
     to_numpy,
     validate,
     validate_config,
+    vocab_map_tensors,
     weights_source,
+    with_vocab_maps,
 )
 from eaglejax.errors import ConfigError
 from eaglejax.loading.safetensors_file import save_safetensors
@@ -128,11 +129,6 @@ def tensors_from_params(config: DraftConfig, params: Params, first: str,
     return out
 
 
-def with_vocab_maps(shapes: Mapping[str, tuple[int, ...]], expected: Shapes) -> Shapes:
-    """`expected` plus d2t/t2d when the file has them (their contents are checked apart)."""
-    return {**expected, **{k: tuple(shapes[k]) for k in ("d2t", "t2d") if k in shapes}}
-
-
 def read_eagle3_weights(config: DraftConfig, weights: "HFWeights", path: Path,
                         target: ModelConfig, source: str, tap_key: str, first: str) -> ReadResult:
     """Validate a parsed EAGLE-3 config and its tensors against the target, then build
@@ -182,7 +178,6 @@ def write_eagle3_weights(draft: "Draft", path: str | Path, first: str) -> tuple[
     out = prepare_output_dir(path)
     params = to_numpy(draft.params)
     tensors = tensors_from_params(c, params, first, np.asarray(draft.target.params["embed"]))
-    d2t = np.asarray(draft.d2t).astype(np.int64)
-    tensors["d2t"], tensors["t2d"] = d2t, t2d_for(d2t, c.decoder.vocab_size)
+    tensors.update(vocab_map_tensors(np.asarray(draft.d2t), c.decoder.vocab_size))
     save_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
     return out, params
