@@ -38,8 +38,9 @@ def expansion_candidates(rs, top_k, depth):
     return np.array(tokens), np.array(scores, np.float32), np.array(parents)
 
 
-# compiled as the loops compile it: one program per shape, not a compile per eager operation
+# compiled as the loops compile them: one program per shape, not a compile per eager operation
 jitted_select_tree = jax.jit(select_tree, static_argnums=(4, 5))
+jitted_tree_from_parents = jax.jit(tree_from_parents, static_argnums=2)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
@@ -112,8 +113,8 @@ def test_static_tree_structure(raw):
     shape = static_shape(paths)
     n = len(paths) + 1
     tokens = np.arange(n)[None]
-    tree = [np.asarray(x)[0] for x in tree_from_parents(tokens, shape.parents[None],
-                                                        shape.max_depth)]
+    tree = [np.asarray(x)[0] for x in jitted_tree_from_parents(tokens, shape.parents[None],
+                                                               shape.max_depth)]
     _, parents, depths, mask, leaf_paths, is_leaf, _ = tree
     for i, path in enumerate(paths, start=1):
         assert depths[i] == len(path) == shape.depths[i]  # positions = prefix + depth
