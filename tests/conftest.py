@@ -4,6 +4,11 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch (the transformers oracles) on one OpenMP thread: with every core busy (a worker per
+# core, see below) its threads wait ~15 ms for each other at every parallel product; a 37-token
+# SmolLM2 forward took 4.1 s on two threads against 0.23 s on one (BENCHMARKS.md, CI time).
+# Set before torch is imported; subprocesses the tests start inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 if os.environ["JAX_PLATFORMS"] != "cpu":
     # On a GPU float32 dots default to TF32, whose rounding the float32 noise units of
     # tolerances.py do not allow for: the oracles and references run at full precision.

@@ -66,6 +66,10 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 def transformers_gguf_state(path: str | Path) -> tuple[Any, dict[str, Any]]:
     """(transformers config, state dict of torch tensors) read by transformers' own GGUF
     loader (its dequantizer and q/k un-permutation), without `accelerate`."""
+    import functools
+    from unittest import mock
+
+    import gguf
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -74,8 +78,11 @@ def transformers_gguf_state(path: str | Path) -> tuple[Any, dict[str, Any]]:
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True,
-                                   model_to_load=skeleton)["tensors"]
+    # transformers builds gguf's name map anew for each of the ~400 modules it walks (7 s):
+    # the map depends on the architecture and layer count only
+    with mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True,
+                                       model_to_load=skeleton)["tensors"]
     return config, tensors
 
 

@@ -333,7 +333,7 @@ def check_auto(target, cache_dir):
     from spec_helpers import random_eagle3, self_draft
 
     import eaglejax
-    from eaglejax.decoding import autotune
+    from eaglejax.decoding import autotune, bundle
 
     os.environ.update(EAGLEJAX_AUTOTUNE_CACHE="1", EAGLEJAX_CACHE=str(cache_dir))
     prompts = _prompts(5, 2)
@@ -344,8 +344,15 @@ def check_auto(target, cache_dir):
                                 max_new_tokens=40, ignore_eos=True)
         assert [o.token_ids for o in out] == [p.token_ids for p in plain]
         assert out[0].metrics.speculative.startswith("auto: ")
-    (one,) = eaglejax.generate(prompts[:1], target=target, draft=good, speculative="auto",
-                               max_new_tokens=1, ignore_eos=True)
+    compiled: list = []  # the prefill finishes the call: no mode is compiled
+    compile_once = bundle.compile_once
+    bundle.compile_once = lambda fn, *a, **k: compiled.append(fn) or compile_once(fn, *a, **k)
+    try:
+        (one,) = eaglejax.generate(prompts[:1], target=target, draft=good,
+                                   speculative="auto", max_new_tokens=1, ignore_eos=True)
+    finally:
+        bundle.compile_once = compile_once
+    assert len(compiled) == 1, compiled
     assert one.token_ids == plain[0].token_ids[:1]
     assert one.metrics.speculative == "auto: no decode step"
     plan = AutoPlan.for_target(target, good)  # the plan generate() used
@@ -366,7 +373,7 @@ def check_auto(target, cache_dir):
     autotune._KNOWN.clear()
     assert autotune.recall(target, good, 2, plan) == Knowledge()
     eaglejax.generate(prompts, target=target, draft=good, speculative="auto",
-                      max_new_tokens=8, ignore_eos=True)
+                      max_new_tokens=40, ignore_eos=True)  # the programs compiled above
     assert len(json.loads((cache_dir / autotune.KNOWLEDGE_FILE).read_text())) == 1
 
     # With no draft, auto weighs suffix trees: plain tokens, and where the text repeats

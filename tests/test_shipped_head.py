@@ -30,13 +30,28 @@ def shipped(request, smollm2):
     return request.param, eaglejax.load_draft(request.param, target=smollm2)
 
 
-def test_acceptance_is_what_the_model_card_states(shipped, smollm2):
+@pytest.fixture(scope="module")
+def plain_of(smollm2):
+    """(MT-bench first turns, max_new_tokens) -> plain decoding's results, decoded once for
+    both cards."""
+    done = {}
+
+    def get(turns: int, max_new_tokens: int):
+        if (turns, max_new_tokens) not in done:
+            done[turns, max_new_tokens] = eaglejax.generate(
+                mt_bench_prompts(turns), target=smollm2, max_new_tokens=max_new_tokens)
+        return done[turns, max_new_tokens]
+
+    return get
+
+
+def test_acceptance_is_what_the_model_card_states(shipped, smollm2, plain_of):
     path, head = shipped
     card = json.loads((path / "evaluation.json").read_text())
     kind, k = card["shape"].split(":")
     prompts = mt_bench_prompts(card["mt_bench_first_turns"])
     common = dict(target=smollm2, max_new_tokens=card["max_new_tokens"])
-    plain = eaglejax.generate(prompts, **common)
+    plain = plain_of(card["mt_bench_first_turns"], card["max_new_tokens"])
     spec = eaglejax.generate(prompts, draft=head, speculative=CARD_SHAPES[kind](int(k)),
                              **common)
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]

@@ -1,5 +1,6 @@
 """Property tests of dynamic draft-tree construction (EAGLE-2 node selection)."""
 
+import jax
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
@@ -37,6 +38,11 @@ def expansion_candidates(rs, top_k, depth):
     return np.array(tokens), np.array(scores, np.float32), np.array(parents)
 
 
+# compiled as the loops compile them: one program per shape, not a compile per eager operation
+jitted_select_tree = jax.jit(select_tree, static_argnums=(4, 5))
+jitted_tree_from_parents = jax.jit(tree_from_parents, static_argnums=2)
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(top_k=st.integers(1, 4), depth=st.integers(1, 4), seed=st.integers(0, 10_000),
        keep_fraction=st.floats(0.0, 1.0), batch=st.integers(1, 3))
@@ -46,8 +52,8 @@ def test_tree_properties(top_k, depth, seed, keep_fraction, batch):
     total = 2 + int(keep_fraction * (n_cand - 1))
     rows = [expansion_candidates(rs, top_k, depth) for _ in range(batch)]
     roots = rs.randint(1000, 2000, size=batch)
-    tree = select_tree(roots, np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]),
-                       np.stack([r[2] for r in rows]), total, depth)
+    tree = jitted_select_tree(roots, *(np.stack([r[i] for r in rows]) for i in range(3)),
+                              total, depth)
     tree = [np.asarray(x) for x in tree]
     for b, (tokens, scores, parents) in enumerate(rows):
         t_tokens, t_parents, t_depths, t_mask, t_paths, t_leaf, t_ranks = (x[b] for x in tree)
@@ -107,8 +113,8 @@ def test_static_tree_structure(raw):
     shape = static_shape(paths)
     n = len(paths) + 1
     tokens = np.arange(n)[None]
-    tree = [np.asarray(x)[0] for x in tree_from_parents(tokens, shape.parents[None],
-                                                        shape.max_depth)]
+    tree = [np.asarray(x)[0] for x in jitted_tree_from_parents(tokens, shape.parents[None],
+                                                               shape.max_depth)]
     _, parents, depths, mask, leaf_paths, is_leaf, _ = tree
     for i, path in enumerate(paths, start=1):
         assert depths[i] == len(path) == shape.depths[i]  # positions = prefix + depth

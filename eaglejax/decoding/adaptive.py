@@ -9,7 +9,8 @@ fixed shapes do (`loops.decode_loop`), and plain segments keep the head caught u
 (`decoding.plain_segment`). Between segments the host reads a few counters and times the
 segment (a program's first segment in the process is one target forward, not timed: it
 links then); no token leaves the device. Every mode's program is compiled before the first
-segment, so a switch never compiles (a later process loads them from the disk cache).
+segment, so a switch never compiles (a later process loads them from the disk cache); a call
+the prefill finishes (max_new_tokens=1) compiles none.
 Greedy output is the plain output; sampled output follows the target's
 distribution exactly whatever the modes, since each round is exact given what came before
 it (the tokens themselves depend on the modes chosen, and with them on the batch).
@@ -122,13 +123,13 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
         return loops.decode_loop, probe.with_spec(spec), args, dict(greedy=greedy,
                                                                     stop=criteria)
 
-    for mode in range(len(plan.modes)):
+    running = bool(jax.device_get(jnp.any(state.out.running)))  # max_new_tokens=1: done
+    for mode in range(len(plan.modes) if running else 0):  # nothing to decode: no segment
         fn, models, args, static = segment(mode, state, jnp.int32(0))
         compile_s += models.compile(fn, *args, **static)
     ran: set[int] = set()  # modes this call ran
     forwards_by_mode: dict[str, int] = {}
     decode_s, forwards = 0.0, 0
-    running = bool(jax.device_get(jnp.any(state.out.running)))  # max_new_tokens=1: done
     hist = np.zeros(state.accept_hist.shape, np.int64)
     while running:
         mode = policy.next_mode()
