@@ -7,7 +7,8 @@ from pathlib import Path
 
 SHIPPED = {  # built-in target -> {method: folder}
     "smollm2-135m-instruct": {"eagle3": "smollm2-135m-instruct-eagle3",
-                              "peagle": "smollm2-135m-instruct-peagle"},
+                              "peagle": "smollm2-135m-instruct-peagle",
+                              "dflash": "smollm2-135m-instruct-dflash"},
 }
 
 
@@ -19,8 +20,8 @@ def checkpoints_dir() -> Path:
 
 def shipped_head(model: str, method: str = "eagle3") -> Path | None:
     """The folder of the head shipped for the built-in target `model` ("eagle3": the default
-    head of `eaglejax generate`; "peagle": the P-EAGLE one), or None (no such head was
-    trained for it, or this installation lacks the checkpoints)."""
+    head of `eaglejax generate`; "peagle": the P-EAGLE one; "dflash": the DFlash drafter),
+    or None (no such head was trained for it, or this installation lacks the checkpoints)."""
     folder = SHIPPED.get(model, {}).get(method)
     if folder is None:
         return None
