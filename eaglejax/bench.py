@@ -17,6 +17,7 @@ from eaglejax.decoding.batch import cache_capacity
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculation import default_shape
+from eaglejax.decoding.suffix_history import shared_history
 from eaglejax.generate import generate
 from eaglejax.hardware import machine_report, memory_floor_ms
 from eaglejax.prompting import encode_prompts
@@ -43,17 +44,22 @@ def run_interleaved(questions: list[Question], batch_size: int,
     """Time several ways of decoding the same prompts, interleaved: every run warms every
     shape up first, then each batch goes through every run before the next batch starts
     (the order rotating per batch), so a slow spell of this shared machine hits them all
-    alike. Returns per run: summed timings, token counts and the results."""
+    alike. Every call starts with suffix drafting's history of earlier replies empty
+    (`decoding.suffix_history`): the same prompts run in the warm-up and in every run, and a
+    history would copy their earlier replies. Returns per run: summed timings, token counts
+    and the results."""
     batches = [[q.prompt for q in questions[i:i + batch_size]]
                for i in range(0, len(questions), batch_size)]
     for run in runs.values():  # warm-up: compiles every prompt-length bucket
         for batch in batches:
+            shared_history().clear()
             run(batch)
     totals = {name: {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0, "decode_tokens": 0,
                      "steps": 0, "prompt_tokens": [], "results": []} for name in runs}
     names = list(runs)
     for i, batch in enumerate(batches):
         for name in names[i % len(names):] + names[:i % len(names)]:
+            shared_history().clear()
             results, t = runs[name](batch), totals[name]
             t["prefill_s"] += results[0].metrics.prefill_s
             t["decode_s"] += results[0].metrics.decode_s
