@@ -16,7 +16,10 @@ with the same settings is equivalent.
 `--method peagle` trains a P-EAGLE head with the same preset (same data, order, schedule
 and tokens seen): its TTT steps become mask-slot depths (COD-sampled, rate 0.7, floor
 0.2), its mask token is SmolLM2's spare special token `<empty_output>` (id 16) with a
-learned embedding.
+learned embedding. `--method dflash` trains a DFlash drafter with the preset's data, order
+and schedule: 2 layers started from SmolLM2's last two (a continued one, `--init-head`, from
+its own), blocks of 8 (the mask token as above, the target's embedding row), 64 anchors per
+row, slot weights exp(-(k-1)/4); the shipped one is `--preset cpu --steps 225`.
 
 Presets:
   cpu   what 2-core CPU sessions afford (the shipped head): the original ShareGPT
@@ -95,8 +98,7 @@ EVAL_QUESTIONS = 8
 # --method dflash: a 2-layer drafter started from SmolLM2's last two layers, blocks of 8
 # (7 drafts a forward), 64 blocks per 512-token row, slot k weighted exp(-(k-1)/4)
 # (speculators' default for blocks of 8; SpecForge uses 7 for blocks of 16).
-DFLASH = dict(block_size=8, num_layers=2, num_anchors=64, loss_decay_gamma=4.0,
-              init_from_target=True)
+DFLASH = dict(block_size=8, num_layers=2, num_anchors=64, loss_decay_gamma=4.0)
 
 
 def main() -> None:
@@ -129,8 +131,8 @@ def main() -> None:
     if args.method in ("peagle", "dflash"):
         mask_token_id = target.tokenizer.spare_special_token_id()
         config = dataclasses.replace(config, mask_token_id=mask_token_id)
-    if args.method == "dflash":
-        config = dataclasses.replace(config, **DFLASH)
+    if args.method == "dflash":  # a continued drafter starts from its own layers
+        config = dataclasses.replace(config, **DFLASH, init_from_target=args.init_head is None)
     rows = prepare_rows(target, data, seq_len=config.seq_len,
                         max_conversations=args.max_conversations, regen=REGEN[args.preset],
                         cut_repeats=CUT_REPEATS.get(args.preset, 0))
