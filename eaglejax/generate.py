@@ -189,6 +189,6 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
             speculative=shape,
             **(acceptance_metrics(hist[i]) if hist is not None else {}))
         results.append(Generation(text, ids, reason, metrics))
-    if speculative == AUTO and draft is None or getattr(speculative, "method", "") == "suffix":
+    if (speculative == AUTO and draft is None) or getattr(speculative, "method", "") == "suffix":
         shared_history().add(r.token_ids for r in results)  # later suffix drafters search them
     return results
