@@ -4,8 +4,9 @@ Oracle: the `speculators` package's own DFlash training forward and loss
 (`DFlashDraftModel._backbone_forward`: its anchors, its attention mask as its eager path
 builds it, its layers and readout; `compute_metrics` with its KL loss and slot decay), on a
 drafter it saved itself (`save_pretrained`) and eaglejax loaded: with the full vocabulary,
-and with a reduced one (its own lm_head, targets restricted to the draft vocabulary). The training forward
-proposes, for every anchor, what decoding's block forward proposes after that context; a
+and with a reduced one (its own lm_head, targets restricted to the draft vocabulary). The
+training forward proposes, for every anchor, what decoding's block forward proposes after
+that context; a
 short run on the tiny target raises the acceptance length of DFlash decoding.
 """
 

@@ -6,8 +6,9 @@ q/k norms) with no embedding of its own: it embeds with the target's table and r
 (`readout`) with the target's head, or, with a reduced draft vocabulary
 (`DraftConfig.reduced_vocab`, as speculators trains them), with its own `lm_head` [DV, H]
 over DV target tokens (`d2t`): its proposals are then draft-vocabulary logits, which the
-decoding loop maps to target ids as it does an EAGLE-3 head's. The target's taps at each committed position
-are projected once into a context vector, `ctx = hidden_norm(fc(taps))`, from which every
+decoding loop maps to target ids as it does an EAGLE-3 head's. The target's taps at each
+committed position are projected once into a context vector, `ctx = hidden_norm(fc(taps))`,
+from which every
 layer takes that position's key and value directly (`k_norm(k_proj(ctx))` rotated at the
 position, `v_proj(ctx)`; no input norm, and the layers never update ctx): the drafter's
 cache holds those context keys and values (`context_kv`). A round fills one block: the
