@@ -10,9 +10,8 @@ decoding loop maps to target ids as it does an EAGLE-3 head's. The target's taps
 committed position are projected once into a context vector, `ctx = hidden_norm(fc(taps))`,
 from which every layer takes that position's key and value directly (`k_norm(k_proj(ctx))`
 rotated at the position, `v_proj(ctx)`; no input norm, and the layers never update ctx): the
-drafter's
-cache holds those context keys and values (`context_kv`). A round fills one block: the
-last accepted token, then `block_size - 1` mask tokens, at the positions after the
+drafter's cache holds those context keys and values (`context_kv`). A round fills one block:
+the last accepted token, then `block_size - 1` mask tokens, at the positions after the
 context; each block token sees the whole context and the whole block (no causal mask), and
 slots 1.. propose the next `block_size - 1` tokens at once (`block_logits`).
 """
