@@ -21,6 +21,8 @@ from eaglejax.models.placement import TargetPlacement
 from eaglejax.tokenizer import Tokenizer
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+# How a target may store its matrices: a float dtype, or int8 (`models.quantized`).
+WEIGHT_DTYPES = (*FLOAT_DTYPES, "int8")
 
 
 def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
@@ -57,6 +59,9 @@ class Target:
         if self.mesh is not None:
             raise InputError(f"{self.source}: this target is already on a mesh; load it "
                              f"again with load_target(..., mesh=) for another")
+        if self.weight_dtype == jnp.int8:
+            raise InputError(f"{self.source}: int8 storage runs on one device for now; "
+                             f"store the matrices in a float dtype to shard them")
         placement = TargetPlacement.plan(self.config, mesh)
         params = placement.place_tree(self.params)
         return dataclasses.replace(self, config=placement.config, params=params, mesh=mesh)
@@ -74,13 +79,24 @@ class Target:
     def with_weight_dtype(self, dtype: jnp.dtype | str) -> "Target":
         """This target with its matrices (embedding, projections, output head) stored in
         `dtype` and everything else unchanged: activations, norms and the KV cache keep the
-        compute dtype. bfloat16 halves the bytes a decode step reads."""
-        dtype = validation.dtype("weight_dtype", dtype, FLOAT_DTYPES)
+        compute dtype. bfloat16 halves the bytes a decode step reads; "int8" quarters them
+        (`models.quantized`: per-row scales, products on int8 activations; matrices whose
+        shape does not tile stay as they are)."""
+        dtype = validation.dtype("weight_dtype", dtype, WEIGHT_DTYPES)
+        if self.weight_dtype == jnp.int8:
+            raise InputError("this target's matrices are already quantized to int8; load the "
+                             "model again to store them another way")
+        if dtype == jnp.int8 and self.mesh is not None:
+            raise InputError("weight_dtype int8 runs on one device for now; load the target "
+                             "without a mesh, or store it in a float dtype")
         params = store_matrices(param_info(self.config), self.params, dtype)
         return dataclasses.replace(self, params=params)
 
     def save(self, path: str) -> None:
         """Write an eaglejax checkpoint (loads much faster than re-converting GGUF/HF files)."""
+        if self.weight_dtype == jnp.int8:
+            raise InputError(f"{self.source}: saving int8 storage is not supported yet; save "
+                             f"the float target and pass weight_dtype='int8' when loading it")
         from eaglejax.loading.checkpoint import save_target  # loading is the layer above
 
         save_target(self, path)

@@ -20,7 +20,7 @@ from eaglejax.loading.hf_dir import HFWeights, read_json
 from eaglejax.loading.weights import params_from_hf
 from eaglejax.models.placement import TargetPlacement
 from eaglejax.native import build
-from eaglejax.target import FLOAT_DTYPES, Target
+from eaglejax.target import FLOAT_DTYPES, WEIGHT_DTYPES, Target
 from eaglejax.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
@@ -48,7 +48,7 @@ def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = Non
                 weight_dtype: jnp.dtype | str | None = None, mesh: Mesh | None = None) -> Target:
     """Load a target from a built-in name, a GGUF file, an HF directory or an eaglejax
     checkpoint. `dtype`: compute and parameter dtype; `weight_dtype`: store the matrices
-    in another (e.g. bfloat16 under float32 compute: `Target.with_weight_dtype`), "auto"
+    in another (e.g. bfloat16 under float32 compute, or "int8": `Target.with_weight_dtype`), "auto"
     for the storage that decodes fastest on this machine (`fastest_weight_dtype`; what
     `eaglejax generate`, `eaglejax bench` and `eaglejax.generate()` use), None as loaded.
     `mesh` (`eaglejax.make_mesh`): every weight goes from the file straight into its
@@ -60,7 +60,7 @@ def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = Non
     if isinstance(weight_dtype, str) and weight_dtype == "auto":
         weight_dtype = fastest_weight_dtype()
     if weight_dtype is not None:
-        weight_dtype = validation.dtype("weight_dtype", weight_dtype, FLOAT_DTYPES)
+        weight_dtype = validation.dtype("weight_dtype", weight_dtype, WEIGHT_DTYPES)
     if mesh is not None and not isinstance(mesh, Mesh):
         raise InputError(f"mesh must be a jax.sharding.Mesh (eaglejax.make_mesh), "
                          f"got {type(mesh).__name__}")

@@ -22,7 +22,10 @@ from eaglejax.models.attention import AttentionImpl, attention, resolve_impl
 from eaglejax.models.kv_cache import KVCache, write_block
 from eaglejax.models.rope import apply_rope, inverse_frequencies, rope_tables
 from eaglejax import native
+from eaglejax.models import quantized
+from eaglejax.models.quantized import Int8Matrix
 from eaglejax.native import cache_attention, embedding_rows as embedding_rows_kernel, few_row_matmul
+from eaglejax.native import int8_matmul
 from eaglejax.sharding.rules import over_mesh
 
 Params = dict[str, Any]
@@ -123,10 +126,17 @@ def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.floa
 
 
 def store_matrices(infos: Params, params: Params, dtype: jnp.dtype) -> Params:
-    """`params` with every matrix (per its `ParamInfo` in `infos`) stored in `dtype`; norms
-    and other vectors as they are."""
-    return jax.tree.map(lambda info, leaf: leaf.astype(dtype) if info.matrix else leaf,
-                        infos, params, is_leaf=is_param_info)
+    """`params` with every matrix (per its `ParamInfo` in `infos`) stored in `dtype` (int8:
+    `quantized.quantize`, for the matrices whose shape tiles); norms and other vectors as
+    they are."""
+    def store(info: ParamInfo, leaf: jax.Array) -> Any:
+        if not info.matrix:
+            return leaf
+        if jnp.dtype(dtype) == jnp.int8:
+            return quantized.quantize(leaf) if quantized.tiles(leaf.shape) else leaf
+        return leaf.astype(dtype)
+
+    return jax.tree.map(store, infos, params, is_leaf=is_param_info)
 
 
 def compute_dtype(params: Params) -> jnp.dtype:
@@ -145,7 +155,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def embedding_rows(table: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Rows of an embedding `table` [V, H] for `tokens`, in `dtype`; a bfloat16 table under
     float32 compute on CPU reads only those rows (`native.embedding_rows`: XLA:CPU would
-    widen the whole table once per program call)."""
+    widen the whole table once per program call); an int8 table dequantizes only those rows."""
+    if isinstance(table, Int8Matrix):
+        return table.rows(tokens).astype(dtype)
     if embedding_rows_kernel.applies(table, dtype):
         return embedding_rows_kernel.rows(table, tokens)
     return table[tokens].astype(dtype)
@@ -168,11 +180,15 @@ def linear(x: jax.Array, weight: jax.Array, *, norm: jax.Array | None = None,
     The weight stays 2-D and is the matmul's left operand: XLA:CPU then reads it in place
     (a higher-rank weight gets a transposed copy every call) and multiplies a few rows
     (verification blocks) markedly faster than with the weight on the right.
-    A 16-bit weight under float32 activations is stored-only: see `split_precision_linear`.
-    A few rows of float32 x on CPU (float32 or bfloat16 weights) go to the native kernel
-    (`eaglejax.native.few_row_matmul`), the surrounding operations with them.
+    A 16-bit weight under float32 activations is stored-only: see `split_precision_linear`;
+    an int8 weight (`models.quantized`) multiplies x quantized to int8 in blocks of 32.
+    A few rows of float32 x on CPU go to the native kernels (`eaglejax.native.few_row_matmul`
+    for float32 or bfloat16 weights, `native.int8_matmul` for int8), the surrounding
+    operations with them.
     """
-    if x.dtype == jnp.float32 and weight.dtype in (jnp.bfloat16, jnp.float16):
+    if isinstance(weight, Int8Matrix):
+        product = quantized.product
+    elif x.dtype == jnp.float32 and weight.dtype in (jnp.bfloat16, jnp.float16):
         product = split_precision_linear
     else:
         product = _dot
@@ -187,6 +203,11 @@ def linear(x: jax.Array, weight: jax.Array, *, norm: jax.Array | None = None,
         y = product(rows, weight)
         return y if residual is None else residual + y
 
+    if isinstance(weight, Int8Matrix):
+        if int8_matmul.applies(x, weight):
+            return int8_matmul.linear(x, weight, reference, norm=norm, eps=eps, gated=gated,
+                                      residual=residual)
+        return reference(x, weight, norm, residual)
     if few_row_matmul.applies(x, weight):
         return few_row_matmul.linear(x, weight, reference, norm=norm, eps=eps, gated=gated,
                                      residual=residual)

@@ -40,6 +40,7 @@
 #endif
 
 #include "parallel_tasks.h"
+#include "row_prologue.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -352,45 +353,6 @@ void amx_matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float*
 }
 #endif
 
-enum Prologue : int32_t { kPlain = 0, kRmsNorm = 1, kSiluGate = 2 };
-
-// The rows [M,K] the product multiplies, from x [M,K] (x [M,2K] for kSiluGate): x itself;
-// x * rsqrt(mean(x^2) + eps) * scale (squares summed in a fixed order); or silu(gate) * up.
-const float* prologue_rows(Prologue prologue, const float* x, int64_t M, int64_t K,
-                           const float* scale, float eps, std::vector<float>& rows) {
-  if (prologue == kPlain) return x;
-  rows.resize(M * K);
-  const Vec zero = {};
-  for (int64_t m = 0; m < M; ++m) {
-    float* out = rows.data() + m * K;
-    if (prologue == kRmsNorm) {
-      const float* in = x + m * K;
-      Vec squares = {};
-      int64_t k = 0;
-      for (; k + kLanes <= K; k += kLanes) squares += load(in + k) * load(in + k);
-      float sum = lane_sum(squares);
-      for (int64_t j = k; j < K; ++j) sum += in[j] * in[j];
-      const float r = 1.0f / std::sqrt(sum / static_cast<float>(K) + eps);
-      for (k = 0; k + kLanes <= K; k += kLanes) store(out + k, load(in + k) * r * load(scale + k));
-      for (int64_t j = k; j < K; ++j) out[j] = in[j] * r * scale[j];
-    } else {
-      const float* gate = x + m * 2 * K;
-      const float* up = gate + K;
-      int64_t k = 0;
-      for (; k + kLanes <= K; k += kLanes) {  // sigmoid(g) from e^-|g| (never overflows)
-        const Vec g = load(gate + k);
-        const Vec e = exp_nonpositive(g < zero ? g : zero - g);
-        const Vec sigmoid = (g < zero ? e : zero + 1.0f) / (e + 1.0f);
-        store(out + k, g * sigmoid * load(up + k));
-      }
-      for (int64_t j = k; j < K; ++j) {
-        out[j] = gate[j] / (1.0f + std::exp(-gate[j])) * up[j];
-      }
-    }
-  }
-  return rows.data();
-}
-
 template <typename W, typename WBuffer>
 ffi::Error few_row_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuffer w,
                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> residual,
@@ -431,12 +393,7 @@ ffi::Error few_row_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuffer
       return [job](int64_t chunk) { run_chunk(*job, chunk); };
     });
   }
-  if (residual.element_count() != 0) {
-    const float* r = residual.typed_data();
-    int64_t i = 0;
-    for (; i + kLanes <= M * N; i += kLanes) store(out + i, load(r + i) + load(out + i));
-    for (; i < M * N; ++i) out[i] += r[i];
-  }
+  if (residual.element_count() != 0) add_residual(out, residual.typed_data(), M * N);
   return ffi::Error::Success();
 }
 

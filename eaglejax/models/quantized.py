@@ -1,0 +1,134 @@
+"""Int8 weight storage whose products run on int8 activations (W8A8), as llama.cpp runs its
+quantized types on CPUs.
+
+A matrix w [N, K] is stored as int8 values q with one float32 scale per output row:
+s[n] = max|w[n]| / 127, q = round(w / s). A product quantizes each row of x in blocks of
+`BLOCK` (32) values, t[m, b] = max|x[m, b]| / 127 and p = round(x / t), and sums
+
+    y[m, n] = s[n] * sum_b t[m, b] * sum_{k in b} p[m, k] q[n, k]
+
+with the block sums in integers (exact). The native CPU kernel (`native.int8_matmul`)
+multiplies 4 int8 pairs per 32-bit lane in one instruction (AVX-512 VNNI), so a verify
+block of 8-12 rows costs little more than one row: the weight stream, a quarter of
+float32's, bounds it. Blocks of 32 are what llama.cpp quantizes activations to (Q8_0);
+one scale per row of x instead (a single int8 product) lost 12% top-1 agreement with
+float32 on SmolLM2-135M, blocks of 32 5% (per-row weights alone: 4%; BENCHMARKS.md).
+Each row is quantized on its own, so a verify block reproduces the single-token step.
+
+The values are kept in the kernel's layout: tiles of `TILE` (16) output rows, each 4
+consecutive k of the 16 rows in one 64-byte line, offset by 128 (unsigned, as the
+instruction reads them): packed[N/16, K/4, 16, 4] = q + 128. Matrices whose shape does not
+tile (N % 16 or K % 32 not 0) stay wide.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 32  # x values sharing one scale
+TILE = 16  # output rows per packed tile (one 512-bit register of int32 sums)
+OFFSET = 128  # stored values are q + OFFSET
+
+
+@jax.tree_util.register_pytree_node_class
+class Int8Matrix:
+    """A matrix [..., K] in int8 storage (module docstring): `packed` uint8
+    [N/16, K/4, 16, 4] and `scales` float32 [N], N the product of the leading dims of
+    `shape` (the logical shape; `reshape` may merge or split its leading dims)."""
+
+    def __init__(self, packed: jax.Array, scales: jax.Array, shape: tuple[int, ...]):
+        self.packed, self.scales, self.shape = packed, scales, tuple(shape)
+
+    def tree_flatten(self):
+        return (self.packed, self.scales), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        return cls(*children, shape)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(jnp.int8)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.packed.shape) + 4 * math.prod(self.scales.shape)
+
+    def reshape(self, *shape: int) -> "Int8Matrix":
+        """The same storage under another logical shape with the same last dim (K)."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        rows = math.prod(self.shape[:-1])
+        shape = tuple(rows // math.prod(d for d in shape[:-1] if d != -1) if d == -1 else d
+                      for d in shape)
+        if shape[-1] != self.shape[-1] or math.prod(shape[:-1]) != rows:
+            raise ValueError(f"an int8 matrix {self.shape} keeps its last dim: cannot "
+                             f"reshape to {shape}")
+        return Int8Matrix(self.packed, self.scales, shape)
+
+    def values(self) -> jax.Array:
+        """q as int8 [N, K]."""
+        tiles, groups = self.packed.shape[:2]
+        q = (self.packed.astype(jnp.int16) - OFFSET).astype(jnp.int8)
+        return q.transpose(0, 2, 1, 3).reshape(tiles * TILE, groups * 4)
+
+    def dequantized(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        """s * q in `dtype`, in the logical shape."""
+        wide = self.values().astype(jnp.float32) * self.scales[:, None]
+        return wide.astype(dtype).reshape(self.shape)
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """Dequantized float32 rows [..., K] for row ids (clamped to the matrix): an
+        embedding table's lookup, reading only those rows."""
+        n = self.scales.shape[0]
+        ids = jnp.clip(ids, 0, n - 1)
+        q = self.packed[ids // TILE, :, ids % TILE, :]  # [..., K/4, 4]
+        q = q.reshape(*ids.shape, -1).astype(jnp.float32) - OFFSET
+        return q * self.scales[ids][..., None]
+
+    def __repr__(self) -> str:
+        return f"Int8Matrix(shape={self.shape})"
+
+
+def tiles(shape: tuple[int, ...]) -> bool:
+    """Whether a matrix of `shape` can be stored in int8 (N % 16 == K % 32 == 0)."""
+    return len(shape) >= 2 and math.prod(shape[:-1]) % TILE == 0 and shape[-1] % BLOCK == 0
+
+
+def quantize(weight: jax.Array) -> Int8Matrix:
+    """`weight` [..., K] (N % 16 == K % 32 == 0: `tiles`) in int8 storage, rounded to
+    nearest (ties to even) with per-row scales; computed on the host in float32."""
+    w = np.asarray(jax.device_get(weight), np.float32)
+    if not tiles(w.shape):
+        raise ValueError(f"int8 storage needs rows in multiples of {TILE} and a last dim "
+                         f"in multiples of {BLOCK}, got a matrix {w.shape}")
+    rows = w.reshape(-1, w.shape[-1])
+    n, k = rows.shape
+    scales = np.abs(rows).max(axis=1) / np.float32(127)
+    q = np.rint(rows / np.where(scales == 0, 1, scales)[:, None]).astype(np.int16)
+    packed = (q + OFFSET).astype(np.uint8).reshape(n // TILE, TILE, k // 4, 4).transpose(0, 2, 1, 3)
+    return Int8Matrix(jnp.asarray(np.ascontiguousarray(packed)), jnp.asarray(scales),
+                      w.shape)
+
+
+def quantized_rows(x: jax.Array) -> jax.Array:
+    """x [..., K] as its products read it: p * t per block of `BLOCK` values (float32)."""
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, BLOCK)
+    scale = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True) / 127
+    p = jnp.round(blocks / jnp.where(scale == 0, 1, scale))
+    return (p * scale).reshape(x.shape)
+
+
+def product(x: jax.Array, weight: Int8Matrix) -> jax.Array:
+    """x [..., K] times an int8 `weight` [N, K]^T with XLA's operations (the native kernel's
+    values up to float32 rounding; prefill blocks and other platforms)."""
+    rows = quantized_rows(x)
+    y = jnp.einsum("nk,...k->...n", weight.values().astype(jnp.float32), rows)
+    return y * weight.scales
