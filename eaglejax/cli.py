@@ -53,10 +53,11 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
     parser.add_argument("--weight-dtype", default=weight_dtype,
-                        choices=["auto", "float32", "bfloat16", "float16"],
+                        choices=["auto", "float32", "bfloat16", "float16", "int8"],
                         help="store the weight matrices in this dtype and compute in --dtype "
-                             "(bfloat16 halves the bytes a CPU decode step reads; see "
-                             "BENCHMARKS.md for its speed and agreement); auto: what decodes "
+                             "(bfloat16 halves the bytes a CPU decode step reads; int8 "
+                             "quarters them and multiplies int8 activations, quantized in "
+                             "blocks of 32; see BENCHMARKS.md for speed and agreement); auto: what decodes "
                              "fastest here (bfloat16 on CPUs with AVX-512, else as loaded; "
                              f"default: {weight_dtype or 'as loaded'})")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,

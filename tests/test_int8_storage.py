@@ -1,0 +1,177 @@
+"""Int8 weight storage (`models.quantized`, `native.int8_matmul`): the kernel against the
+format's formula in float64, the model against transformers computing the same quantized
+model, and decoding on it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import eaglejax
+from eaglejax import InputError, native
+from eaglejax.models import llama, quantized
+from eaglejax.native import int8_matmul
+from hf_oracle import hf_logits
+from tolerances import FORWARD_UNITS, assert_close_scaled, scaled_error
+
+
+def quantized_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """p and t of x [M,K] as the format defines them (float32 division, ties to even)."""
+    blocks = x.reshape(x.shape[0], -1, quantized.BLOCK)
+    t = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    return np.rint(blocks / np.where(t == 0, np.float32(1), t)), t[..., 0]
+
+
+def formula(x: np.ndarray, matrix: quantized.Int8Matrix) -> np.ndarray:
+    """y = s[n] sum_b t[m,b] sum_k p q, in float64 (the module docstring's formula)."""
+    p, t = quantized_x(x)
+    q = np.asarray(matrix.values(), np.float64).reshape(matrix.scales.shape[0], -1,
+                                                      quantized.BLOCK)
+    return np.einsum("mbk,nbk,mb->mn", p, q, t.astype(np.float64)) * np.asarray(
+        matrix.scales, np.float64)
+
+
+def test_quantize_rounds_each_row_to_its_scale():
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(2, 24, 64)).astype(np.float32)
+    w[1, 3] = 0.0  # an all-zero row keeps scale 0 and values 0
+    matrix = quantized.quantize(w)
+    assert matrix.shape == (2, 24, 64) and matrix.dtype == jnp.int8
+    assert matrix.packed.shape == (3, 16, 16, 4) and matrix.packed.dtype == jnp.uint8
+    rows = w.reshape(48, 64)
+    scales = np.abs(rows).max(axis=1) / np.float32(127)
+    np.testing.assert_array_equal(np.asarray(matrix.scales), scales)
+    want = np.rint(rows / np.where(scales == 0, 1, scales)[:, None])
+    np.testing.assert_array_equal(np.asarray(matrix.values()), want)
+    error = np.abs(np.asarray(matrix.dequantized()).reshape(48, 64) - rows)
+    assert np.all(error <= scales[:, None] * (0.5 + 1e-6))
+    assert matrix.reshape(-1, 64).shape == (48, 64)
+    ids = jnp.asarray([[0, 47], [19, 100]])  # out of range: clamped
+    np.testing.assert_allclose(np.asarray(matrix.rows(ids)),
+                               np.asarray(matrix.dequantized()).reshape(48, 64)[[[0, 47], [19, 47]]],
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        quantized.quantize(np.ones((24, 64), np.float32))
+    with pytest.raises(ValueError, match="keeps its last dim"):
+        matrix.reshape(64, 48)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 12, 16])
+def test_kernel_equals_the_formula_and_each_row_alone(rows):
+    """The native product against the formula in float64: integer block sums are exact, so
+    only float32 rounding of the block scaling remains (noise units of one layer); every row
+    of a block equals that row multiplied alone, bit for bit (a verify block reproduces the
+    single-token step). XLA's path (prefill, other platforms) is the same formula."""
+    assert int8_matmul.available()
+    rng = np.random.default_rng(rows)
+    for n, k in [(960, 576), (48, 1536)]:
+        matrix = quantized.quantize(rng.normal(size=(n, k)).astype(np.float32) * 0.05)
+        x = rng.normal(size=(rows, k)).astype(np.float32)
+        x[:, 5] *= 60.0  # an outlier: only its block's scale grows
+        want = formula(x, matrix)
+        product = jax.jit(lambda x, m: llama.linear(x, m))
+        got = np.asarray(product(x, matrix))
+        assert_close_scaled(got, want, units=FORWARD_UNITS, what="int8 kernel")
+        alone = np.concatenate([np.asarray(product(x[i:i + 1], matrix)) for i in range(rows)])
+        np.testing.assert_array_equal(got, alone)
+        with native.xla_only():
+            xla = np.asarray(jax.jit(lambda x, m: llama.linear(x, m))(x, matrix))
+        assert_close_scaled(xla, want, units=FORWARD_UNITS, what="XLA int8 product")
+        # Negative control: the float32 product of the dequantized weights (x unquantized)
+        # is far outside the check.
+        wide = x.astype(np.float64) @ np.asarray(matrix.dequantized(), np.float64).T
+        assert scaled_error(wide, want) > 100 * FORWARD_UNITS
+
+
+def test_kernel_prologues_and_residual():
+    """RMS norm first, silu(gate) * up first, a residual after: as XLA computes them."""
+    rng = np.random.default_rng(5)
+    matrix = quantized.quantize(rng.normal(size=(64, 128)).astype(np.float32) * 0.05)
+    x = jnp.asarray(rng.normal(size=(6, 128)), jnp.float32)
+    gate_up = jnp.asarray(rng.normal(size=(6, 256)), jnp.float32)
+    norm = jnp.asarray(1.0 + 0.1 * rng.normal(size=(128,)), jnp.float32)
+    residual = jnp.asarray(rng.normal(size=(6, 64)), jnp.float32)
+    calls = {"norm": lambda m: llama.linear(x, m, norm=norm, eps=1e-5, residual=residual),
+             "gated": lambda m: llama.linear(gate_up, m, gated=True, residual=residual)}
+    for name, call in calls.items():
+        got = np.asarray(jax.jit(call)(matrix))
+        with native.xla_only():
+            want = np.asarray(jax.jit(call)(matrix))
+        assert_close_scaled(got, want, units=FORWARD_UNITS, what=name)
+
+
+def quantized_oracle(model):
+    """A copy of a transformers model computing the int8 format: every linear layer whose
+    shape tiles gets its weight rounded to per-row int8 and its input rounded to int8 in
+    blocks of 32 (a forward pre-hook); norms, biases, embeddings and an output head that
+    does not tile as they are."""
+    oracle = type(model)(model.config).float().eval()
+    oracle.load_state_dict(model.state_dict())
+
+    def round_input(module, inputs):
+        x = inputs[0].detach().numpy().astype(np.float32)
+        flat = x.reshape(-1, x.shape[-1])
+        p, t = quantized_x(flat)
+        return (torch.as_tensor((p * t[..., None]).reshape(x.shape).astype(np.float32)),)
+
+    with torch.no_grad():
+        for module in oracle.modules():
+            if isinstance(module, torch.nn.Linear) and quantized.tiles(tuple(module.weight.shape)):
+                w = module.weight.numpy()
+                module.weight.copy_(torch.as_tensor(np.asarray(
+                    quantized.quantize(w).dequantized())))
+                module.register_forward_pre_hook(round_input)
+    return oracle
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_int8_target_matches_transformers_computing_the_format(family, hf_family, target_of):
+    """The oracle: transformers with int8-rounded weights and int8-rounded inputs to every
+    product. A rounding of x / t that lands on the other side of .5 in one implementation
+    moves that product by a quantization step, and every later position of its row a
+    little (measured: 47 of 48 positions within 3 noise units, one at 0.11 of the float32
+    model's distance from the oracle; Qwen3: 43 of 48), so 75% of the positions must be within
+    FORWARD_UNITS and all of them far closer than the float32 model is."""
+    _, model = hf_family(family)
+    target = target_of(family).with_weight_dtype("int8")
+    assert target.weight_dtype == jnp.int8 and target.dtype == jnp.float32
+    assert isinstance(target.params["layers"][0]["wqkv"], quantized.Int8Matrix)
+    oracle = quantized_oracle(model)
+    ids = np.random.RandomState(3).randint(0, 97, size=(2, 24))
+    want = hf_logits(oracle, ids)
+    depth = target.config.num_layers
+    for got in (np.asarray(target.logits(ids)),  # XLA's products (24 rows)
+                np.stack([np.asarray(target.logits(ids[:, :t]))[:, -1] for t in (5, 13)], 1)):
+        want_rows = want if got.shape == want.shape else want[:, [4, 12]]
+        per_position = np.abs(got - want_rows).max(axis=-1)
+        unit = np.finfo(np.float32).eps * depth ** 0.5 * np.abs(want).max()
+        assert np.mean(per_position <= FORWARD_UNITS * unit) >= 0.75
+        float_error = scaled_error(hf_logits(model, ids), want, depth=depth)
+        assert scaled_error(got, want_rows, depth=depth) < float_error / 3
+
+
+def test_int8_decoding_greedy_is_plain_and_errors_are_clear(target_of, tmp_path):
+    """Speculative greedy decoding on int8 storage gives plain decoding's tokens (verify
+    blocks run the same per-row products as single steps); storing twice, sharding and
+    saving are refused with a clear error."""
+    from eaglejax.draft.draft import new_eagle3_draft
+
+    stored = target_of("llama").with_weight_dtype("int8")
+    draft = new_eagle3_draft(stored, seed=1)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    kwargs = dict(target=stored, max_new_tokens=10, ignore_eos=True)
+    plain = eaglejax.generate(prompts, **kwargs)
+    for spec in (eaglejax.SpecConfig.chain(3),
+                 eaglejax.SpecConfig(method="tree", top_k=2, depth=3, total_tokens=6)):
+        got = eaglejax.generate(prompts, draft=draft, speculative=spec, **kwargs)
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    with pytest.raises(InputError, match="already quantized"):
+        stored.with_weight_dtype("bfloat16")
+    with pytest.raises(InputError, match="saving int8"):
+        stored.save(str(tmp_path / "saved"))
+    mesh = eaglejax.make_mesh(tp=1, dp=1)
+    with pytest.raises(InputError, match="one device"):
+        stored.on_mesh(mesh)
+    with pytest.raises(InputError, match="weight_dtype must be one of"):
+        target_of("llama").with_weight_dtype("int4")
