@@ -204,9 +204,12 @@ def linear(x: jax.Array, weight: jax.Array, *, norm: jax.Array | None = None,
         return y if residual is None else residual + y
 
     if isinstance(weight, Int8Matrix):
-        if int8_matmul.applies(x, weight):
-            return int8_matmul.linear(x, weight, reference, norm=norm, eps=eps, gated=gated,
-                                      residual=residual)
+        if int8_matmul.applies(x):
+            def stored(rows, packed, scales, norm, residual):
+                return reference(rows, Int8Matrix(packed, scales, weight.shape), norm, residual)
+
+            return int8_matmul.linear(x, weight.packed, weight.scales, stored, norm=norm,
+                                      eps=eps, gated=gated, residual=residual)
         return reference(x, weight, norm, residual)
     if few_row_matmul.applies(x, weight):
         return few_row_matmul.linear(x, weight, reference, norm=norm, eps=eps, gated=gated,

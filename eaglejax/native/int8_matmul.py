@@ -1,5 +1,5 @@
 """x [..., K] . w[N,K]^T for a few rows of float32 x with w in int8 storage
-(`models.quantized.Int8Matrix`: x quantized to int8 in blocks of 32, integer block sums)
+(`models.quantized`: x quantized to int8 in blocks of 32, integer block sums)
 by the native CPU kernel `int8_matmul.cc` (AVX-512 VNNI: 64 multiply-adds per instruction,
 so a verify block costs about what the weight stream does). Other platforms, larger blocks
 and traces over a mesh keep XLA's operations (`models.quantized.product`, the same values
@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from eaglejax import native
-from eaglejax.models.quantized import Int8Matrix
 from eaglejax.native import build
 from eaglejax.native.few_row_matmul import MAX_ROWS, PLAIN, RMS_NORM, SILU_GATE
 
@@ -31,8 +30,8 @@ def available() -> bool:
     return build.register("int8_matmul", {TARGET: "EaglejaxInt8Matmul"})
 
 
-def applies(x: jax.Array, weight: Int8Matrix) -> bool:
-    """Whether `linear(x, weight)` runs the kernel on CPU: float32 x, 1 to MAX_ROWS rows, the
+def applies(x: jax.Array) -> bool:
+    """Whether `linear(x, ...)` runs the kernel on CPU: float32 x, 1 to MAX_ROWS rows, the
     kernel available, and not inside `native.xla_only()` or over a mesh."""
     return (native.kernels_allowed() and x.dtype == jnp.float32
             and 1 <= math.prod(x.shape[:-1]) <= MAX_ROWS and available())
@@ -49,19 +48,17 @@ def _native(eps: float, gated: bool, rows: jax.Array, packed: jax.Array, scales:
         eps=np.float32(eps))
 
 
-def linear(x: jax.Array, weight: Int8Matrix, reference: Callable[..., jax.Array], *,
-           norm: jax.Array | None = None, eps: float = 0.0, gated: bool = False,
+def linear(x: jax.Array, packed: jax.Array, scales: jax.Array,
+           reference: Callable[..., jax.Array], *, norm: jax.Array | None = None,
+           eps: float = 0.0, gated: bool = False,
            residual: jax.Array | None = None) -> jax.Array:
-    """As `few_row_matmul.linear` for an int8 `weight` [N, K] (call only where `applies`);
-    `reference(rows, weight, norm, residual)` is the XLA path."""
+    """As `few_row_matmul.linear` for an int8 weight given as its stored arrays (`packed`
+    [N/16, K/4, 16, 4], `scales` [N]; call only where `applies`);
+    `reference(rows, packed, scales, norm, residual)` is the XLA path."""
     rows = x.reshape(-1, x.shape[-1])
-    n = weight.scales.shape[0]
+    n = scales.shape[0]
     if residual is not None:
         residual = residual.reshape(-1, n).astype(jnp.float32)
-
-    def xla(rows, packed, scales, norm, residual):
-        return reference(rows, Int8Matrix(packed, scales, weight.shape), norm, residual)
-
-    run = native.on_cpu(functools.partial(_native, float(eps), gated), xla)
-    y = run(rows, weight.packed, weight.scales, norm, residual)
+    run = native.on_cpu(functools.partial(_native, float(eps), gated), reference)
+    y = run(rows, packed, scales, norm, residual)
     return y.reshape(*x.shape[:-1], n)
