@@ -57,7 +57,8 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
                         help="store the weight matrices in this dtype and compute in --dtype "
                              "(bfloat16 halves the bytes a CPU decode step reads; int8 "
                              "quarters them and multiplies int8 activations, quantized in "
-                             "blocks of 32; see BENCHMARKS.md for speed and agreement); auto: what decodes "
+                             "blocks of 32; see BENCHMARKS.md for speed and agreement); "
+                             "auto: what decodes "
                              "fastest here (bfloat16 on CPUs with AVX-512, else as loaded; "
                              f"default: {weight_dtype or 'as loaded'})")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
