@@ -18,7 +18,7 @@ from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import (
     Params, compute_dtype, forward, lm_head, param_info, store_matrices)
 from eaglejax.models.placement import TargetPlacement
-from eaglejax.models.quantized import Int8Matrix
+from eaglejax.models.quantized import any_int8
 from eaglejax.tokenizer import Tokenizer
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -76,8 +76,7 @@ class Target:
     def weight_dtype(self) -> jnp.dtype:
         """The dtype the weight matrices are stored in (int8 where any is quantized: those
         whose shape does not tile keep the compute dtype)."""
-        stored = jax.tree.leaves(self.params, is_leaf=lambda x: isinstance(x, Int8Matrix))
-        if any(isinstance(leaf, Int8Matrix) for leaf in stored):
+        if any_int8(self.params):
             return jnp.dtype(jnp.int8)
         return self.params["embed"].dtype
 

@@ -159,13 +159,22 @@ def test_int8_decoding_greedy_is_plain_and_errors_are_clear(target_of, tmp_path)
 
     stored = target_of("llama").with_weight_dtype("int8")
     draft = new_eagle3_draft(stored, seed=1)
+    draft.save(str(tmp_path / "float-head"))  # a head loaded for an int8 target is int8
+    int8_head = eaglejax.load_draft(str(tmp_path / "float-head"), target=stored)
+    assert isinstance(int8_head.params["fc"], quantized.Int8Matrix)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     kwargs = dict(target=stored, max_new_tokens=10, ignore_eos=True)
     plain = eaglejax.generate(prompts, **kwargs)
-    for spec in (eaglejax.SpecConfig.chain(3),
-                 eaglejax.SpecConfig(method="tree", top_k=2, depth=3, total_tokens=6)):
-        got = eaglejax.generate(prompts, draft=draft, speculative=spec, **kwargs)
-        assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    for head in (draft, int8_head):
+        for spec in (eaglejax.SpecConfig.chain(3),
+                     eaglejax.SpecConfig(method="tree", top_k=2, depth=3, total_tokens=6)):
+            got = eaglejax.generate(prompts, draft=head, speculative=spec, **kwargs)
+            assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    with pytest.raises(InputError, match="already quantized"):
+        int8_head.with_weight_dtype("int8")
+    with pytest.raises(InputError, match="saving int8"):
+        int8_head.save(str(tmp_path / "head"))
+    assert not (tmp_path / "head").exists()
     with pytest.raises(InputError, match="already quantized"):
         stored.with_weight_dtype("bfloat16")
     with pytest.raises(InputError, match="saving int8"):

@@ -25,7 +25,8 @@ from eaglejax.draft.head import (
 from eaglejax.errors import InputError
 from eaglejax.models.llama import Params, store_matrices
 from eaglejax.models.placement import replicate
-from eaglejax.target import FLOAT_DTYPES, Target, default_tap_layers
+from eaglejax.models.quantized import any_int8
+from eaglejax.target import WEIGHT_DTYPES, Target, default_tap_layers
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attn_impl"))
@@ -133,12 +134,21 @@ class Draft:
     def with_weight_dtype(self, dtype: jnp.dtype | str) -> "Draft":
         """This head with its matrices stored in `dtype` (norms and other vectors keep the
         compute dtype), as `Target.with_weight_dtype` stores a target's."""
-        dtype = validation.dtype("weight_dtype", dtype, FLOAT_DTYPES)
+        dtype = validation.dtype("weight_dtype", dtype, WEIGHT_DTYPES)
+        if any_int8(self.params):
+            raise InputError(f"{self.source}: this head's matrices are already quantized to "
+                             f"int8; load it again to store them another way")
+        if dtype == jnp.int8 and self.target.mesh is not None:
+            raise InputError("weight_dtype int8 runs on one device for now; store the head "
+                             "in a float dtype on a mesh")
         params = store_matrices(param_info(self.config), self.params, dtype)
         return dataclasses.replace(self, params=params)
 
     def save(self, path: str) -> None:
         """Write the head in eaglejax's own format (a new or empty directory)."""
+        if any_int8(self.params):
+            raise InputError(f"{self.source}: saving int8 storage is not supported yet; save "
+                             f"the head as loaded in a float dtype")
         write_head(self.config, self.params, self.d2t, self.source, path)
 
 

@@ -66,7 +66,8 @@ def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | N
     Parameters are cast to `dtype`, by default the target's compute dtype; the matrices are
     stored in `weight_dtype`, by default in `dtype`, or as the target stores its own where it
     stores them narrower than it computes (16-bit storage halves what each head step reads;
-    training widens a head it starts from); bfloat16 under an int8 target.
+    training widens a head it starts from); int8 under an int8 target (a round's head steps
+    then cost a third of bfloat16's, at the same acceptance: BENCHMARKS.md, session 29).
     """
     path = Path(path).expanduser()
     if not path.exists():
@@ -86,6 +87,4 @@ def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | N
     draft = Draft(config, params, d2t, target, str(path))
     if weight_dtype is None:  # as the target stores its matrices, when it narrows them
         weight_dtype = target.weight_dtype if target.weight_dtype != target.dtype else dtype
-        if weight_dtype == jnp.int8:  # heads stay float: their products are small
-            weight_dtype = jnp.bfloat16
     return draft if jnp.dtype(weight_dtype) == dtype else draft.with_weight_dtype(weight_dtype)

@@ -24,6 +24,7 @@ tile (N % 16 or K % 32 not 0) stay wide.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +96,12 @@ class Int8Matrix:
 
     def __repr__(self) -> str:
         return f"Int8Matrix(shape={self.shape})"
+
+
+def any_int8(params: Any) -> bool:
+    """Whether any leaf of the pytree `params` is an `Int8Matrix`."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, Int8Matrix))
+    return any(isinstance(leaf, Int8Matrix) for leaf in leaves)
 
 
 def tiles(shape: tuple[int, ...]) -> bool:
