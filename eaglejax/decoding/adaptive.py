@@ -7,8 +7,8 @@ until a target-forward budget or every row's end: the probe counts what each can
 would have accepted (`decoding.calibration.calibration_loop`), the other trees decode as
 fixed shapes do (`loops.decode_loop`), and plain segments keep the head caught up
 (`decoding.plain_segment`). Between segments the host reads a few counters and times the
-segment (a program's first segment in the process is one target forward, not timed: it
-links then); no token leaves the device. Every mode's program is compiled before the first
+segment (a program's first segment in the process is not timed: it links then); no token
+leaves the device. Every mode's program is compiled before the first
 segment, so a switch never compiles (a later process loads them from the disk cache); a call
 the prefill finishes (max_new_tokens=1) compiles none.
 Greedy output is the plain output; sampled output follows the target's
@@ -70,8 +70,8 @@ def _ran_before(fn, args: tuple, static: dict) -> bool:
     """Whether this process ran `fn`'s program for these argument shapes and static
     arguments before (and from now on, it has). A program's first run costs far more than
     its later ones (XLA:CPU links its kernels as they are first called: a probe round of
-    58 ms against 40 ms, BENCHMARKS.md), so `auto` runs it for one target forward, untimed,
-    before its segments are timed."""
+    58 ms against 40 ms, BENCHMARKS.md; on int8 storage, after one untimed forward, a tree's
+    next segment of 8 rounds still ran 1.7x its later ones in one run), so `auto` does not time its first segment."""
     key = (fn, tuple(sorted(static.items())),
            tuple((leaf.shape, str(leaf.dtype)) if hasattr(leaf, "shape") else leaf
                  for leaf in jax.tree.leaves(args)))
@@ -138,9 +138,7 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
         timed = True
         if mode not in ran:
             ran.add(mode)
-            if not _ran_before(fn, (models.loop, *args), static):  # one forward, untimed
-                timed, until = False, jnp.int32(forwards + 1)
-                fn, models, args, static = segment(mode, state, until)
+            timed = _ran_before(fn, (models.loop, *args), static)
         start = time.perf_counter()
         result = models.run(fn, *args, **static)
         state, counts = result if mode == policy.probe else (result, None)

@@ -14,8 +14,8 @@ kept per mode as a decayed mean (half-life `HALF_LIFE` target forwards, whatever
 that ran them), so it follows the text.
 
 What a round of each mode costs is its wall time, measured on every segment the loop runs
-(median of the last few; a program's first run in the process is one target forward, not
-timed: XLA:CPU finishes linking it then); plain decoding is first timed over
+(median of the last few; a program's first segment in the process is not timed: XLA:CPU
+finishes linking it then); plain decoding is first timed over
 `PLAIN_TIMING_STEPS` steps, so a call that knows nothing yet spends little of its time
 learning what plain costs, and its cost is never guessed from the trees'; a tree not yet
 run is costed by interpolating between the modes run so far in node count (a verify's cost
@@ -91,7 +91,7 @@ FMA_BOUND_PROBE_NODES = 12
 HALF_LIFE = 64  # target forwards after which an acceptance count weighs half
 PRIOR_ROUNDS = 2  # what a new call's inherited acceptance weighs, in row-rounds
 MIN_PROBE_EVERY, MAX_PROBE_EVERY = 32, 512  # target forwards between probes
-PROBE_ROUNDS = 2  # rounds per probe segment (a call's first segment is one)
+PROBE_ROUNDS = 2  # rounds per probe segment
 SPEC_ROUNDS = 8  # rounds per segment of another speculative mode (per call: ~2-9 ms)
 PLAIN_WIDTH = 16  # plain steps per plain segment
 PLAIN_TIMING_STEPS = 4  # steps of the plain segment that first times plain decoding
