@@ -33,6 +33,11 @@ namespace {
 
 constexpr int kMaxD = 256;
 constexpr int kKeys = 8;  // keys scored together (independent accumulators)
+constexpr int64_t kAhead = 32;  // cache rows prefetched ahead of the scores
+
+inline void prefetch_row(const float* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(row + d);
+}
 
 struct Job {
   const float *q, *k_cache, *v_cache, *k_new, *v_new;
@@ -128,10 +133,18 @@ void run_task(const Job& job, int64_t task, std::vector<float>& buffer) {
   const Vec hidden = Vec{} - std::numeric_limits<float>::infinity();
 
   // Scores: for each key, q . k summed over d in order, the queries in parallel lanes.
+  // The cache's rows come from memory (a decode step's weights evict them): keys are
+  // prefetched kAhead rows ahead, and the values beside them for the pass that follows.
+  const int64_t ahead_rows = std::min<int64_t>(len, kAhead);
+  for (int64_t s = 0; s < ahead_rows; ++s) prefetch_row(kc + s * D, D);
   int64_t s0 = 0;
   for (; s0 + kKeys <= keys; s0 += kKeys) {
     const float* k[kKeys];
     for (int j = 0; j < kKeys; ++j) k[j] = key_row(kc, job.k_new, s0 + j);
+    for (int64_t s = s0 + kAhead; s < std::min(s0 + kAhead + kKeys, len); ++s) {
+      prefetch_row(kc + s * D, D);
+    }
+    for (int64_t s = s0; s < std::min(s0 + kKeys, len); ++s) prefetch_row(vc + s * D, D);
     scores<kKeys>(k, qt, D, scale, weights + s0 * kLanes);
   }
   for (; s0 < keys; ++s0) {

@@ -38,7 +38,7 @@ namespace {
 constexpr int64_t kBlock = 32;  // x values per scale
 constexpr int64_t kTile = 16;   // output rows per packed tile
 constexpr int64_t kGroupsPerBlock = kBlock / 4;
-constexpr int64_t kMaxRows = 16;  // rows per call (the float sums of a tile stay in L1)
+constexpr int64_t kMaxRows = 16;  // rows per call (as few_row_matmul: larger blocks take XLA)
 
 // x quantized per row and block: p as int8 (4 per 32-bit word, as vpdpbusd broadcasts
 // them), t, and each block's starting sum -128 * sum(p).
