@@ -84,86 +84,99 @@ struct Job {
 };
 
 #if defined(__AVX512VNNI__)
-// One row: 8 tiles at a time with their float sums in registers, prefetching 4 KB ahead in
-// each tile's lines (the weight stream bounds it).
+// One row: 8 tiles at a time, their float sums in registers, prefetching 4 KB ahead in each
+// tile's lines (the weight stream bounds it).
 constexpr int kTilesOneRow = 8;
-// Several rows: groups of up to 4 rows x 3 tiles, each group over the whole of K with its
-// 12 integer and 12 float sums in registers; the 3 tiles' lines (16 x K bytes each) stay in
-// L1/L2 for the next group while the following 3 tiles are prefetched into L2, spread
-// over every group's steps, so the stream overlaps the multiply-adds.
+// Several rows: 4 rows x 3 tiles per register block; the float sums of every row wait in
+// L1 while a block's weight lines (1.5 KB) serve each group of rows. (Groups over the whole
+// of K with the float sums in registers ran faster from cache but slower in a verify
+// forward: BENCHMARKS.md, session 29.)
 constexpr int kRowsX = 4;
 constexpr int kTilesW = 3;
 
-// Prefetches `lines` cache lines from `next` into L2 in equal shares over `steps` calls.
-struct Prefetcher {
-  const char* next;
-  int64_t lines, steps, credit = 0;
-  inline void step() {
-    for (credit += lines; credit >= steps && lines > 0; credit -= steps, --lines, next += 64) {
-      _mm_prefetch(next, _MM_HINT_T1);
-    }
-  }
-};
-
-// Rows m0..m0+MX-1 of tiles t0..t0+RW-1 over all of K, stored to y (times the row scales).
-template <int MX, int RW>
-inline void rows_tiles(const Job& job, int64_t t0, int64_t m0, Prefetcher* ahead) {
+// The row of tiles t0..t0+RW-1 over all of K, stored to y (times the row scales).
+template <int RW>
+inline void one_row(const Job& job, int64_t t0) {
   const int64_t groups = job.K / 4, blocks = job.K / kBlock;
   const uint8_t* lines = job.w + t0 * groups * 64;
-  const int32_t* words = job.x.words.data() + m0 * groups;
-  __m512 sums[MX][RW];
-  for (int m = 0; m < MX; ++m)
-    for (int r = 0; r < RW; ++r) sums[m][r] = _mm512_setzero_ps();
+  __m512 sums[RW];
+  for (int r = 0; r < RW; ++r) sums[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i acc[MX][RW];
-    for (int m = 0; m < MX; ++m) {
-      const __m512i start = _mm512_set1_epi32(job.x.starts[(m0 + m) * blocks + b]);
-      for (int r = 0; r < RW; ++r) acc[m][r] = start;
-    }
+    const __m512i start = _mm512_set1_epi32(job.x.starts[b]);
+    __m512i acc[RW];
+    for (int r = 0; r < RW; ++r) acc[r] = start;
     for (int64_t g = b * kGroupsPerBlock; g < (b + 1) * kGroupsPerBlock; ++g) {
-      __m512i wv[RW];
+      const __m512i xv = _mm512_set1_epi32(job.x.words[g]);
       for (int r = 0; r < RW; ++r) {
-        wv[r] = _mm512_loadu_si512(lines + (r * groups + g) * 64);
-        if (ahead == nullptr) __builtin_prefetch(lines + (r * groups + g) * 64 + 4096);
-      }
-      if (ahead != nullptr) ahead->step();
-      for (int m = 0; m < MX; ++m) {
-        const __m512i xv = _mm512_set1_epi32(words[m * groups + g]);
-        for (int r = 0; r < RW; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], wv[r], xv);
+        const uint8_t* line = lines + (r * groups + g) * 64;
+        __builtin_prefetch(line + 4096);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(line), xv);
       }
     }
-    for (int m = 0; m < MX; ++m) {
-      const __m512 t = _mm512_set1_ps(job.x.scales[(m0 + m) * blocks + b]);
-      for (int r = 0; r < RW; ++r) {
-        sums[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][r]), t, sums[m][r]);
-      }
-    }
+    const __m512 t = _mm512_set1_ps(job.x.scales[b]);
+    for (int r = 0; r < RW; ++r) sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), t, sums[r]);
   }
   for (int r = 0; r < RW; ++r) {
     const __m512 s = _mm512_loadu_ps(job.s + (t0 + r) * kTile);
+    _mm512_storeu_ps(job.y + (t0 + r) * kTile, _mm512_mul_ps(sums[r], s));
+  }
+}
+
+// One block b of rows m0..m0+MX-1 for tiles t0..t0+RW-1, added to sums[m][r].
+template <int MX, int RW>
+inline void block_rows(const Job& job, const uint8_t* const* lines, int64_t b, int64_t m0,
+                       bool prefetch, __m512 (*sums)[kTilesW]) {
+  const int64_t groups = job.K / 4, blocks = job.K / kBlock;
+  __m512i acc[MX][RW];
+  for (int m = 0; m < MX; ++m) {
+    const __m512i start = _mm512_set1_epi32(job.x.starts[(m0 + m) * blocks + b]);
+    for (int r = 0; r < RW; ++r) acc[m][r] = start;
+  }
+  for (int64_t g = b * kGroupsPerBlock; g < (b + 1) * kGroupsPerBlock; ++g) {
+    __m512i wv[RW];
+    for (int r = 0; r < RW; ++r) {
+      wv[r] = _mm512_loadu_si512(lines[r] + g * 64);
+      if (prefetch) __builtin_prefetch(lines[r] + g * 64 + 4096);
+    }
     for (int m = 0; m < MX; ++m) {
-      _mm512_storeu_ps(job.y + (m0 + m) * job.N + (t0 + r) * kTile, _mm512_mul_ps(sums[m][r], s));
+      const __m512i xv = _mm512_set1_epi32(job.x.words[(m0 + m) * groups + g]);
+      for (int r = 0; r < RW; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], wv[r], xv);
+    }
+  }
+  for (int m = 0; m < MX; ++m) {
+    const __m512 t = _mm512_set1_ps(job.x.scales[(m0 + m) * blocks + b]);
+    for (int r = 0; r < RW; ++r) {
+      sums[m0 + m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][r]), t, sums[m0 + m][r]);
     }
   }
 }
 
-// Every row of tiles t0..t0+RW-1, prefetching `next_tiles` tiles after them.
+// Every row of tiles t0..t0+RW-1.
 template <int RW>
-void tiles(const Job& job, int64_t t0, int64_t next_tiles) {
-  const int64_t groups = job.K / 4;
-  const int64_t passes = (job.M + kRowsX - 1) / kRowsX;
-  Prefetcher ahead{reinterpret_cast<const char*>(job.w + (t0 + RW) * groups * 64),
-                   next_tiles * groups, passes * groups};
-  // Passes of equal size (9 rows: 3 x 3, not 4 + 4 + 1): a short pass pays the same loads.
-  for (int64_t pass = 0, m0 = 0; pass < passes; ++pass) {
-    const int64_t rows = job.M / passes + (pass < job.M % passes);
-    switch (rows) {
-      case 4: rows_tiles<4, RW>(job, t0, m0, &ahead); break;
-      case 3: rows_tiles<3, RW>(job, t0, m0, &ahead); break;
-      case 2: rows_tiles<2, RW>(job, t0, m0, &ahead); break;
-      default: rows_tiles<1, RW>(job, t0, m0, &ahead); break;
+void tiles(const Job& job, int64_t t0) {
+  const int64_t blocks = job.K / kBlock;
+  __m512 sums[kMaxRows][kTilesW];
+  for (int64_t m = 0; m < job.M; ++m)
+    for (int r = 0; r < RW; ++r) sums[m][r] = _mm512_setzero_ps();
+  const uint8_t* lines[RW];
+  for (int r = 0; r < RW; ++r) lines[r] = job.w + (t0 + r) * (job.K / 4) * 64;
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t m0 = 0;
+    for (; m0 + kRowsX <= job.M; m0 += kRowsX) {
+      block_rows<kRowsX, RW>(job, lines, b, m0, m0 == 0, sums);
     }
-    m0 += rows;
+    switch (job.M - m0) {
+      case 3: block_rows<3, RW>(job, lines, b, m0, m0 == 0, sums); break;
+      case 2: block_rows<2, RW>(job, lines, b, m0, m0 == 0, sums); break;
+      case 1: block_rows<1, RW>(job, lines, b, m0, m0 == 0, sums); break;
+      default: break;
+    }
+  }
+  for (int r = 0; r < RW; ++r) {
+    const __m512 s = _mm512_loadu_ps(job.s + (t0 + r) * kTile);
+    for (int64_t m = 0; m < job.M; ++m) {
+      _mm512_storeu_ps(job.y + m * job.N + (t0 + r) * kTile, _mm512_mul_ps(sums[m][r], s));
+    }
   }
 }
 
@@ -172,14 +185,12 @@ void run_chunk(const Job& job, int64_t chunk) {
   const int64_t end = std::min(job.N / kTile, begin + job.run_tiles);
   int64_t t0 = begin;
   if (job.M == 1) {
-    for (; t0 + kTilesOneRow <= end; t0 += kTilesOneRow) rows_tiles<1, kTilesOneRow>(job, t0, 0, nullptr);
-    for (; t0 < end; ++t0) rows_tiles<1, 1>(job, t0, 0, nullptr);
+    for (; t0 + kTilesOneRow <= end; t0 += kTilesOneRow) one_row<kTilesOneRow>(job, t0);
+    for (; t0 < end; ++t0) one_row<1>(job, t0);
     return;
   }
-  for (; t0 + kTilesW <= end; t0 += kTilesW) {
-    tiles<kTilesW>(job, t0, std::min<int64_t>(kTilesW, end - t0 - kTilesW));
-  }
-  for (; t0 < end; ++t0) tiles<1>(job, t0, 0);
+  for (; t0 + kTilesW <= end; t0 += kTilesW) tiles<kTilesW>(job, t0);
+  for (; t0 < end; ++t0) tiles<1>(job, t0);
 }
 #else
 void run_chunk(const Job& job, int64_t chunk) {
