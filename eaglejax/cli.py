@@ -302,6 +302,10 @@ def _parser() -> argparse.ArgumentParser:
                               "speculators package; dflash: DFlash drafters in the z-lab "
                               "layout (vLLM, SGLang); hf: SRC is a target model, written for "
                               "transformers and vLLM (config.json, safetensors, tokenizer)")
+    convert.add_argument("--quantize", default=None, choices=["int8"],
+                         help="instead, write the TARGET model SRC as an eaglejax checkpoint "
+                              "with its matrices in int8 (per-row scales; it loads without "
+                              "quantizing again: --model DST)")
     convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                          help="parameter dtype (default: the target's as it loads: an "
                               "eaglejax checkpoint's saved dtype, else float32 on CPU and "
@@ -510,6 +514,9 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
+    if args.quantize is not None:
+        _quantize_target(args)
+        return
     if args.to == "hf":
         _convert_target(args)
         return
@@ -542,6 +549,22 @@ def _convert_target(args: argparse.Namespace) -> None:
     tokenizer = "tokenizer" if target.tokenizer is not None else "NO tokenizer (none loaded)"
     print(f"wrote {out} (Hugging Face layout; {c.model_type}, {c.num_layers} layers, vocab "
           f"{c.vocab_size}, {target.dtype.name}, {tokenizer})")
+
+
+def _quantize_target(args: argparse.Namespace) -> None:
+    """`convert SRC DST --quantize int8`: the target model SRC as an eaglejax checkpoint with
+    its matrices in int8 (it loads without quantizing again)."""
+    if args.target is not None or args.to != "eaglejax":
+        raise InputError("--quantize writes the target model SRC as an eaglejax checkpoint: "
+                         "it takes neither --target nor --to")
+    if builtin_model(args.src) is None:
+        validation.existing_path("SRC", args.src)
+    dst = validation.new_output_dir("DST", args.dst)
+    target = load_target(args.src, dtype=args.dtype, weight_dtype=args.quantize)
+    target.save(str(dst))
+    print(f"wrote {dst} (eaglejax checkpoint; {target.config.model_type}, "
+          f"{target.config.num_layers} layers, {args.quantize} matrices, "
+          f"{target.dtype.name} compute)")
 
 
 def _train_draft(args: argparse.Namespace) -> None:

@@ -97,10 +97,8 @@ class Target:
         return dataclasses.replace(self, params=params)
 
     def save(self, path: str) -> None:
-        """Write an eaglejax checkpoint (loads much faster than re-converting GGUF/HF files)."""
-        if self.weight_dtype == jnp.int8:
-            raise InputError(f"{self.source}: saving int8 storage is not supported yet; save "
-                             f"the float target and pass weight_dtype='int8' when loading it")
+        """Write an eaglejax checkpoint (loads much faster than re-converting GGUF/HF files),
+        its matrices as stored (int8 storage reloads without quantizing again)."""
         from eaglejax.loading.checkpoint import save_target  # loading is the layer above
 
         save_target(self, path)

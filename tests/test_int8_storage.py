@@ -177,10 +177,35 @@ def test_int8_decoding_greedy_is_plain_and_errors_are_clear(target_of, tmp_path)
     assert not (tmp_path / "head").exists()
     with pytest.raises(InputError, match="already quantized"):
         stored.with_weight_dtype("bfloat16")
-    with pytest.raises(InputError, match="saving int8"):
-        stored.save(str(tmp_path / "saved"))
     mesh = eaglejax.make_mesh(tp=1, dp=1)
     with pytest.raises(InputError, match="one device"):
         stored.on_mesh(mesh)
     with pytest.raises(InputError, match="weight_dtype must be one of"):
         target_of("llama").with_weight_dtype("int4")
+
+
+def test_int8_checkpoint_reloads_as_stored(hf_family, target_of, tmp_path):
+    """`eaglejax convert SRC DST --quantize int8` (and `Target.save` of int8 storage) writes a
+    checkpoint that reloads bit for bit without quantizing again, stays int8 under "auto",
+    and refuses another storage and a mesh with one line each."""
+    from eaglejax.cli import main
+
+    want = target_of("llama").with_weight_dtype("int8")
+    assert main(["convert", str(hf_family("llama")[0]), str(tmp_path / "ck"),
+                 "--quantize", "int8"]) == 0
+    want.save(str(tmp_path / "saved"))
+    ids = [[5, 6, 7, 8, 9, 10]]
+    for directory in ("ck", "saved"):
+        for weight_dtype in (None, "auto", "int8"):
+            got = eaglejax.load_target(str(tmp_path / directory), weight_dtype=weight_dtype)
+            assert got.weight_dtype == jnp.int8
+            pairs = zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params))
+            assert all(np.array_equal(a, b) for a, b in pairs)
+        np.testing.assert_array_equal(got.logits(ids), want.logits(ids))
+    with pytest.raises(InputError, match="already quantized"):
+        eaglejax.load_target(str(tmp_path / "ck"), weight_dtype="bfloat16")
+    with pytest.raises(InputError, match="one device"):
+        eaglejax.load_target(str(tmp_path / "ck"), mesh=eaglejax.make_mesh(tp=1, dp=1))
+    assert main(["convert", str(hf_family("llama")[0]), str(tmp_path / "ck"),
+                 "--quantize", "int8"]) != 0  # nothing saved is overwritten
+

@@ -2,6 +2,8 @@
 
 Layout of a checkpoint directory:
   eaglejax.json   {"format": "eaglejax-target", "version": 1, "config": {...HF style...}, "dtype",
+                   "weight_dtype" (the matrices': a float dtype, or "int8": those whose shape
+                   tiles are stored packed with their scales, `models.quantized`),
                    "files": {path: [size, crc32]} of every other file}
   params/         orbax StandardCheckpointer tree of the parameter dict
   tokenizer.json, tokenizer_config.json   when the model has a tokenizer
@@ -20,12 +22,13 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from eaglejax.config import ModelConfig
-from eaglejax.errors import EaglejaxError, LoadError
+from eaglejax.errors import EaglejaxError, InputError, LoadError
 from eaglejax.loading.files import file_checksums, verify_checksums, write_atomically
 from eaglejax.loading.hf_dir import read_json
 from eaglejax.loading.orbax_io import restore_tree
 from eaglejax.models.llama import Params, is_param_info, logical_axes, param_info
 from eaglejax.models.placement import TargetPlacement
+from eaglejax.models.quantized import Int8Matrix, is_int8, tiles
 from eaglejax.sharding.rules import shardings
 from eaglejax.tokenizer import Tokenizer
 
@@ -84,7 +87,15 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None = Non
     saved_dtype = saved_dtype_of(manifest, str(path / MANIFEST))
     weight_dtype = saved_dtype_of(manifest, str(path / MANIFEST), "weight_dtype")
 
+    int8 = weight_dtype == jnp.int8
+    if int8 and mesh is not None:
+        raise InputError(f"{path}: int8 storage runs on one device for now; load this "
+                         f"checkpoint without a mesh")
+
     def stored(info):
+        if int8 and info.matrix:  # int8 where the shape tiles, else as the compute dtype
+            return Int8Matrix.abstract(info.shape) if tiles(info.shape) \
+                else jax.ShapeDtypeStruct(info.shape, saved_dtype)
         return jax.ShapeDtypeStruct(info.shape, weight_dtype if info.matrix else saved_dtype)
 
     abstract = jax.tree.map(stored, param_info(config), is_leaf=is_param_info)
@@ -96,7 +107,8 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None = Non
                                     abstract, where)
     params: Params = restore_tree(path / "params", abstract)
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
-        params = jax.tree.map(lambda a: a.astype(dtype), params)
+        params = jax.tree.map(lambda a: a if is_int8(a) else a.astype(dtype), params,
+                              is_leaf=is_int8)
     tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
     eos_ids = tuple(int(i) for i in manifest.get("eos_token_ids", []))
     return config, params, tokenizer, eos_ids

@@ -50,14 +50,16 @@ def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = Non
     checkpoint. `dtype`: compute and parameter dtype; `weight_dtype`: store the matrices
     in another (e.g. bfloat16 under float32 compute, or "int8": `Target.with_weight_dtype`), "auto"
     for the storage that decodes fastest on this machine (`fastest_weight_dtype`; what
-    `eaglejax generate`, `eaglejax bench` and `eaglejax.generate()` use), None as loaded.
+    `eaglejax generate`, `eaglejax bench` and `eaglejax.generate()` use; a checkpoint saved
+    in int8 stays int8), None as loaded.
     `mesh` (`eaglejax.make_mesh`): every weight goes from the file straight into its
     sharding on the mesh (`eaglejax.models.placement`), never whole onto one device."""
     if not isinstance(path_or_name, (str, os.PathLike)):
         raise InputError(f"load_target wants a model name or path, got {path_or_name!r}")
     if dtype is not None:
         dtype = validation.dtype("dtype", dtype, FLOAT_DTYPES)
-    if isinstance(weight_dtype, str) and weight_dtype == "auto":
+    auto = isinstance(weight_dtype, str) and weight_dtype == "auto"
+    if auto:
         weight_dtype = fastest_weight_dtype()
     if weight_dtype is not None:
         weight_dtype = validation.dtype("weight_dtype", weight_dtype, WEIGHT_DTYPES)
@@ -67,6 +69,8 @@ def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = Non
     if jax.default_backend() == "cpu":
         build.start_builds()  # the native kernels compile while the model loads
     target = _load(path_or_name, dtype, mesh)
+    if target.weight_dtype == jnp.int8 and (auto or weight_dtype == jnp.int8):
+        return target  # an int8 checkpoint: stored as it asks, or as quantized on purpose
     return target if weight_dtype is None else target.with_weight_dtype(weight_dtype)
 
 

@@ -51,6 +51,14 @@ class Int8Matrix:
     def tree_unflatten(cls, shape, children):
         return cls(*children, shape)
 
+    @classmethod
+    def abstract(cls, shape: tuple[int, ...]) -> "Int8Matrix":
+        """The storage of a matrix of `shape` as shapes and dtypes only (what a saved
+        checkpoint restores into)."""
+        n, k = math.prod(shape[:-1]), shape[-1]
+        return cls(jax.ShapeDtypeStruct((n // TILE, k // 4, TILE, 4), jnp.uint8),
+                   jax.ShapeDtypeStruct((n,), jnp.float32), shape)
+
     @property
     def dtype(self) -> jnp.dtype:
         return jnp.dtype(jnp.int8)
@@ -100,8 +108,12 @@ class Int8Matrix:
 
 def any_int8(params: Any) -> bool:
     """Whether any leaf of the pytree `params` is an `Int8Matrix`."""
-    leaves = jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, Int8Matrix))
-    return any(isinstance(leaf, Int8Matrix) for leaf in leaves)
+    return any(map(is_int8, jax.tree.leaves(params, is_leaf=is_int8)))
+
+
+def is_int8(leaf: Any) -> bool:
+    """Whether a pytree leaf is an `Int8Matrix` (`is_leaf` for maps that keep them whole)."""
+    return isinstance(leaf, Int8Matrix)
 
 
 def tiles(shape: tuple[int, ...]) -> bool:
