@@ -71,7 +71,8 @@ def _ran_before(fn, args: tuple, static: dict) -> bool:
     arguments before (and from now on, it has). A program's first run costs far more than
     its later ones (XLA:CPU links its kernels as they are first called: a probe round of
     58 ms against 40 ms, BENCHMARKS.md; on int8 storage, after one untimed forward, a tree's
-    next segment of 8 rounds still ran 1.7x its later ones in one run), so `auto` does not time its first segment."""
+    next segment of 8 rounds still ran 1.7x its later ones in one run), so `auto` does not
+    time its first segment."""
     key = (fn, tuple(sorted(static.items())),
            tuple((leaf.shape, str(leaf.dtype)) if hasattr(leaf, "shape") else leaf
                  for leaf in jax.tree.leaves(args)))
