@@ -38,7 +38,7 @@ namespace {
 constexpr int64_t kBlock = 32;  // x values per scale
 constexpr int64_t kTile = 16;   // output rows per packed tile
 constexpr int64_t kGroupsPerBlock = kBlock / 4;
-constexpr int64_t kMaxRows = 16;  // rows per call (as few_row_matmul: larger blocks take XLA)
+constexpr int64_t kMaxRows = 16;  // rows per call (the float sums of a tile stay in L1)
 
 // x quantized per row and block: p as int8 (4 per 32-bit word, as vpdpbusd broadcasts
 // them), t, and each block's starting sum -128 * sum(p).
@@ -84,48 +84,16 @@ struct Job {
 };
 
 #if defined(__AVX512VNNI__)
-// One row: 8 tiles at a time, their float sums in registers, prefetching 4 KB ahead in each
-// tile's lines (the weight stream bounds it).
-constexpr int kTilesOneRow = 8;
-// Several rows: 4 rows x 3 tiles per register block; the float sums of every row wait in
-// L1 while a block's weight lines (1.5 KB) serve each group of rows. (Groups over the whole
-// of K with the float sums in registers ran faster from cache but slower in a verify
-// forward: BENCHMARKS.md, session 29.)
+// 4 rows x 3 tiles: 12 integer sums, 3 weight lines and x in registers; the float sums of
+// every row wait in L1 while a block's weight lines (1.5 KB) serve each group of rows.
 constexpr int kRowsX = 4;
 constexpr int kTilesW = 3;
-
-// The row of tiles t0..t0+RW-1 over all of K, stored to y (times the row scales).
-template <int RW>
-inline void one_row(const Job& job, int64_t t0) {
-  const int64_t groups = job.K / 4, blocks = job.K / kBlock;
-  const uint8_t* lines = job.w + t0 * groups * 64;
-  __m512 sums[RW];
-  for (int r = 0; r < RW; ++r) sums[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m512i start = _mm512_set1_epi32(job.x.starts[b]);
-    __m512i acc[RW];
-    for (int r = 0; r < RW; ++r) acc[r] = start;
-    for (int64_t g = b * kGroupsPerBlock; g < (b + 1) * kGroupsPerBlock; ++g) {
-      const __m512i xv = _mm512_set1_epi32(job.x.words[g]);
-      for (int r = 0; r < RW; ++r) {
-        const uint8_t* line = lines + (r * groups + g) * 64;
-        __builtin_prefetch(line + 4096);
-        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(line), xv);
-      }
-    }
-    const __m512 t = _mm512_set1_ps(job.x.scales[b]);
-    for (int r = 0; r < RW; ++r) sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), t, sums[r]);
-  }
-  for (int r = 0; r < RW; ++r) {
-    const __m512 s = _mm512_loadu_ps(job.s + (t0 + r) * kTile);
-    _mm512_storeu_ps(job.y + (t0 + r) * kTile, _mm512_mul_ps(sums[r], s));
-  }
-}
+constexpr int kTilesWOneRow = 8;  // one row: more lines in flight (the stream bounds it)
 
 // One block b of rows m0..m0+MX-1 for tiles t0..t0+RW-1, added to sums[m][r].
 template <int MX, int RW>
 inline void block_rows(const Job& job, const uint8_t* const* lines, int64_t b, int64_t m0,
-                       bool prefetch, __m512 (*sums)[kTilesW]) {
+                       bool prefetch, __m512 (*sums)[kTilesWOneRow]) {
   const int64_t groups = job.K / 4, blocks = job.K / kBlock;
   __m512i acc[MX][RW];
   for (int m = 0; m < MX; ++m) {
@@ -151,15 +119,15 @@ inline void block_rows(const Job& job, const uint8_t* const* lines, int64_t b, i
   }
 }
 
-// Every row of tiles t0..t0+RW-1.
+// Every row of output tiles t0..t0+RW-1.
 template <int RW>
 void tiles(const Job& job, int64_t t0) {
-  const int64_t blocks = job.K / kBlock;
-  __m512 sums[kMaxRows][kTilesW];
+  const int64_t groups = job.K / 4, blocks = job.K / kBlock;
+  __m512 sums[kMaxRows][kTilesWOneRow];
   for (int64_t m = 0; m < job.M; ++m)
     for (int r = 0; r < RW; ++r) sums[m][r] = _mm512_setzero_ps();
   const uint8_t* lines[RW];
-  for (int r = 0; r < RW; ++r) lines[r] = job.w + (t0 + r) * (job.K / 4) * 64;
+  for (int r = 0; r < RW; ++r) lines[r] = job.w + (t0 + r) * groups * 64;
   for (int64_t b = 0; b < blocks; ++b) {
     int64_t m0 = 0;
     for (; m0 + kRowsX <= job.M; m0 += kRowsX) {
@@ -185,9 +153,7 @@ void run_chunk(const Job& job, int64_t chunk) {
   const int64_t end = std::min(job.N / kTile, begin + job.run_tiles);
   int64_t t0 = begin;
   if (job.M == 1) {
-    for (; t0 + kTilesOneRow <= end; t0 += kTilesOneRow) one_row<kTilesOneRow>(job, t0);
-    for (; t0 < end; ++t0) one_row<1>(job, t0);
-    return;
+    for (; t0 + kTilesWOneRow <= end; t0 += kTilesWOneRow) tiles<kTilesWOneRow>(job, t0);
   }
   for (; t0 + kTilesW <= end; t0 += kTilesW) tiles<kTilesW>(job, t0);
   for (; t0 < end; ++t0) tiles<1>(job, t0);
