@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,9 @@ from eaglejax.errors import ConfigError
 from eaglejax.models.llama import Params
 from eaglejax.models.placement import replicate
 from eaglejax.target import Target
+
+if TYPE_CHECKING:
+    from eaglejax.loading.hub import ResolvedSource
 
 
 def check_shared_tokenizer(model: Target, target: Target) -> None:
@@ -93,12 +97,13 @@ class DraftModel:
         return dataclasses.replace(self, model=model, target=target)
 
 
-def load_draft_model(path: str | Path, *, target: Target, dtype: jnp.dtype | str | None = None,
+def load_draft_model(path: str | Path | ResolvedSource, *, target: Target,
+                     dtype: jnp.dtype | str | None = None,
                      weight_dtype: jnp.dtype | str | None = None) -> DraftModel:
-    """Load a model (a built-in name, a GGUF file, an HF directory or an eaglejax checkpoint,
-    as `eaglejax.load_target`) to draft for `target`, checking that they share a tokenizer
-    (ConfigError otherwise). `dtype` defaults to the target's compute dtype, `weight_dtype`
-    to how the target stores its matrices."""
+    """Load a model (a built-in name, a GGUF file, an HF directory, an eaglejax checkpoint or
+    a Hub id, as `eaglejax.load_target`) to draft for `target`, checking that they share a
+    tokenizer (ConfigError otherwise). `dtype` defaults to the target's compute dtype,
+    `weight_dtype` to how the target stores its matrices."""
     from eaglejax.loading.target_loader import load_target  # loading is the layer above
 
     dtype = target.dtype if dtype is None else dtype

@@ -16,6 +16,7 @@ from eaglejax.draft.formats.native import FORMAT, manifest_format
 from eaglejax.draft.formats.speculators import is_speculators
 from eaglejax.errors import LoadError
 from eaglejax.loading.hf_dir import HFWeights, read_json
+from eaglejax.loading.hub import ResolvedSource, named_errors, resolve_source
 from eaglejax.models.placement import replicate
 
 if TYPE_CHECKING:
@@ -57,11 +58,25 @@ def detect_format(path: Path) -> tuple[str, "HFWeights | None"]:
                     f"reference/SpecForge, speculators, DFlash or eaglejax format)")
 
 
-def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | None = None,
+def named_verifier(path: Path) -> str | None:
+    """The target a head directory's config names, or None: a speculators config's
+    `speculators_config.verifier.name_or_path` (a local path or a Hub id); the reference
+    EAGLE, SpecForge, z-lab DFlash and eaglejax layouts name none."""
+    if not (path / "config.json").is_file():
+        return None
+    section = read_json(path / "config.json").get("speculators_config")
+    verifier = section.get("verifier") if isinstance(section, dict) else None
+    name = verifier.get("name_or_path") if isinstance(verifier, dict) else None
+    return name if isinstance(name, str) and name.strip() else None
+
+
+def load_draft(path: str | Path | ResolvedSource, *, target: "Target",
+               dtype: jnp.dtype | str | None = None,
                weight_dtype: jnp.dtype | str | None = None) -> Draft:
     """Load a draft head for `target`, auto-detecting its layout (eaglejax directory,
     speculators, SpecForge/reference EAGLE-3, EAGLE-1/2, DFlash from z-lab or speculators)
-    and checking it against the target.
+    and checking it against the target. `path` may be a Hugging Face Hub id (`org/name`,
+    `org/name@revision`; a local path of that name wins: `loading.hub.resolve_source`).
 
     Parameters are cast to `dtype`, by default the target's compute dtype; the matrices are
     stored in `weight_dtype`, by default in `dtype`, or as the target stores its own where it
@@ -69,9 +84,16 @@ def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | N
     training widens a head it starts from); int8 under an int8 target (a round's head steps
     then cost a third of bfloat16's, at the same acceptance: BENCHMARKS.md, session 29).
     """
-    path = Path(path).expanduser()
+    source = path if isinstance(path, ResolvedSource) else resolve_source(path)
+    path = source.path
     if not path.exists():
         raise LoadError(f"{path}: no such file or directory")
+    with named_errors(source):
+        return _load_draft(path, source.name, target, dtype, weight_dtype)
+
+
+def _load_draft(path: Path, name: str, target: "Target", dtype: jnp.dtype | str | None,
+                weight_dtype: jnp.dtype | str | None) -> Draft:
     if not path.is_dir():
         raise LoadError(f"{path}: a draft head is a directory (config.json + weights, or an "
                         f"eaglejax head directory)")
@@ -84,7 +106,7 @@ def load_draft(path: str | Path, *, target: "Target", dtype: jnp.dtype | str | N
     else:
         params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
         d2t = jnp.asarray(d2t, jnp.int32)
-    draft = Draft(config, params, d2t, target, str(path))
+    draft = Draft(config, params, d2t, target, name)
     if weight_dtype is None:  # as the target stores its matrices, when it narrows them
         weight_dtype = target.weight_dtype if target.weight_dtype != target.dtype else dtype
     return draft if jnp.dtype(weight_dtype) == dtype else draft.with_weight_dtype(weight_dtype)

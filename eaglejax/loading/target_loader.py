@@ -17,6 +17,7 @@ from eaglejax.loading.builtin import resolve_builtin
 from eaglejax.loading.files import require_regular_file
 from eaglejax.loading.gguf_file import read_gguf
 from eaglejax.loading.hf_dir import HFWeights, read_json
+from eaglejax.loading.hub import ResolvedSource, named_errors, resolve_source
 from eaglejax.loading.weights import params_from_hf
 from eaglejax.models.placement import TargetPlacement
 from eaglejax.native import build
@@ -44,17 +45,20 @@ def fastest_weight_dtype() -> jnp.dtype | None:
     return jnp.dtype(jnp.bfloat16) if wide_vectors else None
 
 
-def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = None,
-                weight_dtype: jnp.dtype | str | None = None, mesh: Mesh | None = None) -> Target:
-    """Load a target from a built-in name, a GGUF file, an HF directory or an eaglejax
-    checkpoint. `dtype`: compute and parameter dtype; `weight_dtype`: store the matrices
+def load_target(path_or_name: str | Path | ResolvedSource, *,
+                dtype: jnp.dtype | str | None = None, weight_dtype: jnp.dtype | str | None = None,
+                mesh: Mesh | None = None) -> Target:
+    """Load a target from a built-in name, a GGUF file, an HF directory, an eaglejax
+    checkpoint or a Hugging Face Hub id (`org/name`, `org/name@revision`; a local path of
+    that name wins: `loading.hub.resolve_source`).
+    `dtype`: compute and parameter dtype; `weight_dtype`: store the matrices
     in another (e.g. bfloat16 under float32 compute, or "int8": `Target.with_weight_dtype`), "auto"
     for the storage that decodes fastest on this machine (`fastest_weight_dtype`; what
     `eaglejax generate`, `eaglejax bench` and `eaglejax.generate()` use; a checkpoint saved
     in int8 stays int8), None as loaded.
     `mesh` (`eaglejax.make_mesh`): every weight goes from the file straight into its
     sharding on the mesh (`eaglejax.models.placement`), never whole onto one device."""
-    if not isinstance(path_or_name, (str, os.PathLike)):
+    if not isinstance(path_or_name, (str, os.PathLike, ResolvedSource)):
         raise InputError(f"load_target wants a model name or path, got {path_or_name!r}")
     if dtype is not None:
         dtype = validation.dtype("dtype", dtype, FLOAT_DTYPES)
@@ -74,16 +78,26 @@ def load_target(path_or_name: str | Path, *, dtype: jnp.dtype | str | None = Non
     return target if weight_dtype is None else target.with_weight_dtype(weight_dtype)
 
 
-def _load(path_or_name: str | Path, dtype: jnp.dtype | str | None, mesh: Mesh | None) -> Target:
-    resolved = resolve_builtin(str(path_or_name)) if isinstance(path_or_name, str) else None
-    path = Path(resolved or path_or_name).expanduser()
+def _load(path_or_name: str | Path | ResolvedSource, dtype: jnp.dtype | str | None,
+          mesh: Mesh | None) -> Target:
+    source = path_or_name
+    if not isinstance(source, ResolvedSource):
+        builtin = resolve_builtin(source) if isinstance(source, str) else None
+        source = ResolvedSource(builtin) if builtin else resolve_source(source)
+    path = source.path
     if not path.exists():
         raise LoadError(f"{path}: no such file or directory, and not a built-in model name "
                         f"(built-in: smollm2-135m-instruct)")
+    with named_errors(source):
+        return _load_path(path, source.name, dtype, mesh)
+
+
+def _load_path(path: Path, name: str, dtype: jnp.dtype | str | None,
+               mesh: Mesh | None) -> Target:
     dtype = jnp.dtype(dtype) if dtype is not None else None
     if path.is_dir() and checkpoint.is_checkpoint(path):
         config, params, tokenizer, eos_ids = checkpoint.load_checkpoint(path, dtype, mesh)
-        target = Target(config, params, tokenizer, str(path), eos_ids)
+        target = Target(config, params, tokenizer, name, eos_ids)
         return target if mesh is None else target.on_mesh(mesh)
     dtype = dtype or default_dtype()
     if path.is_dir():
@@ -91,16 +105,16 @@ def _load(path_or_name: str | Path, dtype: jnp.dtype | str | None, mesh: Mesh | 
             raise LoadError(f"{path / checkpoint.MANIFEST}: missing, so {path} is not a "
                             f"complete eaglejax checkpoint (its save was interrupted, or the "
                             f"manifest was deleted)")
-        return _load_hf_dir(path, dtype, mesh)
+        return _load_hf_dir(path, name, dtype, mesh)
     require_regular_file(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == GGUF_MAGIC or path.suffix == ".gguf":
-        return _load_gguf(path, dtype, mesh)
+        return _load_gguf(path, name, dtype, mesh)
     raise LoadError(f"{path}: not a GGUF file, Hugging Face directory or eaglejax checkpoint")
 
 
-def _load_hf_dir(path: Path, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
+def _load_hf_dir(path: Path, name: str, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
     config_path = path / "config.json"
     config = ModelConfig.from_hf_dict(read_json(config_path), str(config_path))
     weights = HFWeights(path)
@@ -110,9 +124,9 @@ def _load_hf_dir(path: Path, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
     config, mesh = (placement.config, placement.mesh) if placement else (config, None)
     if (path / "tokenizer.json").exists():
         tokenizer = Tokenizer.from_hf_dir(path)
-        return Target(config, params, tokenizer, str(path), tuple(tokenizer.eos_token_ids),
+        return Target(config, params, tokenizer, name, tuple(tokenizer.eos_token_ids),
                       mesh=mesh)
-    return Target(config, params, None, str(path), _config_eos_ids(path), mesh=mesh)
+    return Target(config, params, None, name, _config_eos_ids(path), mesh=mesh)
 
 
 def _placement(config: ModelConfig, mesh: Mesh | None):
@@ -133,7 +147,7 @@ def _config_eos_ids(path: Path) -> tuple[int, ...]:
     return ()
 
 
-def _load_gguf(path: Path, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
+def _load_gguf(path: Path, name: str, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
     model = read_gguf(path)
     config = ModelConfig.from_hf_dict(model.config, str(path))
     shapes = {name: tuple(t.shape) for name, t in model.tensors.items()}
@@ -141,5 +155,5 @@ def _load_gguf(path: Path, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
     params = params_from_hf(model.tensors.__getitem__, shapes, config, str(path), dtype,
                             placement and placement.place)
     config, mesh = (placement.config, placement.mesh) if placement else (config, None)
-    return Target(config, params, model.tokenizer, str(path),
+    return Target(config, params, model.tokenizer, name,
                   tuple(model.tokenizer.eos_token_ids), mesh=mesh)
