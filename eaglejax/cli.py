@@ -21,11 +21,13 @@ from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.draft import load_draft, load_draft_model
 from eaglejax.draft.draft import new_eagle3_draft
 from eaglejax.draft.formats import WRITERS
+from eaglejax.draft.loading import named_verifier
 from eaglejax.draft.shipped import shipped_head
 from eaglejax.errors import EaglejaxError, InputError
 from eaglejax.generate import generate
 from eaglejax.loading.builtin import builtin_model
 from eaglejax.loading.hf_export import export_hf
+from eaglejax.loading.hub import ResolvedSource, is_hub_id, resolve_source
 from eaglejax.loading.target_loader import load_target
 from eaglejax.programs import roofline
 from eaglejax.round_split import describe_split
@@ -47,9 +49,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = "auto") -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="built-in name, GGUF file, Hugging Face directory or eaglejax "
-                             f"checkpoint (default: {DEFAULT_MODEL})")
+    parser.add_argument("--model", default=None,
+                        help="built-in name, GGUF file, Hugging Face directory, eaglejax "
+                             "checkpoint or Hugging Face Hub id (org/name[@revision]; a local "
+                             "path of that name wins) (default: the verifier a speculators "
+                             f"--draft head names, else {DEFAULT_MODEL})")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
     parser.add_argument("--weight-dtype", default=weight_dtype,
@@ -65,7 +69,8 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
                         help="render prompts with the model's chat template (default: on)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft", default=None,
-                        help="draft head for speculative decoding (any layout load_draft reads)")
+                        help="draft head for speculative decoding (any layout load_draft "
+                             "reads; a directory or a Hugging Face Hub id)")
     parser.add_argument("--draft-model", default=None, metavar="MODEL",
                         help="instead of a head, a smaller model of the target's tokenizer "
                              "drafts (any model --model takes; the shape flags shape its "
@@ -228,10 +233,54 @@ def _check_decoding_args(args: argparse.Namespace):
     validation.seed("--seed", args.seed)
     _check_draft_flags(args)
     if args.draft not in (None, "random"):
-        validation.existing_path("--draft", args.draft, directory=True)
+        _check_path("--draft", args.draft, directory=True)
     speculative = _speculation(args)
     _set_compilation_cache(args.no_compilation_cache)
     return speculative
+
+
+def _check_path(name: str, value: str, directory: bool = False) -> None:
+    """An existing path (a directory when `directory`), or a Hub id, fetched when loaded."""
+    if not is_hub_id(value) or Path(value).expanduser().exists():
+        validation.existing_path(name, value, directory=directory)
+
+
+def _resolved(what: str, name: str, note: str = "") -> str | ResolvedSource:
+    """`name` as the loaders take it: a built-in name as it is, else resolved (a Hub id is
+    fetched); one line on stderr says what a Hub-shaped name meant (and `note`)."""
+    source = name if builtin_model(name) is not None else resolve_source(name)
+    if note or (is_hub_id(name) and isinstance(source, ResolvedSource)):
+        where = source.description if isinstance(source, ResolvedSource) else name
+        print(f"{what}: {where}{note}", file=sys.stderr)
+    return source
+
+
+def _model_source(args: argparse.Namespace) -> str | ResolvedSource:
+    """--model resolved; when it is omitted, the verifier a --draft head's config names
+    (--draft resolved first: `_draft_source`) where it is here or on the Hub, else the
+    default model."""
+    note, head = "", args.draft
+    if args.model is None:
+        verifier = named_verifier(head.path) \
+            if isinstance(head, ResolvedSource) and head.path.is_dir() else None
+        usable = verifier is not None and (builtin_model(verifier) is not None or
+                                           is_hub_id(verifier) or
+                                           Path(verifier).expanduser().exists())
+        args.model = verifier if usable else DEFAULT_MODEL
+        if usable:
+            note = f" (the verifier --draft {head.name} names)"
+        elif verifier is not None:
+            note = f" (the default: {verifier}, the verifier --draft {head.name} names, is " \
+                   f"not on this machine)"
+    return _resolved("model", args.model, note)
+
+
+def _draft_source(args: argparse.Namespace) -> None:
+    """Resolve --draft (a path or a Hub id) and --draft-model in `args`, before --model."""
+    if args.draft not in (None, "random"):
+        args.draft = _resolved("draft", args.draft)
+    if args.draft_model is not None:
+        args.draft_model = _resolved("draft model", args.draft_model)
 
 
 def _set_compilation_cache(off: bool) -> None:
@@ -429,12 +478,13 @@ def _generate(args: argparse.Namespace) -> None:
     validation.stop_strings(args.stop, name="--stop")
 
     mesh = _mesh(args)
+    _draft_source(args)
+    model = _model_source(args)
     default_head = shipped_head(args.model) if _wants_shipped_head(args) else None
     if default_head is not None:  # auto measures one machine; several processes take the preset
         args.draft = str(default_head)
         speculative = "auto" if jax.process_count() == 1 else None
-    target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype,
-                         mesh=mesh)
+    target = load_target(model, dtype=args.dtype, weight_dtype=args.weight_dtype, mesh=mesh)
     results = generate(args.prompts, target=target, draft=_load_draft(args, target),
                        speculative=speculative,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -484,7 +534,8 @@ def _bench(args: argparse.Namespace) -> None:
     if args.num_prompts > len(questions):
         raise InputError(f"--num-prompts {args.num_prompts}: the questions file has only "
                          f"{len(questions)}")
-    target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype)
+    _draft_source(args)
+    target = load_target(_model_source(args), dtype=args.dtype, weight_dtype=args.weight_dtype)
     if args.balanced:
         questions = interleave_categories(questions)
     questions = questions[:args.num_prompts]
@@ -524,10 +575,11 @@ def _convert(args: argparse.Namespace) -> None:
         raise InputError(f"--target is required with --to {args.to}: the draft head's target "
                          f"model (built-in name, GGUF file, Hugging Face directory or eaglejax "
                          f"checkpoint)")
-    validation.existing_path("SRC", args.src, directory=True)
+    _check_path("SRC", args.src, directory=True)
     validation.new_output_dir("DST", args.dst)
-    target = load_target(args.target, dtype=args.dtype)
-    draft = load_draft(args.src, target=target)
+    draft_source = _resolved("head", args.src)
+    target = load_target(_resolved("target", args.target), dtype=args.dtype)
+    draft = load_draft(draft_source, target=target)
     out = WRITERS[args.to](draft, args.dst)
     c = draft.config
     print(f"wrote {out} ({args.to} layout; {c.kind} head, {c.decoder.num_layers} layer(s), "
@@ -541,9 +593,9 @@ def _convert_target(args: argparse.Namespace) -> None:
                          "(built-in name, GGUF file, Hugging Face directory or eaglejax "
                          "checkpoint)")
     if builtin_model(args.src) is None:
-        validation.existing_path("SRC", args.src)
+        _check_path("SRC", args.src)
     dst = validation.new_output_dir("DST", args.dst)
-    target = load_target(args.src, dtype=args.dtype)
+    target = load_target(_resolved("model", args.src), dtype=args.dtype)
     out = export_hf(target, dst)
     c = target.config
     tokenizer = "tokenizer" if target.tokenizer is not None else "NO tokenizer (none loaded)"
@@ -558,9 +610,10 @@ def _quantize_target(args: argparse.Namespace) -> None:
         raise InputError("--quantize writes the target model SRC as an eaglejax checkpoint: "
                          "it takes neither --target nor --to")
     if builtin_model(args.src) is None:
-        validation.existing_path("SRC", args.src)
+        _check_path("SRC", args.src)
     dst = validation.new_output_dir("DST", args.dst)
-    target = load_target(args.src, dtype=args.dtype, weight_dtype=args.quantize)
+    target = load_target(_resolved("model", args.src), dtype=args.dtype,
+                         weight_dtype=args.quantize)
     target.save(str(dst))
     print(f"wrote {dst} (eaglejax checkpoint; {target.config.model_type}, "
           f"{target.config.num_layers} layers, {args.quantize} matrices, "
@@ -575,7 +628,7 @@ def _train_draft(args: argparse.Namespace) -> None:
            if cls is TrainConfig and name not in ("cod_rate", "cod_floor")})  # peagle's: below
     regen = RegenConfig(args.regen_temperature, args.regen_max_new_tokens, args.seq_len,
                         args.regen_slots, args.seed) if args.regenerate else None
-    target = load_target(args.target, dtype=args.dtype, mesh=_mesh(args))
+    target = load_target(_resolved("target", args.target), dtype=args.dtype, mesh=_mesh(args))
     if args.method in ("peagle", "dflash"):
         mask = args.mask_token_id
         if mask is None:
@@ -594,7 +647,8 @@ def _train_draft(args: argparse.Namespace) -> None:
                         regen_cache=args.regen_cache, cut_repeats=args.cut_repeats,
                         progress=not args.no_progress)
     prompts = mt_bench_prompts(args.eval_questions) if args.eval_questions > 0 else None
-    init_head = load_draft(args.init_head, target=target) if args.init_head else None
+    init_head = load_draft(_resolved("init head", args.init_head), target=target) \
+        if args.init_head else None
     result = train(target, rows, args.out, config, eval_prompts=prompts, init_head=init_head,
                    progress=not args.no_progress)
     evals = [e["acceptance_length"] for e in result.log if "acceptance_length" in e]
@@ -626,7 +680,7 @@ def _check_train_args(args: argparse.Namespace) -> None:
         validation.integer("--block-size", args.block_size, 2)
     validation.existing_path("--data", args.data)
     if args.init_head is not None:
-        validation.existing_path("--init-head", args.init_head, directory=True)
+        _check_path("--init-head", args.init_head, directory=True)
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise InputError(f"--out: {out} exists and is not a directory")
@@ -643,7 +697,7 @@ def _serve(args: argparse.Namespace) -> None:
     validation.integer("--capacity", args.capacity, 2)
     _check_draft_flags(args)
     if args.draft not in (None, "random"):
-        validation.existing_path("--draft", args.draft, directory=True)
+        _check_path("--draft", args.draft, directory=True)
     speculative = _speculation(args)  # None: auto where one process serves (the engine's)
     _set_compilation_cache(args.no_compilation_cache)
     # Imported here: the server stack (FastAPI, uvicorn) adds seconds to every other command.
@@ -651,11 +705,13 @@ def _serve(args: argparse.Namespace) -> None:
     from eaglejax.serving.lockstep import LockstepEngine, follow
     from eaglejax.serving.server import run_server
 
+    mesh = _mesh(args)
+    _draft_source(args)
+    model = _model_source(args)
     default_head = shipped_head(args.model) if _wants_shipped_head(args) else None
     if default_head is not None:
         args.draft = str(default_head)
-    target = load_target(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype,
-                         mesh=_mesh(args))
+    target = load_target(model, dtype=args.dtype, weight_dtype=args.weight_dtype, mesh=mesh)
     engine = Engine(target, _load_draft(args, target), speculative=speculative,
                     num_slots=args.num_slots, capacity=args.capacity)
     if jax.process_index() > 0:  # a multi-process run: process 0 serves, this one follows
@@ -673,11 +729,18 @@ def _serve(args: argparse.Namespace) -> None:
             print(describe_split(split), file=sys.stderr)
     try:
         run_server(engine, host=args.host, port=args.port,
-                   model_name=args.served_model_name or Path(args.model).name,
+                   model_name=args.served_model_name or _served_name(model),
                    default_max_tokens=args.max_new_tokens)
     finally:
         if isinstance(engine, LockstepEngine):
             engine.close()
+
+
+def _served_name(model: str | ResolvedSource) -> str:
+    """The model's name in the API: a Hub id, else the file or folder name."""
+    if isinstance(model, ResolvedSource):
+        return model.hub_id or model.path.name
+    return Path(model).name
 
 
 def main(argv: Sequence[str] | None = None) -> int:
