@@ -172,6 +172,35 @@ def test_hub_answers_are_one_line_naming_the_id(cache, monkeypatch, error, says)
     assert message.startswith("org/elsewhere@v9") and says in message and "\n" not in message
 
 
+@pytest.mark.parametrize("listing,fetched", [
+    (["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+      "model.safetensors.index.json", "tokenizer.json", "README.md", "pytorch_model.bin",
+      "original/consolidated.00.pth", "original/model.safetensors", "consolidated.safetensors",
+      "model.gguf"],
+     ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+      "model.safetensors.index.json", "tokenizer.json"]),
+    (["config.json", "pytorch_model.bin", "README.md", "original/params.json"],  # a reference head
+     ["config.json", "pytorch_model.bin"]),
+])
+def test_online_only_what_eaglejax_reads_is_fetched(cache, monkeypatch, listing, fetched):
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    asked = {}
+
+    def download(repo_id, **kwargs):
+        asked.update(kwargs)
+        return str(cache.snapshots[f"{MODEL}@main"])
+
+    monkeypatch.setattr(hub, "_offline", lambda: False)
+    monkeypatch.setattr(hub, "_repo_files", lambda repo_id, revision: listing)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    hub.resolve_source("org/online@v2")
+    assert asked["revision"] == "v2" and not asked["local_files_only"]
+    assert sorted(filter_repo_objects(listing, allow_patterns=asked["allow_patterns"],
+                                      ignore_patterns=asked["ignore_patterns"])) == fetched
+
+
 def test_a_local_directory_of_the_same_name_wins(cache, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     shutil.copytree(cache.snapshots[f"{MODEL}@v1"], MODEL)  # v1's files, under main's id
