@@ -213,6 +213,17 @@ def test_a_local_directory_of_the_same_name_wins(cache, monkeypatch, tmp_path):
         np.asarray(eaglejax.load_target(f"{MODEL}@v1").logits(TOKENS)))
 
 
+def test_a_path_under_a_local_folder_is_never_asked_of_the_hub(cache, monkeypatch, tmp_path):
+    """`checkpoints/typo` where `checkpoints/` is here: a missing local path, at once."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    assert not hub.is_hub_id("checkpoints/typo") and hub.is_hub_id(MODEL)
+    source = hub.resolve_source("checkpoints/typo")
+    assert source.hub_id is None and source.path == Path("checkpoints/typo")
+    with pytest.raises(LoadError, match="checkpoints/typo: no such file or directory"):
+        load_draft("checkpoints/typo", target=eaglejax.load_target(MODEL))
+
+
 def test_a_gguf_only_repository_resolves_to_its_file(cache):
     source = hub.resolve_source("org/one-gguf")
     assert source.path == cache.snapshots["org/one-gguf@main"] / "tiny.Q4_0.gguf"

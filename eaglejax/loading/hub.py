@@ -49,8 +49,19 @@ class ResolvedSource:
 
 
 def is_hub_id(value: str | os.PathLike) -> bool:
-    """Whether `value` is shaped like a Hub id, `org/name` or `org/name@revision`."""
-    return isinstance(value, str) and _HUB_ID.fullmatch(value) is not None
+    """Whether `value` is shaped like a Hub id, `org/name` or `org/name@revision`, and is not
+    a path under a folder of this machine (`checkpoints/my-head` where `checkpoints/` is
+    here: a local path, missing or not, never a question to the Hub; with a revision it is
+    an id)."""
+    return _hub_match(value) is not None
+
+
+def _hub_match(value: str | os.PathLike) -> re.Match | None:
+    match = _HUB_ID.fullmatch(value) if isinstance(value, str) else None
+    if match is None or (match["revision"] is None
+                         and Path(match["repo"].split("/")[0]).expanduser().is_dir()):
+        return None
+    return match
 
 
 def resolve_source(path_or_id: str | os.PathLike) -> ResolvedSource:
@@ -59,10 +70,12 @@ def resolve_source(path_or_id: str | os.PathLike) -> ResolvedSource:
     says so). LoadError, one line naming the id, for a gated, missing or uncached repository
     or revision, or a snapshot that lacks what eaglejax reads."""
     path = Path(path_or_id).expanduser()
-    match = _HUB_ID.fullmatch(path_or_id) if isinstance(path_or_id, str) else None
+    match = _hub_match(path_or_id)
     if match is None or path.exists():
         kind = "directory" if path.is_dir() else "file"
-        why = f"; the Hugging Face repository {path_or_id} is not used" if match else ""
+        shaped = isinstance(path_or_id, str) and _HUB_ID.fullmatch(path_or_id)
+        why = f"; the Hugging Face repository {path_or_id} is not used" \
+            if shaped and path.exists() else ""
         return ResolvedSource(path, description=f"the local {kind} {path.absolute()}{why}")
     return _from_hub(match["repo"], match["revision"])
 
