@@ -20,6 +20,7 @@ from eaglejax.decoding.speculation import default_shape
 from eaglejax.decoding.suffix_history import shared_history
 from eaglejax.generate import generate
 from eaglejax.hardware import machine_report, memory_floor_ms
+from eaglejax.programs import roofline
 from eaglejax.prompting import encode_prompts
 from eaglejax.round_split import round_split
 from eaglejax.target import Target
@@ -106,6 +107,7 @@ def bench_plain(target: Target, questions: list[Question], *, batch_size: int = 
     floor_ms = memory_floor_ms(step_bytes, header["machine"]["copy_bandwidth_gb_s"])
     return {
         "mode": "plain", **header,
+        "mean_context_tokens": mean_context,
         "new_tokens": t["new_tokens"],
         "decode_tokens_per_s": t["decode_tokens"] / t["decode_s"],
         "end_to_end_tokens_per_s": t["new_tokens"] / (t["prefill_s"] + t["decode_s"]),
@@ -155,6 +157,7 @@ def compare_drafts(target: Target, runs: Sequence[tuple[Any, SpecConfig | str | 
     totals = run_interleaved(questions, batch_size, timed)
     header = _header(target, questions, batch_size, max_new_tokens, sampling)
     mean_context = int(np.mean(totals["plain"]["prompt_tokens"])) + max_new_tokens // 2
+    header["mean_context_tokens"] = mean_context
     floor_ms = memory_floor_ms(decode_step_bytes(target, mean_context, batch_size),
                                header["machine"]["copy_bandwidth_gb_s"])
     return [_speculative_report(header, floor_ms, draft, questions, totals["plain"],
@@ -231,3 +234,50 @@ def _speculative_report(header: dict[str, Any], floor_ms: float, draft,
         **({} if not greedy else {"identical_tokens": all(
             p.token_ids == s.token_ids for p, s in zip(plain["results"], rows))}),
     }
+
+
+def beside_roofline(report: dict[str, Any], target: Target, draft,
+                    speculative: SpecConfig | str | None, device_name: str) -> dict[str, Any]:
+    """A bench `report` of `target` (and `draft`) beside the roofline prediction for
+    `device_name` (`programs.roofline.predict`) of the same model, batch, mean context and
+    measured acceptance length: the shape run when one was asked for, else (the preset,
+    "auto") the device's preset shape. Measured over predicted is how far the run is from
+    the device's limits, meaningful where the run was on that device (`same_device`)."""
+    spec = speculative if isinstance(speculative, SpecConfig) or draft is None \
+        else default_shape(draft, roofline.platform_of(device_name), report["batch_size"])
+    al = report.get("acceptance_length", 1.0)
+    rows = roofline.predict(device_name, target.config, batch=report["batch_size"],
+                            context=report["mean_context_tokens"],
+                            draft=None if draft is None else draft.config, spec=spec,
+                            accept_length=al)
+    measured = [report.get("plain_decode_tokens_per_s", report.get("decode_tokens_per_s")),
+                report.get("spec_decode_tokens_per_s")]
+    for row, tokens_per_s in zip(rows, measured):
+        row["measured_tokens_per_s"] = tokens_per_s
+        row["measured_over_predicted"] = tokens_per_s / row["tokens_per_s"]
+    device = jax.devices()[0]
+    here = report["machine"].get("cpu") if device.platform == "cpu" else device.device_kind
+    return {"device": roofline.device(device_name).name,
+            "measured_on": f"{device.platform}: {here}",
+            "same_device": roofline.runs_on(device_name, device.device_kind),
+            "ran": report.get("speculative"), "rows": rows}
+
+
+def describe_beside_roofline(beside: dict[str, Any]) -> str:
+    """`beside_roofline`'s result as a few lines of text."""
+    labels = [r["program"] + (f" at AL {r['accept_length']:.2f} (measured)"
+                              if r["program"] != "plain step" else "") for r in beside["rows"]]
+    width = max(len(label) for label in labels)
+    lines = [f"roofline for {beside['device']} (bfloat16 storage, greedy, from XLA's cost "
+             f"analysis) beside this run, measured on {beside['measured_on']}:",
+             f"  {'program':<{width}} {'pred. ms':>8} {'pred. tok/s':>11} {'measured':>9} "
+             f"{'meas./pred.':>11}"]
+    for label, r in zip(labels, beside["rows"]):
+        lines.append(f"  {label:<{width}} {r['ms']:>8.2f} {r['tokens_per_s']:>11.1f} "
+                     f"{r['measured_tokens_per_s']:>9.1f} {r['measured_over_predicted']:>11.3f}")
+    if beside["ran"] and len(beside["rows"]) > 1 and beside["ran"] != beside["rows"][1]["program"]:
+        lines.append(f"  (the run decoded with {beside['ran']}; predicted: the device's preset)")
+    if not beside["same_device"]:
+        lines.append(f"  not measured on the {beside['device']}: run the same command on one "
+                     f"to see how far the run is from the prediction")
+    return "\n".join(lines)

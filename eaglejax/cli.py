@@ -15,7 +15,13 @@ import jax
 import jax.numpy as jnp
 
 from eaglejax import compilation_cache, validation
-from eaglejax.bench import bench_plain, bench_speculative, profile_rounds
+from eaglejax.bench import (
+    beside_roofline,
+    bench_plain,
+    bench_speculative,
+    describe_beside_roofline,
+    profile_rounds,
+)
 from eaglejax.datasets import interleave_categories, mt_bench_questions
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.draft import load_draft, load_draft_model
@@ -326,9 +332,13 @@ def _parser() -> argparse.ArgumentParser:
                             "ms and plain steps (timed in the compiled loop on the first "
                             "prompt; with auto, for each shape it can choose)")
     bench.add_argument("--roofline", default=None, metavar="DEVICE",
-                       help="instead, predict Llama-3.1-8B + EAGLE-3 decode speed on DEVICE "
+                       help="predict decode speed on DEVICE "
                             f"({', '.join(roofline.DEVICES)}) from XLA's cost analysis of "
-                            "the compiled programs (batch 1 and 8; no model is loaded)")
+                            "the compiled programs: with --model, --draft or --draft-model, "
+                            "of this run's model and shape at its measured acceptance, "
+                            "printed beside what it measured; without them, instead of a "
+                            "run, Llama-3.1-8B with EAGLE-3 and other drafters (batch 1 and 8; "
+                            "no model is loaded)")
 
     convert = commands.add_parser(
         "convert", help="convert a draft head between checkpoint layouts, or write a target "
@@ -525,8 +535,10 @@ def _load_draft(args: argparse.Namespace, target):
 
 def _bench(args: argparse.Namespace) -> None:
     if args.roofline is not None:
-        print(roofline.report(args.roofline, as_json=args.json))
-        return
+        roofline.device(args.roofline)  # an unknown device is refused before any work
+        if (args.model, args.draft, args.draft_model) == (None, None, None):
+            print(roofline.report(args.roofline, as_json=args.json))
+            return
     validation.integer("--batch-size", args.batch_size, 1)
     validation.integer("--num-prompts", args.num_prompts, 1)
     speculative = _check_decoding_args(args)
@@ -552,6 +564,8 @@ def _bench(args: argparse.Namespace) -> None:
             report["round_split"] = profile_rounds(target, draft, questions[0].prompt,
                                                    speculative, chat=args.chat,
                                                    sampling=sampling)
+    if args.roofline is not None:
+        report["roofline"] = beside_roofline(report, target, draft, speculative, args.roofline)
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -559,6 +573,8 @@ def _bench(args: argparse.Namespace) -> None:
         if key == "round_split":
             for split in value:
                 print(describe_split(split))
+        elif key == "roofline":
+            print(describe_beside_roofline(value))
         else:
             print(f"{key:>26}: {value:.3f}" if isinstance(value, float)
                   else f"{key:>26}: {value}")

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import eaglejax
+
 from eaglejax import cli
 from eaglejax.config import ModelConfig
 from eaglejax.decoding.spec_config import SpecConfig
@@ -263,3 +265,61 @@ def test_cli_unknown_device_exit_status():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "unknown device 'x'; known devices: h100, h200, tpu-v5e, tpu-v5p" in proc.stderr
+
+
+def test_predict_rows_follow_the_costs():
+    """One model as it runs: its plain step, and a round at the acceptance length given."""
+    spec = SpecConfig.chain(2)
+    plain, chain = roofline.predict("h100", TINY, batch=1, context=CONTEXT, draft=TINY_HEAD,
+                                    spec=spec, accept_length=2.5)
+    h100 = roofline.DEVICES["h100"]
+    for row, al, cost in ((plain, 1.0, roofline.plain_step_cost(TINY, 1, CONTEXT)),
+                          (chain, 2.5, roofline.spec_round_cost(TINY, TINY_HEAD, spec, 1,
+                                                                CONTEXT))):
+        t = roofline.seconds(cost.moved("fused"), cost.flops, h100)
+        assert row["ms"] == pytest.approx(1e3 * t)
+        assert row["tokens_per_s"] == pytest.approx(al / t)
+    assert chain["program"] == spec.describe() and chain["accept_length"] == 2.5
+    assert [r["program"] for r in roofline.predict("h100", TINY, batch=1, context=CONTEXT)] \
+        == ["plain step"]
+
+
+@pytest.mark.parametrize("name,kind,same", [
+    ("h100", "NVIDIA H100 80GB HBM3", True), ("h200", "NVIDIA H200", True),
+    ("h100", "NVIDIA H200", False), ("tpu-v5e", "TPU v5 lite", True),
+    ("tpu-v5p", "TPU v5 lite", False), ("h100", "cpu", False)])
+def test_a_run_is_matched_to_the_device_predicted(name, kind, same):
+    assert roofline.runs_on(name, kind) is same
+    assert roofline.platform_of(name) == ("tpu" if name.startswith("tpu") else "gpu")
+
+
+def test_bench_puts_the_run_beside_its_roofline(tmp_path, capsys):
+    """`bench --model M --draft random --tree ... --roofline h100`: the run as usual, and
+    beside it the roofline of this model and shape at the acceptance it measured, with
+    measured over predicted; on a CPU the run is said not to be on the device."""
+    from test_hub import _model_files
+
+    from eaglejax.bench import describe_beside_roofline
+
+    model = _model_files(tmp_path / "model", seed=3)
+    argv = ["bench", "--model", str(model), "--draft", "random", "--tree", "2,2,3",
+            "--num-prompts", "1", "--max-new-tokens", "4", "--roofline", "h100"]
+    assert cli.main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    beside = report["roofline"]
+    plain, tree = beside["rows"]
+    assert tree["program"] == "tree top_k=2 depth=2 total=3"
+    assert tree["accept_length"] == report["acceptance_length"]
+    assert plain["measured_tokens_per_s"] == report["plain_decode_tokens_per_s"]
+    assert tree["measured_tokens_per_s"] == report["spec_decode_tokens_per_s"]
+    assert tree["measured_over_predicted"] == pytest.approx(
+        report["spec_decode_tokens_per_s"] / tree["tokens_per_s"])
+    config = eaglejax.load_target(str(model)).config
+    (expected,) = roofline.predict("h100", config, batch=1,
+                                   context=report["mean_context_tokens"])
+    assert plain["tokens_per_s"] == pytest.approx(expected["tokens_per_s"])
+    assert beside["same_device"] is (jax.default_backend() == "gpu" and roofline.runs_on(
+        "h100", jax.devices()[0].device_kind))
+    text = describe_beside_roofline(beside)
+    assert "roofline for h100" in text and "at AL" in text
+    assert ("not measured on the h100" in text) is not beside["same_device"]

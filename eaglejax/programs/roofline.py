@@ -372,6 +372,46 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
     }
 
 
+# What `jax.Device.device_kind` says on each device (lower case), to tell a run on the
+# device a prediction is for from a run elsewhere.
+DEVICE_KINDS = {"h100": ("h100",), "h200": ("h200",), "tpu-v5e": ("v5 lite", "v5e"),
+                "tpu-v5p": ("v5p",)}
+
+
+def runs_on(device_name: str, device_kind: str) -> bool:
+    """Whether a device reporting `device_kind` is the `DEVICES` entry `device_name`."""
+    kind = device_kind.lower()
+    return any(marker in kind for marker in DEVICE_KINDS.get(device(device_name).name, ()))
+
+
+def platform_of(device_name: str) -> str:
+    """The JAX platform of a `DEVICES` entry: "tpu" or "gpu"."""
+    return "tpu" if device(device_name).name.startswith("tpu") else "gpu"
+
+
+def predict(device_name: str, config: ModelConfig, *, batch: int, context: int,
+            draft: DraftConfig | ModelConfig | None = None, spec: SpecConfig | None = None,
+            accept_length: float = 1.0, attention: str = "fused") -> list[dict[str, Any]]:
+    """Roofline rows for one model as it runs: its plain step and, with `draft` and `spec`,
+    one round at `accept_length` (e.g. a run's measured AL), at `batch` rows and `context`
+    cached tokens (bfloat16 storage, greedy; see the module docstring)."""
+    dev = device(device_name)
+    programs = [("plain step", 1.0, plain_step_cost(config, batch, context))]
+    if draft is not None and spec is not None:
+        programs.append((spec.describe(), accept_length,
+                         spec_round_cost(config, draft, spec, batch, context)))
+    rows = []
+    for label, al, cost in programs:
+        moved = cost.moved(attention)
+        t = seconds(moved, cost.flops, dev)
+        rows.append(dict(device=dev.name, batch=batch, program=label, accept_length=al,
+                         gb_accessed=moved / 1e9, gflops=cost.flops / 1e9, ms=t * 1e3,
+                         tokens_per_s=tokens_per_second(batch, t, al),
+                         bound="memory" if moved / dev.bandwidth >= cost.flops / dev.peak_flops
+                         else "compute"))
+    return rows
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as a text table with its assumptions and the published reference."""
     title = (f"{'device':<8} {'batch':>5}  {'program':<32} {'GB':>6} {'GFLOP':>7} {'ms':>6} "
