@@ -505,7 +505,8 @@ def _generate(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps([{"text": r.text, "token_ids": r.token_ids,
                            "finish_reason": r.finish_reason,
-                           "metrics": dataclasses.asdict(r.metrics)} for r in results], indent=2))
+                           "metrics": {**dataclasses.asdict(r.metrics),
+                                       "speedup_over_plain": r.metrics.speedup_over_plain}} for r in results], indent=2))
         return
     for r in results:
         if len(results) > 1:
@@ -515,6 +516,9 @@ def _generate(args: argparse.Namespace) -> None:
         al = f", {jnp.dtype(target.weight_dtype).name} weights"
         al += f", {m.speculative}" if m.speculative else ""
         al += f", AL {m.acceptance_length:.2f}" if m.acceptance_length else ""
+        if m.speedup_over_plain:
+            al += f", {m.speedup_over_plain:.2f}x plain decoding (its steps: " \
+                  f"{1e3 * m.plain_step_s:.1f} ms)"
         print(f"[{m.new_tokens} tokens, finish: {r.finish_reason}, compile {m.compile_s:.2f} s, "
               f"prefill {m.prefill_s:.3f} s, decode {m.decode_tokens_per_s:.1f} tok/s{al}]",
               file=sys.stderr)

@@ -45,8 +45,11 @@ class GenerationMetrics:
     per-position acceptance (share of rounds whose accepted path
     reached draft depth d = 1..K) and the conditional rate at each depth. `speculative`
     names the shape that ran when a draft head was given; with `speculative="auto"` the
-    modes and their shares of the target forwards (`auto: plain 80%, tree ... 20%`), and
-    the acceptance counts its speculative rounds only.
+    modes and their shares of the target forwards (`auto: plain 80%, tree ... 20%`), the
+    acceptance counts its speculative rounds only, and `plain_step_s` is a plain decoding
+    step's time as `auto` measured it in this process (or remembered), so
+    `speedup_over_plain` (decode tokens/s x that step time) is the measured speed over
+    plain decoding.
     """
 
     prompt_tokens: int
@@ -62,6 +65,14 @@ class GenerationMetrics:
     acceptance_by_position: list[float] | None = None
     conditional_acceptance: list[float] | None = None
     speculative: str | None = None
+    plain_step_s: float | None = None
+
+    @property
+    def speedup_over_plain(self) -> float | None:
+        """With `auto`: this row's decode speed over plain decoding's (None: not known)."""
+        if not self.plain_step_s or not self.decode_tokens_per_s:
+            return None
+        return self.decode_tokens_per_s * self.plain_step_s
 
 
 def acceptance_metrics(hist: np.ndarray) -> dict[str, object]:
@@ -157,11 +168,12 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
             raise InputError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} "
                              f"that exceeds the model's context of {limit} tokens")
     speculative = resolve_speculation(target, draft, speculative, batch, auto_by_default=False)
-    shape = None
+    shape, plain_step_s = None, None
     if speculative == AUTO:
         adaptive = adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens,
                                    criteria)
         run, shape = adaptive.run, describe_mix(adaptive.forwards_by_mode)
+        plain_step_s = adaptive.plain_step_s
     else:
         shape = None if speculative is None else speculative.describe()
         run = decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria,
@@ -186,7 +198,7 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
             prefill_s=run.prefill_s, decode_s=run.decode_s,
             decode_tokens_per_s=(int(counts[i]) - 1) / run.decode_s if run.decode_s > 0 else 0.0,
             target_forwards=int(forwards) + 1, batch_size=batch,
-            speculative=shape,
+            speculative=shape, plain_step_s=plain_step_s,
             **(acceptance_metrics(hist[i]) if hist is not None else {}))
         results.append(Generation(text, ids, reason, metrics))
     if (speculative == AUTO and draft is None) or getattr(speculative, "method", "") == "suffix":

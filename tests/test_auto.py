@@ -343,7 +343,12 @@ def check_auto(target, cache_dir):
         out = eaglejax.generate(prompts, target=target, draft=draft, speculative="auto",
                                 max_new_tokens=40, ignore_eos=True)
         assert [o.token_ids for o in out] == [p.token_ids for p in plain]
-        assert out[0].metrics.speculative.startswith("auto: ")
+        m = out[0].metrics
+        assert m.speculative.startswith("auto: ")
+        if m.plain_step_s is not None:  # the speed-up over plain steps as auto timed them
+            assert m.speedup_over_plain == m.decode_tokens_per_s * m.plain_step_s
+    # the useless head decoded plainly, in segments of a program that had run: timed
+    assert m.plain_step_s > 0 and "plain" in m.speculative
     compiled: list = []  # the prefill finishes the call: no mode is compiled
     compile_once = bundle.compile_once
     bundle.compile_once = lambda fn, *a, **k: compiled.append(fn) or compile_once(fn, *a, **k)

@@ -47,11 +47,13 @@ if TYPE_CHECKING:
 
 
 class AdaptiveRun(NamedTuple):
-    """A finished `auto` decode: the run (as `decoding.batch.decode` gives) and the target
-    forwards each mode ran, by mode name, in the order first used."""
+    """A finished `auto` decode: the run (as `decoding.batch.decode` gives), the target
+    forwards each mode ran, by mode name, in the order first used, and a plain decoding
+    step's time as `auto` measured it (None: never timed)."""
 
     run: DecodeRun
     forwards_by_mode: dict[str, int]
+    plain_step_s: float | None = None
 
 
 def describe_mix(forwards_by_mode: dict[str, int]) -> str:
@@ -156,5 +158,6 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
         forwards_by_mode[name] = forwards_by_mode.get(name, 0) + segment_forwards
         policy.observe(mode, seconds if timed else None, segment_forwards,
                        (rounds * np.arange(rounds.shape[1])).sum(), int(rounds.sum()), counts)
-    return AdaptiveRun(DecodeRun(state, compile_s, prefill_s, decode_s), forwards_by_mode)
+    return AdaptiveRun(DecodeRun(state, compile_s, prefill_s, decode_s), forwards_by_mode,
+                       policy.round_seconds(0))
 
