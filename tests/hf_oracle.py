@@ -1,6 +1,6 @@
 """transformers, the PyTorch parity oracle: random small Hugging Face models saved as real
 checkpoints, and the default model's GGUF as transformers itself reads it (also the
-`generate()` baseline of the benchmarks under examples/). Needs the test extra."""
+`generate()` baseline of the scripts under benchmarks/). Needs the test extra."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The peer harness (examples/peers): its bookkeeping, without building or running peers."""
+"""The peer harness (benchmarks/peers): its bookkeeping, without building or running peers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "peers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "peers"))
 
 import common  # noqa: E402
 import run_peers  # noqa: E402

@@ -5,7 +5,7 @@ below (`eaglejax.programs.export`).
 The checks run in a subprocess with 8 host CPU devices (the suite's own process has one).
 Llama-3.1-8B's widths, at 2 layers (exports) and 1 and 2 layers (compiled collective
 counts): tracing and compiling all 32 layers would take minutes per program on CI's two
-cores; examples/export_sharded.py exports the full 32-layer model."""
+cores; benchmarks/export_sharded.py exports the full 32-layer model."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The recipe for the shipped EAGLE-3 head of SmolLM2-135M-Instruct.
 
-    python examples/train_smollm2_head.py OUT [--preset cpu|cpu-decay|full] [--steps N]
+    python benchmarks/train_smollm2_head.py OUT [--preset cpu|cpu-decay|full] [--steps N]
         [--batch-size B] [--max-conversations N] [--init-head HEAD] [--method peagle|dflash]
 
 Data: ShareGPT (`../shared/datasets/sharegpt/sharegpt_v3.jsonl.gz`, read in place),

@@ -2,12 +2,12 @@
 the same model (SmolLM2-135M-Instruct), the same EAGLE-3 head, the same prompt token ids,
 greedy with EOS ignored, in one run; one JSON file and a Markdown table per prompt set.
 
-    python examples/peers/run_peers.py --out peers.json             # the real run
-    python examples/peers/run_peers.py --out quick.json --num-prompts 4 --max-new-tokens 32
+    python benchmarks/peers/run_peers.py --out peers.json             # the real run
+    python benchmarks/peers/run_peers.py --out quick.json --num-prompts 4 --max-new-tokens 32
 
-Each peer runs in its own virtualenv (examples/peers/setup_peers.py, built on first use)
+Each peer runs in its own virtualenv (benchmarks/peers/setup_peers.py, built on first use)
 as a subprocess, one at a time; a peer that cannot be set up or fails is reported in the
-table with the last line of its error. See examples/peers/README.md.
+table with the last line of its error. See benchmarks/peers/README.md.
 """
 
 from __future__ import annotations

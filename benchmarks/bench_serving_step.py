@@ -3,7 +3,7 @@ per-call work: taking the active rows out of the slot batch and putting them bac
 head's catch-up) and a call of 16 steps, for a plain engine and a speculative one decoding
 plainly (`auto`'s plain segment and its target-alone steps), side by side.
 
-    python examples/bench_serving_step.py [--rows 8] [--slots 32] [--repeats 5] [--json]
+    python benchmarks/bench_serving_step.py [--rows 8] [--slots 32] [--repeats 5] [--json]
 
 SmolLM2-135M-Instruct (float32), `rows` live requests of 1,000 new tokens in a batch of
 `slots` slots (capacity 1024), greedy; medians of `repeats` calls, the engines alternating.

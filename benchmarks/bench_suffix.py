@@ -1,7 +1,7 @@
 """Suffix drafting (no head; a fixed tree, and `auto` switching between suffix trees and
 plain decoding) beside the EAGLE-3 head and plain decoding, in one run.
 
-    python examples/bench_suffix.py [--num-prompts 8] [--max-new-tokens 128] [--json]
+    python benchmarks/bench_suffix.py [--num-prompts 8] [--max-new-tokens 128] [--json]
 
 Greedy, batch 1, SmolLM2 with the shipped EAGLE-3 head; timed interleaved prompt by prompt
 (`eaglejax.bench.compare_drafts`). Two workloads: MT-bench first turns balanced over

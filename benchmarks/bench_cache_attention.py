@@ -1,7 +1,7 @@
 """SmolLM2's 30 attention calls of one forward (9 query / 3 KV heads of 64), the native
 cache attention vs XLA's reference, side by side in one process (median of repeats).
 
-    python examples/bench_cache_attention.py [--context 300]
+    python benchmarks/bench_cache_attention.py [--context 300]
 
 Shapes: decode steps (1 query) and verify blocks (6, 9, 13 queries) of one row, and 16
 rows decoding (continuous batching) at capacities 512 and 1024; every row holds

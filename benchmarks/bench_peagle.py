@@ -1,13 +1,13 @@
 """EAGLE-3 chain vs P-EAGLE chain vs P-EAGLE lattice tree (vs a DFlash drafter's block
 and tree, vs suffix drafting with no draft), side by side in one run.
 
-    python examples/bench_peagle.py [--peagle checkpoints/smollm2-135m-instruct-peagle] \\
+    python benchmarks/bench_peagle.py [--peagle checkpoints/smollm2-135m-instruct-peagle] \\
         [--eagle3 checkpoints/smollm2-135m-instruct-eagle3] [-k 3 5] [--tree 4:3:12 ...] \\
         [--dflash DRAFTER [--dflash-tree 4:7:12 ...]] [--suffix] [--prompts mt_bench|mix] \\
         [--num-prompts 16] [--max-new-tokens 128] [--json]
 
 Greedy, batch 1, MT-bench first turns balanced over categories (or the Spec-Bench-style
-mix of examples/peers), SmolLM2 (or --model); `--suffix` adds suffix drafting (4,6,12) and
+mix of benchmarks/peers), SmolLM2 (or --model); `--suffix` adds suffix drafting (4,6,12) and
 `auto` with no draft (suffix trees against plain decoding). Plain
 decoding and every (head, shape) pair are timed interleaved prompt by prompt
 (`eaglejax.bench.compare_drafts`), after a warm-up that compiles them all. Per pair: the

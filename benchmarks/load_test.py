@@ -1,7 +1,7 @@
 """Load test: `eaglejax serve` (plain and speculative, continuous batching) against static
 batches of `eaglejax.generate()` and against `transformers serve`, side by side in one run.
 
-    python examples/load_test.py [--concurrency 1 4 16 32] [--max-tokens 64]
+    python benchmarks/load_test.py [--concurrency 1 4 16 32] [--max-tokens 64]
         [--draft checkpoints/smollm2-135m-instruct-eagle3] [--shape auto | tree:4,4,6]
         [--runs plain speculative static transformers] [--weight-dtype auto | float32]
         [--json OUT]

@@ -1,6 +1,6 @@
 """Greedy acceptance of several draft heads on the trainer's evaluation turns.
 
-    python examples/compare_heads.py HEAD [HEAD ...] [--questions 8] [--max-new-tokens 64]
+    python benchmarks/compare_heads.py HEAD [HEAD ...] [--questions 8] [--max-new-tokens 64]
 
 Each head speculates for SmolLM2 with a K=5 chain and a 4,4,8 dynamic tree over the same
 MT-bench first turns the trainer evaluates (one per category, stopping at EOS); the script

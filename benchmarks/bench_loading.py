@@ -1,6 +1,6 @@
 """Load time of the default model: GGUF (dequantize + convert) vs an eaglejax checkpoint.
 
-    python examples/bench_loading.py [--repeats 3]
+    python benchmarks/bench_loading.py [--repeats 3]
 Writes the checkpoint to a temporary directory, then alternates the two loads.
 """
 

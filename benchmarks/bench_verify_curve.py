@@ -2,7 +2,7 @@
 and argmax at every one, as verification needs) over a fixed context, in single-token
 forwards; every size measured in turn, several passes, the median per size.
 
-    python examples/bench_verify_curve.py [--weight-dtype float32] [--context 200] [--json]
+    python benchmarks/bench_verify_curve.py [--weight-dtype float32] [--context 200] [--json]
 """
 
 from __future__ import annotations

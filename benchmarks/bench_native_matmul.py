@@ -1,6 +1,6 @@
 """Few-row float32 products on CPU: XLA's dot vs eaglejax's native kernel, side by side.
 
-    python examples/bench_native_matmul.py [--rows 1 2 4 6 8 9 12 16] [--repeats 9]
+    python benchmarks/bench_native_matmul.py [--rows 1 2 4 6 8 9 12 16] [--repeats 9]
         [--weight-dtype float32] [--json]
 
 1. Products: the 121 projection matrices of one SmolLM2-135M-Instruct decode step (30 layers

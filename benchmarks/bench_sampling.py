@@ -1,6 +1,6 @@
 """Time `sample_tokens` of this tree against another git revision's, in one process.
 
-    python examples/bench_sampling.py [--against REV] [--vocab 49152] [--rows 1 16]
+    python benchmarks/bench_sampling.py [--against REV] [--vocab 49152] [--rows 1 16]
 
 REV's `eaglejax/decoding/sampling.py` is read with `git show` and imported beside the
 current module; both are jitted and timed on the same logits (median of 15 calls after

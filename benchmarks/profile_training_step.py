@@ -1,7 +1,7 @@
 """How much of one TTT training step is the frozen target: the most that training from cached
 target features could save (each later epoch would skip that share).
 
-    python examples/profile_training_step.py [--ttt-lengths 3 7] [--batch-size 4] [--seq-len 512]
+    python benchmarks/profile_training_step.py [--ttt-lengths 3 7] [--batch-size 4] [--seq-len 512]
 
 SmolLM2 with a fresh EAGLE-3 head (draft vocabulary 8,192), random tokens in one segment
 per row; median of a few jitted steps after a warm-up. The target signal is the target's

@@ -1,12 +1,12 @@
 """`speculative="auto"` from a cold start against plain decoding and every shape it can
 choose, prompt by prompt: does adapting while decoding pay on each prompt?
 
-    python examples/bench_auto.py --draft checkpoints/smollm2-135m-instruct-eagle3 \\
+    python benchmarks/bench_auto.py --draft checkpoints/smollm2-135m-instruct-eagle3 \\
         [--weight-dtype float32] [--prompts mt_bench|mix] [--num-prompts 16]
         [--max-new-tokens 128] [--json]
 
 Greedy, batch 1, MT-bench first turns (round-robin over categories) or the Spec-Bench-style
-mix of `examples/peers`. `auto` starts with
+mix of `benchmarks/peers`. `auto` starts with
 nothing learnt (`EAGLEJAX_AUTOTUNE_CACHE=0`, an empty process) and keeps what it learns from
 prompt to prompt, as a user's process does: its first calls are included. Every program is
 compiled before the prompt it first serves is timed (compile time is excluded on both
@@ -46,7 +46,7 @@ def main() -> None:
                              "decodes fastest here, as `eaglejax generate` stores it)")
     parser.add_argument("--prompts", choices=["mt_bench", "mix"], default="mt_bench",
                         help="MT-bench first turns in category order, or the Spec-Bench-style "
-                             "mix of examples/peers (coding, extraction, math, writing, "
+                             "mix of benchmarks/peers (coding, extraction, math, writing, "
                              "summarisation, text-grounded QA)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)

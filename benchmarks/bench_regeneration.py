@@ -1,7 +1,7 @@
 """Throughput of regenerating ShareGPT assistant turns with SmolLM2 (training data for a
 self-distilled head): generated tokens per second over the first N conversations.
 
-    python examples/bench_regeneration.py [--conversations 16] [--temperature 0.8]
+    python benchmarks/bench_regeneration.py [--conversations 16] [--temperature 0.8]
         [--max-new-tokens 512] [--max-context 1024] [--slots 16]
 
 Without setting flags it runs `RegenConfig()`'s defaults, so the same command measures an

@@ -20,8 +20,8 @@ this script measures the same programs on the accelerator JAX sees, with random 
 Each stage's result is written to `--out` (JSON) as soon as it ends, so a run cut short
 keeps what it measured. `--small` runs every stage with tiny shapes (a CPU dry run).
 
-    python examples/bench_device.py --out results.json
-    python examples/bench_device.py --small --stages parity rounds curve   # CPU dry run
+    python benchmarks/bench_device.py --out results.json
+    python benchmarks/bench_device.py --small --stages parity rounds curve   # CPU dry run
 """
 
 from __future__ import annotations

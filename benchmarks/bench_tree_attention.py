@@ -6,10 +6,10 @@ next to a device-to-device copy bandwidth measured on the same device. The cache
 the head-major ``[B, Hkv, S, D]`` layout the model keeps (``kv_layout="bhsd"``) unless
 ``--kv-layout`` says otherwise.
 
-    python examples/bench_tree_attention.py            # Llama-3-8B layer shapes, bf16
-    python examples/bench_tree_attention.py --quick    # tiny CPU smoke run (interpret mode)
-    python examples/bench_tree_attention.py --json     # machine-readable output
-    python examples/bench_tree_attention.py --kv-layout both   # bhsd and bshd side by side
+    python benchmarks/bench_tree_attention.py            # Llama-3-8B layer shapes, bf16
+    python benchmarks/bench_tree_attention.py --quick    # tiny CPU smoke run (interpret mode)
+    python benchmarks/bench_tree_attention.py --json     # machine-readable output
+    python benchmarks/bench_tree_attention.py --kv-layout both   # bhsd and bshd side by side
 
 On CPU there is no compiled kernel: only --quick runs it (in interpret mode, tiny shapes);
 otherwise only the reference is timed.

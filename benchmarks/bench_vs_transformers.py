@@ -8,7 +8,7 @@ model, cores, measured copy bandwidth) and the decode step's ratio to its memory
 (bytes one step reads / bandwidth). With --weight-dtype bfloat16 (the default) a third
 column runs eaglejax with 16-bit weight storage under float32 compute in the same rotation.
 
-    python examples/bench_vs_transformers.py --num-prompts 8 [--json]
+    python benchmarks/bench_vs_transformers.py --num-prompts 8 [--json]
 Needs the test extra (torch, transformers).
 """
 

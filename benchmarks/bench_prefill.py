@@ -5,14 +5,14 @@ at each --lengths prompt size, eaglejax (`generate` with max_new_tokens=1: its p
 compiled beforehand) and transformers (one `model(ids, logits_to_keep=1)` forward with
 --threads torch threads) side by side, the two alternating repeat by repeat:
 
-    python examples/bench_prefill.py [--lengths 1024 4096 8192] [--repeats 3] [--json]
+    python benchmarks/bench_prefill.py [--lengths 1024 4096 8192] [--repeats 3] [--json]
 
 End-to-end mode runs one request of --prompt-tokens tokens plus --max-new-tokens new ones,
 plain or speculative, twice in a fresh process: cold (compilation included) and warm (run
 it under `/usr/bin/time -v` for the peak memory):
 
-    python examples/bench_prefill.py --end-to-end plain [--prompt-tokens 8184] [--json]
-    python examples/bench_prefill.py --end-to-end spec --draft checkpoints/smollm2-135m-instruct-eagle3
+    python benchmarks/bench_prefill.py --end-to-end plain [--prompt-tokens 8184] [--json]
+    python benchmarks/bench_prefill.py --end-to-end spec --draft checkpoints/smollm2-135m-instruct-eagle3
 
 Prompts are MT-bench first turns joined into one text (repeated as needed), cut to length.
 Needs the test extra (torch, transformers) for prefill mode.

@@ -7,7 +7,7 @@ as (a) teacher-forced top-1 agreement (the 16-bit model scores float32's own out
 share of positions whose argmax is float32's token), (b) free-running outputs identical
 to float32's, and the mean length of the common prefix.
 
-    python examples/bench_weight_dtype.py --num-prompts 40 --max-new-tokens 64 --json
+    python benchmarks/bench_weight_dtype.py --num-prompts 40 --max-new-tokens 64 --json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Export Llama-3.1-8B's decoding loops for accelerators from a CPU host, and count the
 collectives their tensor-parallel sharding implies.
 
-    python examples/export_sharded.py [--layers 32] [--batch 1] [--json out.json]
+    python benchmarks/export_sharded.py [--layers 32] [--batch 1] [--json out.json]
 
 1. `jax.export` of the plain loop (prefill, decode_loop) and the speculative loop
    (spec_prefill, spec_loop with a one-layer EAGLE-3 head; chain K=5 and the GPU preset's

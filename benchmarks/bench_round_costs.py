@@ -1,6 +1,6 @@
 """What one speculative round costs, drafter by drafter, on the built-in model.
 
-    python examples/bench_round_costs.py [--prompt TEXT] [--json]
+    python benchmarks/bench_round_costs.py [--prompt TEXT] [--json]
 
 Splits a round (`eaglejax bench --profile`'s split: draft, verify, accept + commit,
 catch-up, the loop) for the shipped EAGLE-3 head (chain K=5, tree 4,4,8), the shipped

@@ -2,7 +2,7 @@
 and `speculative="auto"` (which switches between plain decoding and trees as it decodes: the
 mix it ran is listed), against one plain-decoding baseline per batch size.
 
-    python examples/bench_trees.py --draft checkpoints/smollm2-135m-instruct-eagle3 \\
+    python benchmarks/bench_trees.py --draft checkpoints/smollm2-135m-instruct-eagle3 \\
         [--num-prompts 8] [--batch-sizes 1 8] [--max-new-tokens 128] [--lookup 0 4] [--json]
 
 Greedy, MT-bench first turns (round-robin over categories), SmolLM2 (or --model), every

@@ -2,7 +2,7 @@
 with `decoding.batch.decode` (plain) and with `adaptive_decode` held on plain segments
 (16 steps, then the head's catch-up), alternating, and prints ms per target forward.
 
-    python examples/bench_plain_segment.py [--draft checkpoints/smollm2-135m-instruct-eagle3]
+    python benchmarks/bench_plain_segment.py [--draft checkpoints/smollm2-135m-instruct-eagle3]
         [--num-prompts 4] [--repeats 4] [--max-new-tokens 128] [--weight-dtype bfloat16]
 
 Greedy, batch 1, MT-bench first turns; the first repeat warms both up and is not counted.
