@@ -308,7 +308,8 @@ def test_bench_puts_the_run_beside_its_roofline(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     beside = report["roofline"]
     plain, tree = beside["rows"]
-    assert tree["program"] == "tree top_k=2 depth=2 total=3"
+    assert tree["program"] == report["speculative"] == "tree top_k=2 depth=2 total=3"
+    assert report["identical_tokens"] is True  # the tree from the command line decodes plainly
     assert tree["accept_length"] == report["acceptance_length"]
     assert plain["measured_tokens_per_s"] == report["plain_decode_tokens_per_s"]
     assert tree["measured_tokens_per_s"] == report["spec_decode_tokens_per_s"]
