@@ -180,6 +180,28 @@ def test_every_call_first_probes_its_own_text():
     assert call.knowledge.probe_every == 8 * MIN_PROBE_EVERY
 
 
+def test_a_call_that_inherits_a_tree_with_its_costs_starts_with_the_tree():
+    """No opening probe where the inherited choice is a tree and plain's cost is known: the
+    tree's segments measure the call's own acceptance, and a call whose text no tree suits
+    goes to plain decoding."""
+    settled = _learnt(plain_s=0.05, probe_s=0.075)
+    assert settled.best == LARGE
+    call = AutoPolicy(PLAN, Knowledge.from_json(settled.knowledge.to_json()))
+    assert not call.opening
+    assert call.next_mode() == LARGE and call.segment_rounds(LARGE) == call.spec_rounds
+    call.observe(LARGE, 8 * 0.06, 8, 0, 8)  # 8 rounds accepting nothing
+    assert call.next_mode() == PROBE  # best on what it inherited: it measures too
+    call.observe(PROBE, 32 * 0.075, 32, 0, 32, _counts(1.0, 1.0, 32))
+    assert call.best == PLAIN
+    # with plain's cost unknown, or plain the inherited choice, the call opens with a probe
+    unpriced = Knowledge.from_json(settled.knowledge.to_json())
+    del unpriced.round_s[PLAN.name(PLAIN)]
+    assert AutoPolicy(PLAN, unpriced).opening  # (plain is timed first, then the probe)
+    plain_choice = _learnt(plain_s=0.01, probe_s=0.075)
+    assert AutoPolicy(PLAN, Knowledge.from_json(
+        plain_choice.knowledge.to_json())).next_mode() == PROBE
+
+
 def test_plain_is_first_timed_briefly_and_never_costed_from_the_trees():
     """Once the probe is timed, plain decoding's cost is still unknown (a round's time says
     nothing of a step's), so plain is tried next; its first segment is short, the later ones

@@ -22,7 +22,9 @@ run is costed by interpolating between the modes run so far in node count (a ver
 grows with its nodes). Expected tokens/s of a mode is acceptance length / round cost (plain
 decoding: 1 / step cost); speculation must beat plain by `MARGIN` to be chosen. Every call
 opens with a probe of its own text (acceptance varies far more from prompt to prompt than
-costs do); then the probe comes back every `probe_every` target forwards: the interval
+costs do), unless the call inherits a tree as its choice with every cost known (the
+tree's own rounds then measure the call's text); then the probe comes back every
+`probe_every` target forwards: the interval
 doubles (up to `MAX_PROBE_EVERY`) each time a probe leaves the choice as it was and falls
 back to `MIN_PROBE_EVERY` when it changes it, so text that turns predictable (code, quotes,
 repetition) brings speculation back while a head that never pays costs little.
@@ -214,11 +216,17 @@ class AutoPolicy:
             scale = min(1.0, PRIOR_ROUNDS / max(knowledge.rounds[name], 1e-9))
             knowledge.rounds[name] *= scale
             knowledge.accepted[name] *= scale
-        # A call's first segment probes its own text (acceptance varies from prompt to
-        # prompt far more than costs vary between calls), without counting for the interval.
-        self.since_probe = knowledge.probe_every if opening_probe else 0
-        self.opening = opening_probe
         self.best = self._best()
+        # A call's first segment probes its own text (acceptance varies from prompt to
+        # prompt far more than costs vary between calls), without counting for the interval,
+        # unless what it inherited chose a tree with every cost known: that tree's own
+        # segments measure the call's acceptance (and hand over to plain decoding where it
+        # is poor), and two probe rounds a call cost more than they told (MT-bench, bfloat16
+        # on a 2-core Zen 4: 1.33-1.35x plain without, 1.24-1.25x with; BENCHMARKS.md).
+        settled_on_a_tree = bool(knowledge.round_s.get(plan.name(0))) \
+            and self.best not in (0, self.probe)
+        self.opening = opening_probe and not settled_on_a_tree
+        self.since_probe = knowledge.probe_every if self.opening else 0
 
     @property
     def probe(self) -> int:
