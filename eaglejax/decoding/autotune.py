@@ -42,7 +42,8 @@ shipped EAGLE-3 head, 16 prompts from a cold start, first calls included): `auto
 Spec-Bench-style mix (0.94x), 0.96-1.02x plain on the worst prompt, never more than 0.08 s
 beyond plain's time on a call (session 22). On a 2-core AMD EPYC Zen 4 (bfloat16 storage, no
 tile unit: the 12-node probe), 1.31x on MT-bench (0.96x the best) and 1.37x on the mix
-(0.92x), speculating in every MT-bench category (session 24).
+(0.92x), speculating in every MT-bench category (session 24); session 30, the same machine
+kind, no opening probe where a tree is inherited: 1.29x on MT-bench (0.97x the best).
 """
 
 from __future__ import annotations
