@@ -138,41 +138,31 @@ def two_questions(questions):
     return [questions[0], questions[4]]
 
 
-def test_bench_speculative_reports_side_by_side(smollm2):
-    from eaglejax.bench import bench_speculative
+def test_bench_reports_side_by_side_and_what_auto_ran(smollm2):
+    """Plain decoding, a chain and speculative="auto" timed in one run (greedy), then a
+    sampled chain: machine, memory floor, acceptance by category; each row names the modes
+    it ran (rows that ran no speculative round, as `auto` soon decodes plainly with a
+    random head, count as AL 1, a round per decode step)."""
+    from eaglejax.bench import bench_speculative, compare_speculative
     from eaglejax.datasets import mt_bench_questions
     from eaglejax.draft.draft import new_eagle3_draft
 
     questions = two_questions(mt_bench_questions())
-    report = bench_speculative(smollm2, new_eagle3_draft(smollm2, seed=2), questions,
-                               max_new_tokens=6, speculative=eaglejax.SpecConfig.chain(2))
-    assert report["identical_tokens"] is True
-    assert report["sampling"] == "greedy"
-    assert report["machine"]["cpu"] and report["machine"]["copy_bandwidth_gb_s"] > 0
-    assert report["memory_floor_ms"] > 0 and report["plain_step_over_memory_floor"] > 0
-    assert report["acceptance_length"] >= 1.0
-    assert set(report["acceptance_length_by_category"]) == {q.category for q in questions}
-    sampling = dict(temperature=0.8, top_p=0.9, top_k=0, seed=3)
-    sampled = bench_speculative(smollm2, new_eagle3_draft(smollm2, seed=2), questions,
-                                max_new_tokens=6, speculative=eaglejax.SpecConfig.chain(2),
-                                sampling=sampling)
-    assert sampled["sampling"] == sampling and "identical_tokens" not in sampled
-    assert sampled["acceptance_length"] >= 1.0 and sampled["spec_decode_tokens_per_s"] > 0
-
-
-def test_bench_reports_what_auto_ran(smollm2):
-    """speculative="auto" beside a fixed shape: each row names the modes it ran; rows that
-    ran no speculative round (with a random head `auto` soon decodes plainly) count as AL 1,
-    a round per decode step."""
-    from eaglejax.bench import compare_speculative
-    from eaglejax.datasets import mt_bench_questions
-    from eaglejax.draft.draft import new_eagle3_draft
-
-    questions = two_questions(mt_bench_questions())
-    chain, auto = compare_speculative(smollm2, new_eagle3_draft(smollm2, seed=2), questions,
+    head = new_eagle3_draft(smollm2, seed=2)
+    chain, auto = compare_speculative(smollm2, head, questions,
                                       [eaglejax.SpecConfig.chain(2), "auto"], max_new_tokens=12)
+    for report in (chain, auto):
+        assert report["identical_tokens"] is True and report["sampling"] == "greedy"
+        assert report["machine"]["cpu"] and report["machine"]["copy_bandwidth_gb_s"] > 0
+        assert report["memory_floor_ms"] > 0 and report["plain_step_over_memory_floor"] > 0
+        assert set(report["acceptance_length_by_category"]) == {q.category for q in questions}
     assert chain["speculative_shapes"] == {"chain K=2": 2}
+    assert chain["acceptance_length"] >= 1.0
     assert sum(auto["speculative_shapes"].values()) == 2
     assert all(name.startswith("auto: ") for name in auto["speculative_shapes"])
     assert 1.0 <= auto["acceptance_length"] < 1.5  # a random head: the lookup branch at most
-    assert auto["identical_tokens"] and chain["identical_tokens"]
+    sampling = dict(temperature=0.8, top_p=0.9, top_k=0, seed=3)
+    sampled = bench_speculative(smollm2, head, questions, max_new_tokens=6,
+                                speculative=eaglejax.SpecConfig.chain(2), sampling=sampling)
+    assert sampled["sampling"] == sampling and "identical_tokens" not in sampled
+    assert sampled["acceptance_length"] >= 1.0 and sampled["spec_decode_tokens_per_s"] > 0
