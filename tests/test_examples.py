@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import pytest
 import tokenizers
 
 from hf_oracle import make_hf_model
+from test_multihost import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -155,12 +155,6 @@ def test_example_runs(name, run, chat_model, tmp_path):
                           text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run.check(proc.stdout, chat_model, tmp_path)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict) -> dict:
