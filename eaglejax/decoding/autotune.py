@@ -224,14 +224,17 @@ class AutoPolicy:
         # segments measure the call's acceptance (and hand over to plain decoding where it
         # is poor), and two probe rounds a call cost more than they told (MT-bench, bfloat16
         # on a 2-core Zen 4: 1.33-1.35x plain without, 1.24-1.25x with; BENCHMARKS.md).
-        settled_on_a_tree = bool(knowledge.round_s.get(plan.name(0))) \
-            and self.best not in (0, self.probe)
+        settled_on_a_tree = self.timed(0) and self.best not in (0, self.probe)
         self.opening = opening_probe and not settled_on_a_tree
         self.since_probe = knowledge.probe_every if self.opening else 0
 
     @property
     def probe(self) -> int:
         return len(self.plan.modes) - 1
+
+    def timed(self, mode: int) -> bool:
+        """Whether a round (plain: a step) of `mode` has a measured cost."""
+        return bool(self.knowledge.round_s.get(self.plan.name(mode)))
 
     def acceptance_length(self, mode: int) -> float | None:
         """Expected tokens a round of `mode` yields per row (None: never measured)."""
@@ -287,15 +290,15 @@ class AutoPolicy:
         if self.acceptance_length(self.probe) is None:
             return self.probe
         for mode in (0, self.probe):
-            if not self.knowledge.round_s.get(self.plan.name(mode)):
+            if not self.timed(mode):
                 return mode
         if self.best != self.probe and self.since_probe >= self.knowledge.probe_every:
             return self.probe
         if self.best == 0:
             rates = self.expected_rates()
             for mode in range(1, self.probe):
-                if not self.knowledge.round_s.get(self.plan.name(mode)) \
-                        and rates[mode] is not None and rates[mode] >= EXPLORE * rates[0]:
+                if not self.timed(mode) and rates[mode] is not None \
+                        and rates[mode] >= EXPLORE * rates[0]:
                     return mode
         return self.best
 
@@ -303,10 +306,8 @@ class AutoPolicy:
         """Target forwards the next segment of `mode` may run: a probe runs `PROBE_ROUNDS`
         unless it is the choice, with its cost known."""
         if mode == 0:
-            timed = bool(self.knowledge.round_s.get(self.plan.name(0)))
-            return PLAIN_WIDTH if timed else PLAIN_TIMING_STEPS
-        if mode == self.probe and (self.best != self.probe
-                                   or not self.knowledge.round_s.get(self.plan.name(mode))):
+            return PLAIN_WIDTH if self.timed(0) else PLAIN_TIMING_STEPS
+        if mode == self.probe and (self.best != self.probe or not self.timed(mode)):
             return PROBE_ROUNDS
         return self.spec_rounds
 
@@ -324,7 +325,7 @@ class AutoPolicy:
         per-column counts (`calibration.round_counts` summed over rows and rounds)."""
         if forwards <= 0:
             return
-        informed = bool(self.knowledge.round_s.get(self.plan.name(0)))
+        informed = self.timed(0)
         if seconds is not None:
             times = self.knowledge.round_s.setdefault(self.plan.name(mode), [])
             times.append(seconds / forwards)
