@@ -1,0 +1,230 @@
+"""GGUF block storage kept as the file stores it (Q4_0, Q4_1, Q8_0), products on int8
+activations as llama.cpp computes them on CPUs.
+
+A GGUF block holds 32 consecutive weights of one row: a float16 scale d, for Q4_1 a float16
+minimum m, and 32 stored values q (4 or 8 bits). The weights are exactly
+
+    Q4_0: d * (q - 8)      Q4_1: d * q + m      Q8_0: d * q   (q signed for Q8_0)
+
+and a product never forms them: x is quantized per row and block of 32 as int8 storage's
+products do (`models.quantized.quantized_rows`: p = round(x / t), t = max|x| / 127), and
+
+    y[i, n] = sum_b t[i, b] * (d[n, b] * sum_{k in b} (q[n, k] + c) p[i, k]
+                               + m[n, b] * sum_{k in b} p[i, k])
+
+with c = -8, 0 or -128 (Q8_0's values are stored offset by 128, unsigned) and the sums over a
+block in integers: the file's exact weights times x rounded to int8 blocks of 32 (what
+`product` computes with XLA's operations, and the native kernel `native.block_matmul` in
+registers). A step reads 4.5 / 5 / 8.5 bits a weight: the stream of SmolLM2's Q4_1 file.
+
+Layout (the kernel's): tiles of 16 output rows; each 4 consecutive k of the 16 rows form one
+64-byte line of unsigned bytes (as AVX-512 VNNI reads them). 8-bit values: packed
+[N/16, K/4, 16, 4] (q + 128). 4-bit values: two lines share 64 bytes, group 2j in the low
+nibbles and group 2j + 1 in the high ones: packed [N/16, K/8, 16, 4]. Scales and minimums:
+float16 [N/16, K/32, 16]; `mins` is empty ([0]) where the kind has none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eaglejax.models.quantized import BLOCK, TILE, quantized_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockKind:
+    """One GGUF block type: its name, bits a stored value, the offset c of the formula, and
+    whether blocks carry a minimum."""
+
+    name: str
+    bits: int
+    offset: int
+    has_min: bool
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in a GGUF file."""
+        return 2 + 2 * self.has_min + BLOCK * self.bits // 8
+
+
+KINDS: dict[str, BlockKind] = {
+    "Q4_0": BlockKind("Q4_0", 4, -8, False),
+    "Q4_1": BlockKind("Q4_1", 4, 0, True),
+    "Q8_0": BlockKind("Q8_0", 8, -128, False),
+}
+
+
+@dataclasses.dataclass
+class HostBlocks:
+    """A GGUF matrix's blocks decoded on the host, rows kept in order: `values` uint8 [N, K]
+    (q, or q + 128 for Q8_0), `scales` and `mins` float16 [N, K/32] (mins zero where the
+    kind has none). Leading dims of `values` and the scales may be reshaped together."""
+
+    kind: BlockKind
+    values: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray
+
+    @classmethod
+    def from_file(cls, raw: np.ndarray, kind: BlockKind, shape: tuple[int, int]) -> "HostBlocks":
+        """A matrix [N, K] from a GGUF tensor's bytes (`raw` uint8, N rows of K/32 blocks)."""
+        n, k = shape
+        blocks = np.ascontiguousarray(raw, np.uint8).reshape(n, k // BLOCK, kind.block_bytes)
+        scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+        mins = blocks[..., 2:4].copy().view(np.float16)[..., 0] if kind.has_min \
+            else np.zeros_like(scales)
+        q = blocks[..., 2 + 2 * kind.has_min:]
+        if kind.bits == 4:  # value j < 16 in the low nibble of byte j, j >= 16 in the high
+            q = np.concatenate([q & 0x0F, q >> 4], axis=-1)
+        else:
+            q = (q.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return cls(kind, q.reshape(n, k), scales, mins)
+
+    def dequantized(self) -> np.ndarray:
+        """The weights in float32, as the `gguf` package computes them (scale times value,
+        then the minimum added)."""
+        q = self.values.astype(np.float32) + np.float32(self.kind.offset)
+        q = q.reshape(*self.scales.shape, BLOCK)
+        w = self.scales.astype(np.float32)[..., None] * q
+        if self.kind.has_min:
+            w = w + self.mins.astype(np.float32)[..., None]
+        return w.reshape(self.values.shape)
+
+
+@jax.tree_util.register_pytree_node_class
+class BlockMatrix:
+    """A matrix [..., K] kept in GGUF blocks (module docstring): `packed` uint8 in the
+    kernel's layout, `scales` and `mins` float16 [N/16, K/32, 16] (`mins` [0] without a
+    minimum), N the product of the leading dims of `shape` (the logical shape)."""
+
+    def __init__(self, packed: jax.Array, scales: jax.Array, mins: jax.Array,
+                 shape: tuple[int, ...], kind: str):
+        self.packed, self.scales, self.mins = packed, scales, mins
+        self.shape, self.kind = tuple(shape), kind
+
+    def tree_flatten(self):
+        return (self.packed, self.scales, self.mins), (self.shape, self.kind)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @property
+    def block_kind(self) -> BlockKind:
+        return KINDS[self.kind]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """int8: the products run on int8 activations, as int8 storage's do."""
+        return jnp.dtype(jnp.int8)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(a.shape) * a.dtype.itemsize
+                   for a in (self.packed, self.scales, self.mins))
+
+    def reshape(self, *shape: int) -> "BlockMatrix":
+        """The same storage under another logical shape with the same last dim (K)."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        rows = math.prod(self.shape[:-1])
+        shape = tuple(rows // math.prod(d for d in shape[:-1] if d != -1) if d == -1 else d
+                      for d in shape)
+        if shape[-1] != self.shape[-1] or math.prod(shape[:-1]) != rows:
+            raise ValueError(f"a {self.kind} matrix {self.shape} keeps its last dim: cannot "
+                             f"reshape to {shape}")
+        return BlockMatrix(self.packed, self.scales, self.mins, shape, self.kind)
+
+    def values(self) -> jax.Array:
+        """The stored values q + c as int16 [N, K] (c the kind's offset)."""
+        kind = self.block_kind
+        tiles, lines = self.packed.shape[:2]
+        if kind.bits == 4:  # [T, K/8, 16, 4] -> [T, K/8, 2, 16, 4]: low nibbles first
+            q = jnp.stack([self.packed & 0x0F, self.packed >> 4], axis=2)
+            q = q.reshape(tiles, 2 * lines, TILE, 4)
+        else:
+            q = self.packed
+        q = q.transpose(0, 2, 1, 3).reshape(tiles * TILE, -1)
+        return q.astype(jnp.int16) + kind.offset
+
+    def _per_row(self, a: jax.Array) -> jax.Array:
+        """[N/16, K/32, 16] -> float32 [N, K/32]."""
+        return a.transpose(0, 2, 1).reshape(-1, a.shape[1]).astype(jnp.float32)
+
+    def dequantized(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        """The file's weights in `dtype`, in the logical shape (float32: the values the `gguf`
+        package's dequantization gives)."""
+        q = self.values().astype(jnp.float32)
+        n, k = q.shape
+        w = self._per_row(self.scales)[..., None] * q.reshape(n, k // BLOCK, BLOCK)
+        if self.block_kind.has_min:
+            w = w + self._per_row(self.mins)[..., None]
+        return w.reshape(self.shape).astype(dtype)
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """Dequantized float32 rows [..., K] for row ids (clamped): an embedding lookup that
+        reads only those rows."""
+        n = math.prod(self.shape[:-1])
+        ids = jnp.clip(ids, 0, n - 1)
+        tile, lane = ids // TILE, ids % TILE
+        kind = self.block_kind
+        q = self.packed[tile, :, lane, :]  # [..., lines, 4]
+        if kind.bits == 4:
+            q = jnp.stack([q & 0x0F, q >> 4], axis=-2)  # [..., lines, 2, 4]
+        q = q.reshape(*ids.shape, -1, BLOCK).astype(jnp.float32) + kind.offset
+        w = self.scales[tile, :, lane].astype(jnp.float32)[..., None] * q
+        if kind.has_min:
+            w = w + self.mins[tile, :, lane].astype(jnp.float32)[..., None]
+        return w.reshape(*ids.shape, -1)
+
+    def __repr__(self) -> str:
+        return f"BlockMatrix({self.kind}, shape={self.shape})"
+
+
+def tiles(shape: tuple[int, ...]) -> bool:
+    """Whether a matrix of `shape` fits the kernel's layout (N % 16 == K % 32 == 0)."""
+    return len(shape) >= 2 and math.prod(shape[:-1]) % TILE == 0 and shape[-1] % BLOCK == 0
+
+
+def pack(blocks: HostBlocks) -> BlockMatrix:
+    """`blocks` (values [..., K], any leading dims; N % 16 == 0) in the kernel's layout."""
+    shape = blocks.values.shape
+    if not tiles(shape):
+        raise ValueError(f"GGUF block storage needs rows in multiples of {TILE} and a last "
+                         f"dim in multiples of {BLOCK}, got a matrix {shape}")
+    n, k = math.prod(shape[:-1]), shape[-1]
+    q = blocks.values.reshape(n // TILE, TILE, k // 4, 4).transpose(0, 2, 1, 3)
+    if blocks.kind.bits == 4:  # groups 2j (low nibble) and 2j + 1 (high) share a line
+        q = q.reshape(n // TILE, k // 8, 2, TILE, 4)
+        q = q[:, :, 0] | (q[:, :, 1] << 4)
+
+    def per_tile(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a.reshape(n // TILE, TILE, k // BLOCK).transpose(0, 2, 1),
+                                    np.float16)
+
+    mins = per_tile(blocks.mins) if blocks.kind.has_min else np.zeros((0,), np.float16)
+    return BlockMatrix(jnp.asarray(np.ascontiguousarray(q, np.uint8)),
+                       jnp.asarray(per_tile(blocks.scales)), jnp.asarray(mins), shape,
+                       blocks.kind.name)
+
+
+def is_blocks(leaf: Any) -> bool:
+    """Whether a pytree leaf is a `BlockMatrix` (`is_leaf` for maps that keep them whole)."""
+    return isinstance(leaf, BlockMatrix)
+
+
+def product(x: jax.Array, weight: BlockMatrix) -> jax.Array:
+    """x [..., K] times a block-stored `weight` [N, K]^T with XLA's operations: the file's
+    weights times x rounded to int8 blocks of 32 (the native kernel's values up to float32
+    rounding; prefill blocks and other platforms)."""
+    w = weight.dequantized().reshape(-1, weight.shape[-1])
+    return jnp.einsum("nk,...k->...n", w, quantized_rows(x))
