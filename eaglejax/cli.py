@@ -63,11 +63,13 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
     parser.add_argument("--weight-dtype", default=weight_dtype,
-                        choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                        choices=["auto", "float32", "bfloat16", "float16", "int8", "gguf"],
                         help="store the weight matrices in this dtype and compute in --dtype "
                              "(bfloat16 halves the bytes a CPU decode step reads; int8 "
                              "quarters them and multiplies int8 activations, quantized in "
-                             "blocks of 32; see BENCHMARKS.md for speed and agreement); "
+                             "blocks of 32; gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks "
+                             "as stored and multiplies them so; see BENCHMARKS.md for speed "
+                             "and agreement); "
                              "auto: what decodes "
                              "fastest here (bfloat16 on CPUs with AVX-512, else as loaded; "
                              f"default: {weight_dtype or 'as loaded'})")
@@ -513,7 +515,7 @@ def _generate(args: argparse.Namespace) -> None:
             print("-" * 40)
         print(r.text)
         m = r.metrics
-        al = f", {jnp.dtype(target.weight_dtype).name} weights"
+        al = f", {target.storage} weights"
         al += f", {m.speculative}" if m.speculative else ""
         al += f", AL {m.acceptance_length:.2f}" if m.acceptance_length else ""
         if m.speedup_over_plain:

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from eaglejax import validation
 from eaglejax.config import ModelConfig
 from eaglejax.errors import InputError
+from eaglejax.models import gguf_blocks
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import (
     Params, compute_dtype, forward, lm_head, param_info, store_matrices)
@@ -80,6 +81,13 @@ class Target:
             return jnp.dtype(jnp.int8)
         return self.params["embed"].dtype
 
+    @property
+    def storage(self) -> str:
+        """How the matrices are stored, in words: a dtype's name, or the GGUF block kinds
+        kept as stored ("Q4_1 + Q8_0 blocks")."""
+        kinds = gguf_blocks.kinds(self.params)
+        return f"{' + '.join(kinds)} blocks" if kinds else jnp.dtype(self.weight_dtype).name
+
     def with_weight_dtype(self, dtype: jnp.dtype | str) -> "Target":
         """This target with its matrices (embedding, projections, output head) stored in
         `dtype` and everything else unchanged: activations, norms and the KV cache keep the
@@ -88,8 +96,8 @@ class Target:
         shape does not tile stay as they are)."""
         dtype = validation.dtype("weight_dtype", dtype, WEIGHT_DTYPES)
         if self.weight_dtype == jnp.int8:
-            raise InputError("this target's matrices are already quantized to int8; load the "
-                             "model again to store them another way")
+            raise InputError(f"this target's matrices are already quantized ({self.storage}); "
+                             f"load the model again to store them another way")
         if dtype == jnp.int8 and self.mesh is not None:
             raise InputError("weight_dtype int8 runs on one device for now; load the target "
                              "without a mesh, or store it in a float dtype")
@@ -100,6 +108,11 @@ class Target:
         """Write an eaglejax checkpoint (loads much faster than re-converting GGUF/HF files),
         its matrices as stored (int8 storage reloads without quantizing again)."""
         from eaglejax.loading.checkpoint import save_target  # loading is the layer above
+
+        if gguf_blocks.kinds(self.params):
+            raise InputError(f"{self.source}: {self.storage} are saved as the GGUF file they "
+                             f"came from; load that file with weight_dtype='gguf' again, or "
+                             f"save an int8 or float checkpoint of the model")
 
         save_target(self, path)
 

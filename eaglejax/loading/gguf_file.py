@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from eaglejax.errors import LoadError
+from eaglejax.models.gguf_blocks import KINDS, HostBlocks
 from eaglejax.tokenizer import Tokenizer
 
 _ARCHS: dict[str, tuple[str, str]] = {
@@ -72,6 +74,7 @@ class GGUFModel:
     tensors: dict[str, np.ndarray]
     tokenizer: Tokenizer
     metadata: dict[str, Any]  # decoded GGUF metadata (tokenizer arrays included)
+    blocks: dict[str, HostBlocks] = dataclasses.field(default_factory=dict)  # kept as stored
 
 
 # ------------------------------------------------------------------------------ metadata
@@ -334,6 +337,24 @@ def _dequantize(t: Any, path: pathlib.Path) -> np.ndarray:
     return out.reshape(shape)
 
 
+def _blocks(t: Any, shape: tuple[int, ...], config: dict[str, Any], arch: str,
+            path: pathlib.Path) -> HostBlocks:
+    """A matrix's blocks as stored (`HostBlocks`), q/k rows unpermuted as `read_gguf` does."""
+    kind = KINDS[t.tensor_type.name]
+    raw = np.asarray(t.data)
+    if tuple(reversed([int(d) for d in t.shape])) != shape \
+            or raw.size != math.prod(shape) // 32 * kind.block_bytes:
+        raise LoadError(f"{path}: tensor {t.name!r} has shape {list(t.shape)[::-1]} in "
+                        f"{raw.size} bytes of {kind.name}, expected {list(shape)} from the "
+                        f"metadata")
+    blocks = HostBlocks.from_file(raw, kind, shape)
+    heads = {".attn_q.": "num_attention_heads", ".attn_k.": "num_key_value_heads"}
+    for part, key in heads.items():
+        if arch in _PERMUTED_QK and part in t.name:
+            blocks = blocks.map(lambda a: _unpermute(a, config[key]))
+    return blocks
+
+
 def _hf_name(name: str) -> str | None:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
@@ -365,8 +386,10 @@ def _expected_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 # ------------------------------------------------------------------------------ entry point
 
 
-def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
+def read_gguf(path: str | os.PathLike[str], keep_blocks: bool = False) -> GGUFModel:
     """Read a GGUF model: HF config, float32 HF-named tensors and its tokenizer.
+    `keep_blocks`: matrices in a block type eaglejax computes with as stored
+    (`models.gguf_blocks.KINDS`: Q4_0, Q4_1, Q8_0) go to `blocks`, decoded but not widened.
 
     Raises LoadError (naming the file and the cause) for a missing, truncated or corrupt
     file, an unsupported architecture or quantization type, or missing metadata/tensors.
@@ -407,9 +430,13 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
 
     shapes = _expected_shapes(config)
     tensors: dict[str, np.ndarray] = {}
+    blocks: dict[str, HostBlocks] = {}
     for t in reader.tensors:  # one at a time: peak memory is the output plus one tensor
         hf = _hf_name(t.name)
         if hf is None:
+            continue
+        if keep_blocks and t.tensor_type.name in KINDS and len(shapes[hf]) == 2:
+            blocks[hf] = _blocks(t, shapes[hf], config, arch, path)
             continue
         w = _dequantize(t, path)
         if w.shape != shapes[hf]:
@@ -424,4 +451,5 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     del reader
 
     tokenizer = Tokenizer.from_gguf_metadata(meta, source=str(path))
-    return GGUFModel(path=path, config=config, tensors=tensors, tokenizer=tokenizer, metadata=meta)
+    return GGUFModel(path=path, config=config, tensors=tensors, tokenizer=tokenizer, metadata=meta,
+                     blocks=blocks)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from eaglejax import hardware, validation
@@ -18,13 +19,16 @@ from eaglejax.loading.files import require_regular_file
 from eaglejax.loading.gguf_file import read_gguf
 from eaglejax.loading.hf_dir import HFWeights, read_json
 from eaglejax.loading.hub import ResolvedSource, named_errors, resolve_source
-from eaglejax.loading.weights import params_from_hf
+from eaglejax.loading.weights import Stored, fuse_matrix, params_from_hf
+from eaglejax.models.gguf_blocks import KINDS, BlockMatrix, HostBlocks, pack, tiles
+from eaglejax.models.quantized import any_int8
 from eaglejax.models.placement import TargetPlacement
 from eaglejax.native import build
 from eaglejax.target import FLOAT_DTYPES, WEIGHT_DTYPES, Target
 from eaglejax.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
+GGUF_BLOCKS = "gguf"  # weight_dtype: a GGUF file's quantized blocks kept as stored
 
 
 def default_dtype() -> jnp.dtype:
@@ -65,21 +69,27 @@ def load_target(path_or_name: str | Path | ResolvedSource, *,
     auto = isinstance(weight_dtype, str) and weight_dtype == "auto"
     if auto:
         weight_dtype = fastest_weight_dtype()
-    if weight_dtype is not None:
+    keep_blocks = isinstance(weight_dtype, str) and weight_dtype == GGUF_BLOCKS
+    if keep_blocks:
+        weight_dtype = None
+    elif weight_dtype is not None:
         weight_dtype = validation.dtype("weight_dtype", weight_dtype, WEIGHT_DTYPES)
     if mesh is not None and not isinstance(mesh, Mesh):
         raise InputError(f"mesh must be a jax.sharding.Mesh (eaglejax.make_mesh), "
                          f"got {type(mesh).__name__}")
+    if keep_blocks and mesh is not None:
+        raise InputError(f"weight_dtype {GGUF_BLOCKS!r} runs on one device for now; load the "
+                         f"target without a mesh, or store it in a float dtype")
     if jax.default_backend() == "cpu":
         build.start_builds()  # the native kernels compile while the model loads
-    target = _load(path_or_name, dtype, mesh)
+    target = _load(path_or_name, dtype, mesh, keep_blocks)
     if target.weight_dtype == jnp.int8 and (auto or weight_dtype == jnp.int8):
         return target  # an int8 checkpoint: stored as it asks, or as quantized on purpose
     return target if weight_dtype is None else target.with_weight_dtype(weight_dtype)
 
 
 def _load(path_or_name: str | Path | ResolvedSource, dtype: jnp.dtype | str | None,
-          mesh: Mesh | None) -> Target:
+          mesh: Mesh | None, keep_blocks: bool = False) -> Target:
     source = path_or_name
     if not isinstance(source, ResolvedSource):
         builtin = resolve_builtin(source) if isinstance(source, str) else None
@@ -89,13 +99,14 @@ def _load(path_or_name: str | Path | ResolvedSource, dtype: jnp.dtype | str | No
         raise LoadError(f"{path}: no such file or directory, and not a built-in model name "
                         f"(built-in: smollm2-135m-instruct)")
     with named_errors(source):
-        return _load_path(path, source.name, dtype, mesh)
+        return _load_path(path, source.name, dtype, mesh, keep_blocks)
 
 
 def _load_path(path: Path, name: str, dtype: jnp.dtype | str | None,
-               mesh: Mesh | None) -> Target:
+               mesh: Mesh | None, keep_blocks: bool) -> Target:
     dtype = jnp.dtype(dtype) if dtype is not None else None
     if path.is_dir() and checkpoint.is_checkpoint(path):
+        _not_gguf(path, keep_blocks)
         config, params, tokenizer, eos_ids = checkpoint.load_checkpoint(path, dtype, mesh)
         target = Target(config, params, tokenizer, name, eos_ids)
         return target if mesh is None else target.on_mesh(mesh)
@@ -105,13 +116,20 @@ def _load_path(path: Path, name: str, dtype: jnp.dtype | str | None,
             raise LoadError(f"{path / checkpoint.MANIFEST}: missing, so {path} is not a "
                             f"complete eaglejax checkpoint (its save was interrupted, or the "
                             f"manifest was deleted)")
+        _not_gguf(path, keep_blocks)
         return _load_hf_dir(path, name, dtype, mesh)
     require_regular_file(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == GGUF_MAGIC or path.suffix == ".gguf":
-        return _load_gguf(path, name, dtype, mesh)
+        return _load_gguf(path, name, dtype, mesh, keep_blocks)
     raise LoadError(f"{path}: not a GGUF file, Hugging Face directory or eaglejax checkpoint")
+
+
+def _not_gguf(path: Path, keep_blocks: bool) -> None:
+    if keep_blocks:
+        raise InputError(f"{path}: weight_dtype {GGUF_BLOCKS!r} keeps a GGUF file's quantized "
+                         f"blocks, and this is not a GGUF file; pick int8 or a float dtype")
 
 
 def _load_hf_dir(path: Path, name: str, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
@@ -147,13 +165,35 @@ def _config_eos_ids(path: Path) -> tuple[int, ...]:
     return ()
 
 
-def _load_gguf(path: Path, name: str, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
-    model = read_gguf(path)
+def _load_gguf(path: Path, name: str, dtype: jnp.dtype, mesh: Mesh | None,
+               keep_blocks: bool) -> Target:
+    model = read_gguf(path, keep_blocks=keep_blocks)
     config = ModelConfig.from_hf_dict(model.config, str(path))
-    shapes = {name: tuple(t.shape) for name, t in model.tensors.items()}
+    shapes = {name: tuple(t.shape) for name, t in (*model.tensors.items(), *model.blocks.items())}
     placement = _placement(config, mesh)
-    params = params_from_hf(model.tensors.__getitem__, shapes, config, str(path), dtype,
-                            placement and placement.place)
+
+    def get(name: str) -> np.ndarray:  # a matrix whose blocks stay stored is never asked for
+        return model.tensors[name] if name in model.tensors else model.blocks[name].dequantized()
+
+    params = params_from_hf(get, shapes, config, str(path), dtype, placement and placement.place,
+                            stored=_stored_blocks(config, model.blocks) if keep_blocks else None)
+    if keep_blocks and not any_int8(params):
+        raise LoadError(f"{path}: weight_dtype {GGUF_BLOCKS!r}: no matrix is stored in a block "
+                        f"type eaglejax computes with as stored ({', '.join(KINDS)}); load "
+                        f"it with int8 or a float dtype")
     config, mesh = (placement.config, placement.mesh) if placement else (config, None)
     return Target(config, params, model.tokenizer, name,
                   tuple(model.tokenizer.eos_token_ids), mesh=mesh)
+
+
+def _stored_blocks(config: ModelConfig, blocks: dict[str, HostBlocks]) -> Stored:
+    """`params_from_hf`'s `stored`: a matrix whose HF parts are all blocks of one kind, in
+    the kernel's layout (`models.gguf_blocks.pack`) where its shape tiles."""
+    def stored(key: str, names: tuple[str, ...]) -> BlockMatrix | None:
+        parts = [blocks.get(name) for name in names]
+        if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+            return None
+        fused = parts[0].map(lambda *a: fuse_matrix(config, key, list(a)), *parts[1:])
+        return pack(fused) if tiles(fused.shape) else None
+
+    return stored

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -80,19 +80,36 @@ def _ungroup_qkv(config: ModelConfig, grouped: np.ndarray) -> tuple[np.ndarray, 
     return q, k, v
 
 
+# eaglejax matrix -> the HF tensors (within a layer) it is made of, in order
+LAYER_MATRICES: dict[str, tuple[str, ...]] = {
+    "wqkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "wo": ("self_attn.o_proj.weight",),
+    "w_gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "w_down": ("mlp.down_proj.weight",),
+}
+
+
+def fuse_matrix(config: ModelConfig, key: str, parts: list[np.ndarray]) -> np.ndarray:
+    """The eaglejax matrix `key` from its HF parts (`LAYER_MATRICES[key]`, in order); the
+    parts' last dim may be anything (rows are what is grouped)."""
+    if key == "wqkv":
+        return _group_qkv(config, *parts)
+    if key == "w_gate_up":
+        return np.stack(parts)
+    return parts[0]
+
+
 def layer_params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray],
-                         attn_norm: bool = True) -> dict[str, np.ndarray]:
+                         attn_norm: bool = True,
+                         skip: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
     """One layer's eaglejax arrays (float32) from its HF tensors (`get` takes the name within
-    the layer); `attn_norm=False` for a layer without `input_layernorm`."""
+    the layer); `attn_norm=False` for a layer without `input_layernorm`; the matrices named
+    in `skip` are left out (the caller has them)."""
     f32 = lambda name: np.asarray(get(name), np.float32)  # noqa: E731
     attn = "self_attn.{}_proj.{}"
-    layer = {
-        "mlp_norm": f32("post_attention_layernorm.weight"),
-        "wqkv": _group_qkv(config, *(f32(attn.format(x, "weight")) for x in "qkv")),
-        "wo": f32("self_attn.o_proj.weight"),
-        "w_gate_up": np.stack([f32("mlp.gate_proj.weight"), f32("mlp.up_proj.weight")]),
-        "w_down": f32("mlp.down_proj.weight"),
-    }
+    layer = {"mlp_norm": f32("post_attention_layernorm.weight")}
+    layer.update({key: fuse_matrix(config, key, [f32(name) for name in names])
+                  for key, names in LAYER_MATRICES.items() if key not in skip})
     if attn_norm:
         layer = {"attn_norm": f32("input_layernorm.weight"), **layer}
     if config.attention_bias:
@@ -154,14 +171,18 @@ def check_hf_tensors(names_and_shapes: Mapping[str, tuple[int, ...]], config: Mo
 
 
 Placer = Callable[[tuple, np.ndarray], jax.Array]  # (parameter path, host array) -> array
+# (eaglejax matrix key, its HF tensor names) -> the matrix kept as stored, or None
+Stored = Callable[[str, tuple[str, ...]], Any]
 
 
 def params_from_hf(get: Callable[[str], np.ndarray], names_and_shapes: Mapping[str, tuple[int, ...]],
                    config: ModelConfig, source: str, dtype: jnp.dtype,
-                   place: Placer | None = None) -> Params:
+                   place: Placer | None = None, stored: Stored | None = None) -> Params:
     """Build the parameter tree from HF tensors fetched one by one with `get(name)`.
     `place(path, host array in dtype)` puts each parameter where it belongs (a device
-    mesh: `eaglejax.models.placement`); by default the default device."""
+    mesh: `eaglejax.models.placement`); by default the default device. `stored(key, names)`
+    may return a matrix kept as its file stores it (GGUF blocks); `get` is then never asked
+    for those names."""
     check_hf_tensors(names_and_shapes, config, source)
     if place is None:
         def to_dtype(path, a):
@@ -169,13 +190,25 @@ def params_from_hf(get: Callable[[str], np.ndarray], names_and_shapes: Mapping[s
     else:
         def to_dtype(path, a):
             return place(path, np.asarray(a, dtype=np.float32).astype(dtype))
+    keep = stored or (lambda key, names: None)
+
+    def matrix(key: str, name: str) -> Any:
+        kept = keep(key, (name,))
+        return to_dtype((key,), get(name)) if kept is None else kept
+
     layers = []
     for i in range(config.num_layers):
-        layer = layer_params_from_hf(config, lambda name, i=i: get(_LAYER.format(i=i) + name))
-        layers.append({key: to_dtype(("layers", i, key), value) for key, value in layer.items()})
-    params: Params = {"embed": to_dtype(("embed",), get("model.embed_tokens.weight")),
+        prefix = _LAYER.format(i=i)
+        kept = {key: keep(key, tuple(prefix + n for n in names))
+                for key, names in LAYER_MATRICES.items()}
+        kept = {key: leaf for key, leaf in kept.items() if leaf is not None}
+        layer = layer_params_from_hf(config, lambda name, i=i: get(_LAYER.format(i=i) + name),
+                                     skip=frozenset(kept))
+        layers.append({key: kept.get(key) if key in kept else to_dtype(("layers", i, key), value)
+                       for key, value in {**layer, **kept}.items()})
+    params: Params = {"embed": matrix("embed", "model.embed_tokens.weight"),
                       "layers": layers,
                       "final_norm": to_dtype(("final_norm",), get("model.norm.weight"))}
     if not config.tie_word_embeddings:
-        params["lm_head"] = to_dtype(("lm_head",), get("lm_head.weight"))
+        params["lm_head"] = matrix("lm_head", "lm_head.weight")
     return params

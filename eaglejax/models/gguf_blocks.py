@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax.models.quantized import BLOCK, TILE, quantized_rows
+from eaglejax.models.quantized import BLOCK, TILE, QuantizedMatrix, is_int8, quantized_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,19 @@ class HostBlocks:
             q = (q.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return cls(kind, q.reshape(n, k), scales, mins)
 
+    def map(self, fn: Callable[..., np.ndarray], *others: "HostBlocks") -> "HostBlocks":
+        """`fn` applied to the values, scales and minimums of this and `others` (of one
+        kind) alike: row reshapes, permutations, concatenations."""
+        parts = (self, *others)
+        if len({p.kind for p in parts}) != 1:
+            raise ValueError(f"cannot combine blocks of kinds {[p.kind.name for p in parts]}")
+        return HostBlocks(self.kind, *(fn(*(getattr(p, a) for p in parts))
+                                       for a in ("values", "scales", "mins")))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
     def dequantized(self) -> np.ndarray:
         """The weights in float32, as the `gguf` package computes them (scale times value,
         then the minimum added)."""
@@ -98,7 +112,7 @@ class HostBlocks:
 
 
 @jax.tree_util.register_pytree_node_class
-class BlockMatrix:
+class BlockMatrix(QuantizedMatrix):
     """A matrix [..., K] kept in GGUF blocks (module docstring): `packed` uint8 in the
     kernel's layout, `scales` and `mins` float16 [N/16, K/32, 16] (`mins` [0] without a
     minimum), N the product of the leading dims of `shape` (the logical shape)."""
@@ -217,9 +231,10 @@ def pack(blocks: HostBlocks) -> BlockMatrix:
                        blocks.kind.name)
 
 
-def is_blocks(leaf: Any) -> bool:
-    """Whether a pytree leaf is a `BlockMatrix` (`is_leaf` for maps that keep them whole)."""
-    return isinstance(leaf, BlockMatrix)
+def kinds(params: Any) -> list[str]:
+    """The block kinds the matrices of the pytree `params` keep, sorted (none: [])."""
+    leaves = jax.tree.leaves(params, is_leaf=is_int8)
+    return sorted({leaf.kind for leaf in leaves if isinstance(leaf, BlockMatrix)})
 
 
 def product(x: jax.Array, weight: BlockMatrix) -> jax.Array:

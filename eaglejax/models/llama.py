@@ -22,7 +22,8 @@ from eaglejax.models.attention import AttentionImpl, attention, resolve_impl
 from eaglejax.models.kv_cache import KVCache, write_block
 from eaglejax.models.rope import apply_rope, inverse_frequencies, rope_tables
 from eaglejax import native
-from eaglejax.models import quantized
+from eaglejax.models import gguf_blocks, quantized
+from eaglejax.models.gguf_blocks import BlockMatrix
 from eaglejax.models.quantized import Int8Matrix
 from eaglejax.native import cache_attention, embedding_rows as embedding_rows_kernel, few_row_matmul
 from eaglejax.native import int8_matmul
@@ -155,8 +156,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def embedding_rows(table: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Rows of an embedding `table` [V, H] for `tokens`, in `dtype`; a bfloat16 table under
     float32 compute on CPU reads only those rows (`native.embedding_rows`: XLA:CPU would
-    widen the whole table once per program call); an int8 table dequantizes only those rows."""
-    if isinstance(table, Int8Matrix):
+    widen the whole table once per program call); an int8 or GGUF block table dequantizes
+    only those rows."""
+    if isinstance(table, (Int8Matrix, BlockMatrix)):
         return table.rows(tokens).astype(dtype)
     if embedding_rows_kernel.applies(table, dtype):
         return embedding_rows_kernel.rows(table, tokens)
@@ -181,13 +183,16 @@ def linear(x: jax.Array, weight: jax.Array, *, norm: jax.Array | None = None,
     (a higher-rank weight gets a transposed copy every call) and multiplies a few rows
     (verification blocks) markedly faster than with the weight on the right.
     A 16-bit weight under float32 activations is stored-only: see `split_precision_linear`;
-    an int8 weight (`models.quantized`) multiplies x quantized to int8 in blocks of 32.
+    an int8 weight (`models.quantized`) or a GGUF file's blocks kept as stored
+    (`models.gguf_blocks`) multiply x quantized to int8 in blocks of 32.
     A few rows of float32 x on CPU go to the native kernels (`eaglejax.native.few_row_matmul`
     for float32 or bfloat16 weights, `native.int8_matmul` for int8), the surrounding
     operations with them.
     """
     if isinstance(weight, Int8Matrix):
         product = quantized.product
+    elif isinstance(weight, BlockMatrix):
+        product = gguf_blocks.product
     elif x.dtype == jnp.float32 and weight.dtype in (jnp.bfloat16, jnp.float16):
         product = split_precision_linear
     else:
@@ -210,6 +215,8 @@ def linear(x: jax.Array, weight: jax.Array, *, norm: jax.Array | None = None,
 
             return int8_matmul.linear(x, weight.packed, weight.scales, stored, norm=norm,
                                       eps=eps, gated=gated, residual=residual)
+        return reference(x, weight, norm, residual)
+    if isinstance(weight, BlockMatrix):
         return reference(x, weight, norm, residual)
     if few_row_matmul.applies(x, weight):
         return few_row_matmul.linear(x, weight, reference, norm=norm, eps=eps, gated=gated,

@@ -35,8 +35,15 @@ TILE = 16  # output rows per packed tile (one 512-bit register of int32 sums)
 OFFSET = 128  # stored values are q + OFFSET
 
 
+class QuantizedMatrix:
+    """A matrix stored quantized whose products run on int8 activations: `Int8Matrix`, or a
+    GGUF file's blocks kept as stored (`models.gguf_blocks.BlockMatrix`)."""
+
+    shape: tuple[int, ...]
+
+
 @jax.tree_util.register_pytree_node_class
-class Int8Matrix:
+class Int8Matrix(QuantizedMatrix):
     """A matrix [..., K] in int8 storage (module docstring): `packed` uint8
     [N/16, K/4, 16, 4] and `scales` float32 [N], N the product of the leading dims of
     `shape` (the logical shape; `reshape` may merge or split its leading dims)."""
@@ -107,13 +114,15 @@ class Int8Matrix:
 
 
 def any_int8(params: Any) -> bool:
-    """Whether any leaf of the pytree `params` is an `Int8Matrix`."""
+    """Whether any leaf of the pytree `params` multiplies int8 activations (a
+    `QuantizedMatrix`)."""
     return any(map(is_int8, jax.tree.leaves(params, is_leaf=is_int8)))
 
 
 def is_int8(leaf: Any) -> bool:
-    """Whether a pytree leaf is an `Int8Matrix` (`is_leaf` for maps that keep them whole)."""
-    return isinstance(leaf, Int8Matrix)
+    """Whether a pytree leaf is a `QuantizedMatrix` (`is_leaf` for maps that keep them
+    whole)."""
+    return isinstance(leaf, QuantizedMatrix)
 
 
 def tiles(shape: tuple[int, ...]) -> bool:
