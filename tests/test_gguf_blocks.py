@@ -1,0 +1,158 @@
+"""GGUF blocks kept as stored (`load_target(..., weight_dtype="gguf")`, `models.gguf_blocks`):
+the values against the `gguf` package's own dequantization, the model against transformers
+computing the same weights on int8-rounded inputs, and decoding on it."""
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import eaglejax
+from eaglejax import InputError, LoadError
+from eaglejax.loading.gguf_file import read_gguf
+from eaglejax.models import gguf_blocks
+from eaglejax.models.gguf_blocks import BlockMatrix, HostBlocks
+from hf_oracle import hf_logits
+from test_gguf import _gguf_name, _hf_model, _write_tiny
+from test_int8_storage import quantized_x
+from tolerances import FORWARD_UNITS, scaled_error
+
+Q = gguf.GGMLQuantizationType
+# each matrix's block type: layer 0 Q4_1, layer 1 Q4_0 (its k_proj Q4_1: q/k/v then differ
+# and their fused matrix is widened), embeddings and output head Q8_0
+KINDS = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q8_0, "blk.1.attn_k.weight": Q.Q4_1}
+for _name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+    KINDS.setdefault(f"blk.0.{_name}.weight", Q.Q4_1)
+    KINDS.setdefault(f"blk.1.{_name}.weight", Q.Q4_0)
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's q/k row order
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """(path, HF config, HF tensors as the file's dequantized values) of a random llama whose
+    matrices are stored as KINDS says."""
+    cfg, sd = _hf_model("llama", seed=4)
+    path = tmp_path_factory.mktemp("blocks") / "tiny-blocks.gguf"
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    raw = {}
+    for hf, value in sd.items():
+        name = _gguf_name(hf)
+        if name in KINDS:
+            part = name.split(".")[-2]
+            stored = _permute(value, heads[part]) if part in heads else value
+            raw[name] = (gguf.quants.quantize(stored, KINDS[name]), KINDS[name])
+    _write_tiny(path, "llama", cfg, sd, permute=True, q8=False, raw=raw)
+    dequantized = read_gguf(path).tensors  # the gguf package's values, q/k rows unpermuted
+    return path, cfg, dequantized
+
+
+def test_blocks_are_the_files_values(tiny_gguf, smollm_path):
+    """Every kept matrix dequantizes to exactly what the `gguf` package computes from the file
+    (also through the packed layout and an embedding lookup); matrices whose parts differ in
+    kind are widened; the default model's Q4_1 and Q8_0 tensors decode exactly too."""
+    path, cfg, want = tiny_gguf
+    target = eaglejax.load_target(path, weight_dtype="gguf")
+    assert target.storage == "Q4_0 + Q4_1 + Q8_0 blocks" and target.weight_dtype == jnp.int8
+    float_target = eaglejax.load_target(path)
+    layers = target.params["layers"]
+    expect = {(0, "wqkv"): "Q4_1", (0, "w_down"): "Q4_1", (1, "wo"): "Q4_0",
+              (1, "w_gate_up"): "Q4_0", (1, "wqkv"): None}
+    for (i, key), kind in expect.items():
+        leaf = layers[i][key]
+        if kind is None:
+            assert not isinstance(leaf, BlockMatrix)
+            np.testing.assert_array_equal(leaf, float_target.params["layers"][i][key])
+            continue
+        assert isinstance(leaf, BlockMatrix) and leaf.kind == kind, (i, key)
+        np.testing.assert_array_equal(leaf.dequantized(), float_target.params["layers"][i][key])
+    for key in ("embed", "lm_head"):
+        assert target.params[key].kind == "Q8_0"
+        np.testing.assert_array_equal(target.params[key].dequantized(), float_target.params[key])
+    ids = jnp.array([[0, 7, 319], [18, 3, 200]])
+    np.testing.assert_array_equal(target.params["embed"].rows(ids),
+                                  want["model.embed_tokens.weight"][np.asarray(ids)])
+
+    reader = gguf.GGUFReader(smollm_path)
+    for t in [t for t in reader.tensors if t.name in ("token_embd.weight",
+                                                      "blk.3.ffn_down.weight")]:
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        blocks = HostBlocks.from_file(np.asarray(t.data), gguf_blocks.KINDS[t.tensor_type.name],
+                                      shape)
+        exact = gguf.dequantize(t.data, t.tensor_type).reshape(shape)
+        np.testing.assert_array_equal(blocks.dequantized(), exact)
+        np.testing.assert_array_equal(gguf_blocks.pack(blocks).dequantized(), exact)
+
+
+def test_blocks_match_transformers_computing_them(tiny_gguf):
+    """The oracle: transformers with the file's dequantized weights and int8-rounded inputs
+    (blocks of 32) to every product whose weight is kept in blocks. As for int8 storage, a
+    rounding of x / t on the other side of .5 moves a position by a quantization step, so
+    75% of the positions must be within FORWARD_UNITS and all far closer than the float
+    model computing the same weights is."""
+    from transformers import LlamaForCausalLM
+
+    path, cfg, want_tensors = tiny_gguf
+    target = eaglejax.load_target(path, weight_dtype="gguf")
+    oracle = LlamaForCausalLM(cfg).eval()
+    oracle.load_state_dict({k: torch.from_numpy(v) for k, v in want_tensors.items()},
+                           strict=False)
+    float_model = LlamaForCausalLM(cfg).eval()
+    float_model.load_state_dict(oracle.state_dict())
+
+    def round_input(module, inputs):
+        x = inputs[0].detach().numpy().astype(np.float32)
+        p, t = quantized_x(x.reshape(-1, x.shape[-1]))
+        return (torch.as_tensor((p * t[..., None]).reshape(x.shape).astype(np.float32)),)
+
+    widened = ("layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj",
+               "layers.1.self_attn.v_proj")
+    for name, module in oracle.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith(widened):
+            module.register_forward_pre_hook(round_input)
+    ids = np.random.RandomState(5).randint(0, cfg.vocab_size, size=(2, 20))
+    want = hf_logits(oracle, ids)
+    depth = cfg.num_hidden_layers
+    for got in (np.asarray(target.logits(ids)),  # XLA's products (20 rows)
+                np.stack([np.asarray(target.logits(ids[:, :t]))[:, -1] for t in (4, 11)], 1)):
+        want_rows = want if got.shape == want.shape else want[:, [3, 10]]
+        per_position = np.abs(got - want_rows).max(axis=-1)
+        unit = np.finfo(np.float32).eps * depth ** 0.5 * np.abs(want).max()
+        assert np.mean(per_position <= FORWARD_UNITS * unit) >= 0.75
+        float_error = scaled_error(hf_logits(float_model, ids), want, depth=depth)
+        assert scaled_error(got, want_rows, depth=depth) < float_error / 3
+
+
+def test_decoding_on_blocks_and_clear_errors(tiny_gguf, hf_family, tmp_path):
+    """Greedy speculation on block storage gives plain decoding's tokens (with a head the
+    target's int8 storage quantizes too); storing again, sharding, saving, a file that is not
+    GGUF and a GGUF without kept blocks are refused with one clear error each."""
+    from eaglejax.draft.draft import new_eagle3_draft
+
+    path, cfg, _ = tiny_gguf
+    target = eaglejax.load_target(path, weight_dtype="gguf")
+    draft = new_eagle3_draft(target, seed=2)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    kwargs = dict(target=target, max_new_tokens=10, ignore_eos=True)
+    plain = eaglejax.generate(prompts, **kwargs)
+    for spec in (eaglejax.SpecConfig.chain(3),
+                 eaglejax.SpecConfig(method="tree", top_k=2, depth=3, total_tokens=6)):
+        got = eaglejax.generate(prompts, draft=draft, speculative=spec, **kwargs)
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    with pytest.raises(InputError, match="already quantized"):
+        target.with_weight_dtype("bfloat16")
+    with pytest.raises(InputError, match="saved as the GGUF file"):
+        target.save(str(tmp_path / "saved"))
+    assert not (tmp_path / "saved").exists()
+    with pytest.raises(InputError, match="one device"):
+        eaglejax.load_target(path, weight_dtype="gguf", mesh=eaglejax.make_mesh(tp=1, dp=1))
+    with pytest.raises(InputError, match="not a GGUF file"):
+        eaglejax.load_target(hf_family("llama")[0], weight_dtype="gguf")
+    cfg_f, sd = _hf_model("llama", seed=5)
+    _write_tiny(tmp_path / "float.gguf", "llama", cfg_f, sd, permute=True, q8=False)
+    with pytest.raises(LoadError, match="no matrix is stored in a block type"):
+        eaglejax.load_target(tmp_path / "float.gguf", weight_dtype="gguf")
