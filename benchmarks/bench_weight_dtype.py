@@ -1,4 +1,5 @@
-"""Float32 weights vs 16-bit weight storage under float32 compute, side by side.
+"""Float32 weights against narrower storage under float32 compute (16-bit, int8, a GGUF
+file's own blocks), side by side.
 
 Speed: one jitted target forward of 1 token (a plain decode step) and of 6 tokens (a K=5
 chain's verification), the two storages alternating, plus plain greedy decoding of the
@@ -8,6 +9,7 @@ share of positions whose argmax is float32's token), (b) free-running outputs id
 to float32's, and the mean length of the common prefix.
 
     python benchmarks/bench_weight_dtype.py --num-prompts 40 --max-new-tokens 64 --json
+    python benchmarks/bench_weight_dtype.py --weight-dtype bfloat16 int8 gguf
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ def agreement(reference, candidate, prompts: list[list[int]], max_new_tokens: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--weight-dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--weight-dtype", nargs="+", default=["bfloat16"],
+                        choices=["bfloat16", "float16", "int8", "gguf"],
+                        help="storages measured beside float32 (gguf: the file's blocks)")
     parser.add_argument("--num-prompts", type=int, default=40)
     parser.add_argument("--speed-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -93,7 +97,10 @@ def main() -> None:
 
     start = time.time()
     full = eaglejax.load_target(args.model)
-    targets = {"float32": full, args.weight_dtype: full.with_weight_dtype(args.weight_dtype)}
+    targets = {"float32": full}
+    for name in args.weight_dtype:
+        targets[name] = eaglejax.load_target(args.model, weight_dtype=name) if name == "gguf" \
+            else full.with_weight_dtype(name)
     questions = interleave_categories(mt_bench_questions())
     prompts = [full.tokenizer.render_prompt(q.prompt, chat=True)
                for q in questions[:args.num_prompts]]
@@ -107,8 +114,8 @@ def main() -> None:
         "memory_floor_ms": {name: memory_floor_ms(decode_step_bytes(t, 200),
                                                   machine["copy_bandwidth_gb_s"])
                             for name, t in targets.items()},
-        "agreement": agreement(full, targets[args.weight_dtype], prompts,
-                               args.max_new_tokens, args.batch_size),
+        "agreement": {name: agreement(full, targets[name], prompts, args.max_new_tokens,
+                                      args.batch_size) for name in args.weight_dtype},
     }
     report["wall_s"] = round(time.time() - start, 1)
     if args.json:
