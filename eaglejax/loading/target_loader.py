@@ -49,6 +49,15 @@ def fastest_weight_dtype() -> jnp.dtype | None:
     return jnp.dtype(jnp.bfloat16) if wide_vectors else None
 
 
+def blocks_decode_fastest() -> bool:
+    """Whether a GGUF file's own blocks (Q4_0, Q4_1, Q8_0: `models.gguf_blocks`) decode
+    faster here than any storage `fastest_weight_dtype` picks: on a CPU with AVX-512 VNNI
+    where the native kernels run (`native.block_matmul`; BENCHMARKS.md)."""
+    if jax.default_backend() != "cpu" or not build.enabled() or build.compiler() is None:
+        return False
+    return {"avx512f", "avx512_vnni"} <= set(hardware.isa_features())
+
+
 def load_target(path_or_name: str | Path | ResolvedSource, *,
                 dtype: jnp.dtype | str | None = None, weight_dtype: jnp.dtype | str | None = None,
                 mesh: Mesh | None = None) -> Target:
@@ -57,9 +66,11 @@ def load_target(path_or_name: str | Path | ResolvedSource, *,
     that name wins: `loading.hub.resolve_source`).
     `dtype`: compute and parameter dtype; `weight_dtype`: store the matrices
     in another (e.g. bfloat16 under float32 compute, or "int8": `Target.with_weight_dtype`), "auto"
-    for the storage that decodes fastest on this machine (`fastest_weight_dtype`; what
-    `eaglejax generate`, `eaglejax bench` and `eaglejax.generate()` use; a checkpoint saved
-    in int8 stays int8), None as loaded.
+    for the storage that decodes fastest on this machine (a GGUF file's own blocks where
+    `blocks_decode_fastest`, else `fastest_weight_dtype`; what `eaglejax generate`,
+    `eaglejax bench` and `eaglejax.generate()` use; a checkpoint saved in int8 stays int8),
+    "gguf" for a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices as stored (`models.gguf_blocks`),
+    None as loaded.
     `mesh` (`eaglejax.make_mesh`): every weight goes from the file straight into its
     sharding on the mesh (`eaglejax.models.placement`), never whole onto one device."""
     if not isinstance(path_or_name, (str, os.PathLike, ResolvedSource)):
@@ -67,17 +78,18 @@ def load_target(path_or_name: str | Path | ResolvedSource, *,
     if dtype is not None:
         dtype = validation.dtype("dtype", dtype, FLOAT_DTYPES)
     auto = isinstance(weight_dtype, str) and weight_dtype == "auto"
+    keep_blocks: bool | str = isinstance(weight_dtype, str) and weight_dtype == GGUF_BLOCKS
     if auto:
         weight_dtype = fastest_weight_dtype()
-    keep_blocks = isinstance(weight_dtype, str) and weight_dtype == GGUF_BLOCKS
-    if keep_blocks:
+        keep_blocks = "auto" if mesh is None and blocks_decode_fastest() else False
+    if keep_blocks is True:
         weight_dtype = None
     elif weight_dtype is not None:
         weight_dtype = validation.dtype("weight_dtype", weight_dtype, WEIGHT_DTYPES)
     if mesh is not None and not isinstance(mesh, Mesh):
         raise InputError(f"mesh must be a jax.sharding.Mesh (eaglejax.make_mesh), "
                          f"got {type(mesh).__name__}")
-    if keep_blocks and mesh is not None:
+    if keep_blocks is True and mesh is not None:
         raise InputError(f"weight_dtype {GGUF_BLOCKS!r} runs on one device for now; load the "
                          f"target without a mesh, or store it in a float dtype")
     if jax.default_backend() == "cpu":
@@ -89,7 +101,9 @@ def load_target(path_or_name: str | Path | ResolvedSource, *,
 
 
 def _load(path_or_name: str | Path | ResolvedSource, dtype: jnp.dtype | str | None,
-          mesh: Mesh | None, keep_blocks: bool = False) -> Target:
+          mesh: Mesh | None, keep_blocks: bool | str = False) -> Target:
+    """`keep_blocks`: True keeps a GGUF file's blocks or refuses; "auto" keeps them where a
+    GGUF file has any."""
     source = path_or_name
     if not isinstance(source, ResolvedSource):
         builtin = resolve_builtin(source) if isinstance(source, str) else None
@@ -103,7 +117,7 @@ def _load(path_or_name: str | Path | ResolvedSource, dtype: jnp.dtype | str | No
 
 
 def _load_path(path: Path, name: str, dtype: jnp.dtype | str | None,
-               mesh: Mesh | None, keep_blocks: bool) -> Target:
+               mesh: Mesh | None, keep_blocks: bool | str) -> Target:
     dtype = jnp.dtype(dtype) if dtype is not None else None
     if path.is_dir() and checkpoint.is_checkpoint(path):
         _not_gguf(path, keep_blocks)
@@ -126,8 +140,8 @@ def _load_path(path: Path, name: str, dtype: jnp.dtype | str | None,
     raise LoadError(f"{path}: not a GGUF file, Hugging Face directory or eaglejax checkpoint")
 
 
-def _not_gguf(path: Path, keep_blocks: bool) -> None:
-    if keep_blocks:
+def _not_gguf(path: Path, keep_blocks: bool | str) -> None:
+    if keep_blocks is True:
         raise InputError(f"{path}: weight_dtype {GGUF_BLOCKS!r} keeps a GGUF file's quantized "
                          f"blocks, and this is not a GGUF file; pick int8 or a float dtype")
 
@@ -166,8 +180,8 @@ def _config_eos_ids(path: Path) -> tuple[int, ...]:
 
 
 def _load_gguf(path: Path, name: str, dtype: jnp.dtype, mesh: Mesh | None,
-               keep_blocks: bool) -> Target:
-    model = read_gguf(path, keep_blocks=keep_blocks)
+               keep_blocks: bool | str) -> Target:
+    model = read_gguf(path, keep_blocks=bool(keep_blocks))
     config = ModelConfig.from_hf_dict(model.config, str(path))
     shapes = {name: tuple(t.shape) for name, t in (*model.tensors.items(), *model.blocks.items())}
     placement = _placement(config, mesh)
@@ -177,7 +191,7 @@ def _load_gguf(path: Path, name: str, dtype: jnp.dtype, mesh: Mesh | None,
 
     params = params_from_hf(get, shapes, config, str(path), dtype, placement and placement.place,
                             stored=_stored_blocks(config, model.blocks) if keep_blocks else None)
-    if keep_blocks and not any_int8(params):
+    if keep_blocks is True and not any_int8(params):
         raise LoadError(f"{path}: weight_dtype {GGUF_BLOCKS!r}: no matrix is stored in a block "
                         f"type eaglejax computes with as stored ({', '.join(KINDS)}); load "
                         f"it with int8 or a float dtype")
