@@ -27,6 +27,7 @@
 #endif
 
 #include "parallel_tasks.h"
+#include "quantized_rows.h"
 #include "row_prologue.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -34,46 +35,6 @@
 namespace ffi = xla::ffi;
 
 namespace {
-
-constexpr int64_t kBlock = 32;  // x values per scale
-constexpr int64_t kTile = 16;   // output rows per packed tile
-constexpr int64_t kGroupsPerBlock = kBlock / 4;
-constexpr int64_t kMaxRows = 16;  // rows per call (the float sums of a tile stay in L1)
-
-// x quantized per row and block: p as int8 (4 per 32-bit word, as vpdpbusd broadcasts
-// them), t, and each block's starting sum -128 * sum(p).
-struct QuantizedX {
-  std::vector<int32_t> words;  // [M, K/4]
-  std::vector<float> scales;   // [M, K/32]
-  std::vector<int32_t> starts; // [M, K/32]
-};
-
-QuantizedX quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t blocks = K / kBlock;
-  QuantizedX q;
-  q.words.resize(M * K / 4);
-  q.scales.resize(M * blocks);
-  q.starts.resize(M * blocks);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* in = x + m * K + b * kBlock;
-      float most = 0.0f;
-      for (int64_t k = 0; k < kBlock; ++k) most = std::max(most, std::fabs(in[k]));
-      const float t = most / 127.0f;
-      const float divisor = t == 0.0f ? 1.0f : t;
-      int8_t p[kBlock];
-      int32_t sum = 0;
-      for (int64_t k = 0; k < kBlock; ++k) {
-        p[k] = static_cast<int8_t>(std::nearbyint(in[k] / divisor));  // ties to even
-        sum += p[k];
-      }
-      std::memcpy(q.words.data() + (m * K + b * kBlock) / 4, p, sizeof p);
-      q.scales[m * blocks + b] = t;
-      q.starts[m * blocks + b] = -128 * sum;
-    }
-  }
-  return q;
-}
 
 struct Job {
   const uint8_t* w;  // [N/16, K/4, 16, 4]
@@ -97,7 +58,7 @@ inline void block_rows(const Job& job, const uint8_t* const* lines, int64_t b, i
   const int64_t groups = job.K / 4, blocks = job.K / kBlock;
   __m512i acc[MX][RW];
   for (int m = 0; m < MX; ++m) {
-    const __m512i start = _mm512_set1_epi32(job.x.starts[(m0 + m) * blocks + b]);
+    const __m512i start = _mm512_set1_epi32(-128 * job.x.sums[(m0 + m) * blocks + b]);
     for (int r = 0; r < RW; ++r) acc[m][r] = start;
   }
   for (int64_t g = b * kGroupsPerBlock; g < (b + 1) * kGroupsPerBlock; ++g) {
@@ -169,7 +130,7 @@ void run_chunk(const Job& job, int64_t chunk) {
       float sums[kTile] = {};
       for (int64_t b = 0; b < blocks; ++b) {
         int32_t block[kTile];
-        std::fill(block, block + kTile, job.x.starts[m * blocks + b]);
+        std::fill(block, block + kTile, -128 * job.x.sums[m * blocks + b]);
         for (int64_t g = b * kGroupsPerBlock; g < (b + 1) * kGroupsPerBlock; ++g) {
           for (int64_t lane = 0; lane < kTile; ++lane) {
             for (int64_t j = 0; j < 4; ++j) {
@@ -189,12 +150,6 @@ void run_chunk(const Job& job, int64_t chunk) {
   }
 }
 #endif
-
-// Threads take the tiles in two long runs each (as few_row_matmul.cc: warm streams).
-int64_t tiles_per_run(int64_t tiles, int64_t threads) {
-  const int64_t runs = 2 * std::max<int64_t>(threads, 1);
-  return std::max<int64_t>(1, (tiles + runs - 1) / runs);
-}
 
 ffi::Error int8_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                        ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::F32> scale,

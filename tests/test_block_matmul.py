@@ -1,0 +1,124 @@
+"""GGUF block storage's native product (`native.block_matmul`): the kernel against the
+format's formula in float64 for Q4_0, Q4_1 and Q8_0 blocks made by the `gguf` package,
+each row of a block against that row alone, the prologues and residual against XLA's
+path, and a malformed call."""
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eaglejax.models import gguf_blocks, llama
+from eaglejax.models.gguf_blocks import KINDS, BlockMatrix, HostBlocks
+from eaglejax.models.quantized import BLOCK
+from eaglejax.native import block_matmul
+from eaglejax.native.few_row_matmul import MAX_ROWS
+from tolerances import FORWARD_UNITS, assert_close_scaled, scaled_error
+
+
+def blocks_of(kind: str, n: int, k: int, rng: np.random.Generator) -> HostBlocks:
+    """Random weights [n, k] quantized to `kind` by the `gguf` package, decoded from its
+    bytes."""
+    w = rng.normal(size=(n, k)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+    return HostBlocks.from_file(raw, KINDS[kind], (n, k))
+
+
+def formula(x: np.ndarray, blocks: HostBlocks) -> np.ndarray:
+    """y[m,n] = sum_b t (d * sum_k (q + c) p + mn * sum_k p) in float64 (gguf_blocks'
+    docstring), p and t as the format quantizes x (float32 division, ties to even)."""
+    xb = x.reshape(x.shape[0], -1, BLOCK)
+    t = np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)
+    p = np.rint(xb / np.where(t == 0, np.float32(1), t)).astype(np.float64)
+    n = blocks.values.shape[0]
+    q = blocks.values.astype(np.float64).reshape(n, -1, BLOCK) + blocks.kind.offset
+    sums = np.einsum("mbk,nbk->mnb", p, q)
+    block = (blocks.scales.astype(np.float64)[None] * sums
+             + blocks.mins.astype(np.float64)[None] * p.sum(-1)[:, None, :])
+    return np.einsum("mnb,mb->mn", block, t[..., 0].astype(np.float64))
+
+
+def reference(matrix: BlockMatrix, eps: float = 0.0, gated: bool = False):
+    """XLA's path for `block_matmul.linear` (prologue, `gguf_blocks.product`, residual)."""
+    def run(rows, packed, scales, mins, norm, residual):
+        if norm is not None:
+            rows = llama.rms_norm(rows, norm, eps)
+        if gated:
+            gate, up = jnp.split(rows, 2, axis=-1)
+            rows = jax.nn.silu(gate) * up
+        y = gguf_blocks.product(rows, BlockMatrix(packed, scales, mins, matrix.shape,
+                                                  matrix.kind))
+        return y if residual is None else residual + y
+    return run
+
+
+def kernel(matrix: BlockMatrix, *, norm=None, eps: float = 0.0, gated: bool = False,
+           residual=None):
+    """The native product as a jitted function of x."""
+    kind = matrix.block_kind
+    ref = reference(matrix, eps, gated)
+    return jax.jit(lambda x: block_matmul.linear(
+        x, matrix.packed, matrix.scales, matrix.mins, ref, offset=kind.offset,
+        bits=kind.bits, norm=norm, eps=eps, gated=gated, residual=residual))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_kernel_equals_the_formula_and_each_row_alone(kind):
+    """Integer block sums are exact, so against the formula in float64 only float32
+    rounding of the block scaling remains (noise units of one layer), for 1 to 16 rows
+    (4-bit lines unpacked in registers up to 4 rows, once for all rows above); every row
+    of a block equals that row multiplied alone, bit for bit. XLA's path is the same
+    formula."""
+    assert block_matmul.available()
+    rng = np.random.default_rng(list(KINDS).index(kind))
+    for n, k in [(48, 64), (64, 96)]:
+        blocks = blocks_of(kind, n, k, rng)
+        matrix = gguf_blocks.pack(blocks)
+        x = rng.normal(size=(MAX_ROWS, k)).astype(np.float32)
+        x[:, 5] *= 60.0  # an outlier: only its block's scale grows
+        x[3, 32:64] = 0.0  # a block of zeros: t = 0
+        product = kernel(matrix)
+        alone = np.concatenate([np.asarray(product(x[i:i + 1])) for i in range(MAX_ROWS)])
+        for rows in (1, 2, 3, 4, 5, 8, 12, 16):
+            got = np.asarray(product(x[:rows]))
+            want = formula(x[:rows], blocks)
+            assert_close_scaled(got, want, units=FORWARD_UNITS, what=f"{kind} kernel")
+            np.testing.assert_array_equal(got, alone[:rows])
+        xla = np.asarray(jax.jit(gguf_blocks.product)(x, matrix))
+        assert_close_scaled(xla, formula(x, blocks), units=FORWARD_UNITS, what=f"XLA {kind}")
+        # Negative control: the float32 product of the file's weights and x unquantized is
+        # far outside the check.
+        wide = x.astype(np.float64) @ blocks.dequantized().astype(np.float64).T
+        assert scaled_error(wide, formula(x, blocks)) > 100 * FORWARD_UNITS
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_kernel_prologues_and_residual(kind):
+    """RMS norm first, silu(gate) * up first, a residual after: as XLA computes them."""
+    rng = np.random.default_rng(7)
+    matrix = gguf_blocks.pack(blocks_of(kind, 64, 96, rng))
+    x = jnp.asarray(rng.normal(size=(6, 96)), jnp.float32)
+    gate_up = jnp.asarray(rng.normal(size=(6, 192)), jnp.float32)
+    norm = jnp.asarray(1.0 + 0.1 * rng.normal(size=(96,)), jnp.float32)
+    residual = jnp.asarray(rng.normal(size=(6, 64)), jnp.float32)
+    arrays = (matrix.packed, matrix.scales, matrix.mins)
+    cases = {"norm": (x, dict(norm=norm, eps=1e-5, residual=residual)),
+             "gated": (gate_up, dict(gated=True, residual=residual))}
+    for name, (rows, options) in cases.items():
+        got = np.asarray(kernel(matrix, **options)(rows))
+        eps, gated = options.get("eps", 0.0), options.get("gated", False)
+        want = np.asarray(jax.jit(reference(matrix, eps, gated))(
+            rows, *arrays, options.get("norm"), residual))
+        assert_close_scaled(got, want, units=FORWARD_UNITS, what=f"{kind} {name}")
+
+
+def test_malformed_call_is_refused():
+    """A 4-bit matrix's arrays called as 8-bit: the scales do not match, and the kernel
+    says what it expects."""
+    matrix = gguf_blocks.pack(blocks_of("Q4_1", 48, 64, np.random.default_rng(3)))
+    x = jnp.ones((2, 64), jnp.float32)
+    call = jax.jit(lambda x: block_matmul.linear(
+        x, matrix.packed, matrix.scales, matrix.mins, reference(matrix), offset=0, bits=8))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"scales float16 \[N/16,K/32,16\]"):
+        jax.block_until_ready(call(x))
