@@ -26,7 +26,7 @@ from eaglejax.models import gguf_blocks, quantized
 from eaglejax.models.gguf_blocks import BlockMatrix
 from eaglejax.models.quantized import Int8Matrix
 from eaglejax.native import cache_attention, embedding_rows as embedding_rows_kernel, few_row_matmul
-from eaglejax.native import int8_matmul
+from eaglejax.native import block_matmul, int8_matmul
 from eaglejax.sharding.rules import over_mesh
 
 Params = dict[str, Any]
@@ -186,8 +186,8 @@ def linear(x: jax.Array, weight: jax.Array, *, norm: jax.Array | None = None,
     an int8 weight (`models.quantized`) or a GGUF file's blocks kept as stored
     (`models.gguf_blocks`) multiply x quantized to int8 in blocks of 32.
     A few rows of float32 x on CPU go to the native kernels (`eaglejax.native.few_row_matmul`
-    for float32 or bfloat16 weights, `native.int8_matmul` for int8), the surrounding
-    operations with them.
+    for float32 or bfloat16 weights, `native.int8_matmul` for int8, `native.block_matmul` for
+    GGUF blocks), the surrounding operations with them.
     """
     if isinstance(weight, Int8Matrix):
         product = quantized.product
@@ -217,6 +217,15 @@ def linear(x: jax.Array, weight: jax.Array, *, norm: jax.Array | None = None,
                                       eps=eps, gated=gated, residual=residual)
         return reference(x, weight, norm, residual)
     if isinstance(weight, BlockMatrix):
+        if block_matmul.applies(x):
+            def kept(rows, packed, scales, mins, norm, residual):
+                return reference(rows, BlockMatrix(packed, scales, mins, weight.shape,
+                                                   weight.kind), norm, residual)
+
+            kind = weight.block_kind
+            return block_matmul.linear(x, weight.packed, weight.scales, weight.mins, kept,
+                                       offset=kind.offset, bits=kind.bits, norm=norm, eps=eps,
+                                       gated=gated, residual=residual)
         return reference(x, weight, norm, residual)
     if few_row_matmul.applies(x, weight):
         return few_row_matmul.linear(x, weight, reference, norm=norm, eps=eps, gated=gated,
