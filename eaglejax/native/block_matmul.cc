@@ -9,14 +9,16 @@
 // consecutive k of the 16 rows one 64-byte line of unsigned bytes, the operand of
 // vpdpbusd (64 unsigned weight bytes times one row's 4 signed x bytes, broadcast).
 // 8-bit values: packed [N/16, K/4, 16, 4]. 4-bit values: two lines share 64 bytes, line 2j
-// in the low nibbles and 2j + 1 in the high ones: packed [N/16, K/8, 16, 4], unpacked with
-// an and and a shift once per tile and line and then used by every row of x. Scales d and
-// minimums mn: float16 [N/16, K/32, 16] (one 16-lane vector per tile and block). A block's
-// integer sums start at offset * sum(p), its float32 sum is d * S (+ mn * sum(p)), scaled
-// by t and added to the row's sums in block order; every row is summed in the same order
-// whatever M is, so a verify block reproduces the single-token step bit for bit. Without
-// VNNI the same sums run in plain loops. Threads, prologues and the residual are as in
-// int8_matmul.cc.
+// in the low nibbles and 2j + 1 in the high ones: packed [N/16, K/8, 16, 4], unpacked in
+// registers with an and and a shift and then used by up to 8 rows of x (8 rows x 2 tiles
+// from 8 rows on: a 16-row block unpacks each line twice; unpacking once into an L1
+// buffer for all rows measured the same, its stores costing what the reuse saved).
+// Scales d and minimums mn: float16 [N/16, K/32, 16] (one 16-lane vector per tile and
+// block). A block's integer sums start at offset * sum(p), its float32 sum is
+// d * S (+ mn * sum(p)), scaled by t and added to the row's sums in block order; every
+// row is summed in the same order whatever M is, so a verify block reproduces the
+// single-token step bit for bit. Without VNNI the same sums run in plain loops. Threads,
+// prologues and the residual are as in int8_matmul.cc.
 
 #include <algorithm>
 #include <cmath>
@@ -56,15 +58,16 @@ struct Job {
 };
 
 #if defined(__AVX512VNNI__)
-// 4 rows x 3 tiles: 12 integer sums, 3 weight lines and x in registers; the float sums of
-// every row wait in L1 while a block's lines (1.5 KB unpacked) serve each group of rows.
+// 4 rows x 3 tiles: 12 integer sums, 3 weight lines and x in registers (8 rows x 2 tiles
+// for 4-bit values from 8 rows on); the float sums of every row wait in L1 while a block's
+// lines serve each group of rows.
 constexpr int kRowsX = 4;
 constexpr int kTilesW = 3;
 constexpr int kTilesWOneRow = 8;  // one row: more lines in flight (the stream bounds it)
 
 // Block b of rows m0..m0+MX-1 for RW tiles, added to sums[m][r]. The block's 8 lines of
-// tile r are at lines[r] (8-bit values, or nibbles unpacked before), or with Nibbles its
-// 4 packed lines are there and are unpacked in registers (one group of rows: no reuse).
+// tile r are at lines[r] (8-bit values), or with Nibbles its 4 packed lines, unpacked in
+// registers.
 template <int MX, int RW, bool Nibbles>
 inline void block_rows(const Job& job, const uint8_t* const* lines, int64_t b, int64_t m0,
                        const __m512* d, const __m512* mn, __m512 (*sums)[kTilesWOneRow]) {
@@ -114,11 +117,17 @@ inline void block_rows(const Job& job, const uint8_t* const* lines, int64_t b, i
   }
 }
 
-// Block b of every row for RW tiles, in groups of kRowsX rows.
+// Block b of every row for RW tiles: in groups of 8 rows for one or two tiles (4-bit
+// values: each unpacked line serves 8 rows), then of 4 rows, then the rest.
 template <int RW, bool Nibbles>
 inline void block_all_rows(const Job& job, const uint8_t* const* lines, int64_t b,
                            const __m512* d, const __m512* mn, __m512 (*sums)[kTilesWOneRow]) {
   int64_t m0 = 0;
+  if constexpr (RW <= 2) {
+    for (; m0 + 2 * kRowsX <= job.M; m0 += 2 * kRowsX) {
+      block_rows<2 * kRowsX, RW, Nibbles>(job, lines, b, m0, d, mn, sums);
+    }
+  }
   for (; m0 + kRowsX <= job.M; m0 += kRowsX) {
     block_rows<kRowsX, RW, Nibbles>(job, lines, b, m0, d, mn, sums);
   }
@@ -141,10 +150,6 @@ void tiles(const Job& job, int64_t t0) {
   __m512 sums[kMaxRows][kTilesWOneRow];
   for (int64_t m = 0; m < job.M; ++m)
     for (int r = 0; r < RW; ++r) sums[m][r] = _mm512_setzero_ps();
-  // 4-bit lines for more than one group of rows are unpacked here once per block.
-  const bool unpack = job.bits == 4 && job.M > kRowsX;
-  alignas(64) uint8_t unpacked[RW][kGroupsPerBlock * kLine];
-  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
     __m512 d[RW], mn[RW];
     const uint8_t* lines[RW];
@@ -153,17 +158,8 @@ void tiles(const Job& job, int64_t t0) {
       mn[r] = job.mins != nullptr ? load_half(job.mins + job.at(t0 + r, b)) : d[r];
       lines[r] = job.w + (t0 + r) * job.tile_bytes() + b * block_bytes;
       for (int64_t i = 0; i < block_bytes; i += kLine) __builtin_prefetch(lines[r] + i + 4096);
-      if (unpack) {
-        for (int j = 0; j < kGroupsPerBlock / 2; ++j) {
-          const __m512i v = _mm512_loadu_si512(lines[r] + j * kLine);
-          _mm512_store_si512(unpacked[r] + 2 * j * kLine, _mm512_and_si512(v, low));
-          _mm512_store_si512(unpacked[r] + (2 * j + 1) * kLine,
-                             _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-        }
-        lines[r] = unpacked[r];
-      }
     }
-    if (job.bits == 4 && !unpack) {
+    if (job.bits == 4) {
       block_all_rows<RW, true>(job, lines, b, d, mn, sums);
     } else {
       block_all_rows<RW, false>(job, lines, b, d, mn, sums);
@@ -180,6 +176,9 @@ void run_chunk(const Job& job, int64_t chunk) {
   int64_t t0 = begin;
   if (job.M == 1) {
     for (; t0 + kTilesWOneRow <= end; t0 += kTilesWOneRow) tiles<kTilesWOneRow>(job, t0);
+  }
+  if (job.bits == 4 && job.M >= 2 * kRowsX) {
+    for (; t0 + 2 <= end; t0 += 2) tiles<2>(job, t0);
   }
   for (; t0 + kTilesW <= end; t0 += kTilesW) tiles<kTilesW>(job, t0);
   for (; t0 < end; ++t0) tiles<1>(job, t0);
