@@ -63,15 +63,16 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
     parser.add_argument("--weight-dtype", default=weight_dtype,
-                        choices=["auto", "float32", "bfloat16", "float16", "int8", "gguf"],
+                        choices=["auto", "float32", "bfloat16", "float16", "int8", "int4", "gguf"],
                         help="store the weight matrices in this dtype and compute in --dtype "
                              "(bfloat16 halves the bytes a CPU decode step reads; int8 "
                              "quarters them and multiplies int8 activations, quantized in "
-                             "blocks of 32; gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks "
-                             "as stored and multiplies them so; see BENCHMARKS.md for speed "
-                             "and agreement); "
-                             "auto: what decodes "
-                             "fastest here (bfloat16 on CPUs with AVX-512, else as loaded; "
+                             "blocks of 32; int4 stores 4-bit blocks of 32 with a scale and "
+                             "a minimum (5 bits a weight), multiplied the same way; gguf "
+                             "keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored; see "
+                             "BENCHMARKS.md for speed and agreement); auto: what decodes "
+                             "fastest here (a GGUF file's blocks on CPUs with AVX-512 VNNI, "
+                             "else bfloat16 on CPUs with AVX-512, else as loaded; "
                              f"default: {weight_dtype or 'as loaded'})")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="render prompts with the model's chat template (default: on)")

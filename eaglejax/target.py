@@ -24,7 +24,7 @@ from eaglejax.tokenizer import Tokenizer
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # How a target may store its matrices: a float dtype, or int8 (`models.quantized`).
-WEIGHT_DTYPES = (*FLOAT_DTYPES, "int8")
+WEIGHT_DTYPES = (*FLOAT_DTYPES, "int8", "int4")
 
 
 def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
@@ -92,15 +92,16 @@ class Target:
         """This target with its matrices (embedding, projections, output head) stored in
         `dtype` and everything else unchanged: activations, norms and the KV cache keep the
         compute dtype. bfloat16 halves the bytes a decode step reads; "int8" quarters them
-        (`models.quantized`: per-row scales, products on int8 activations; matrices whose
-        shape does not tile stay as they are)."""
+        (`models.quantized`: per-row scales, products on int8 activations); "int4" stores
+        4-bit blocks of 32 with a scale and a minimum (`models.gguf_blocks.quantize`, 5 bits
+        a weight, the same products). Matrices whose shape does not tile stay as they are."""
         dtype = validation.dtype("weight_dtype", dtype, WEIGHT_DTYPES)
         if self.weight_dtype == jnp.int8:
             raise InputError(f"this target's matrices are already quantized ({self.storage}); "
                              f"load the model again to store them another way")
-        if dtype == jnp.int8 and self.mesh is not None:
-            raise InputError("weight_dtype int8 runs on one device for now; load the target "
-                             "without a mesh, or store it in a float dtype")
+        if dtype in (jnp.int8, jnp.int4) and self.mesh is not None:
+            raise InputError(f"weight_dtype {dtype.name} runs on one device for now; load the "
+                             f"target without a mesh, or store it in a float dtype")
         params = store_matrices(param_info(self.config), self.params, dtype)
         return dataclasses.replace(self, params=params)
 
@@ -110,9 +111,10 @@ class Target:
         from eaglejax.loading.checkpoint import save_target  # loading is the layer above
 
         if gguf_blocks.kinds(self.params):
-            raise InputError(f"{self.source}: {self.storage} are saved as the GGUF file they "
-                             f"came from; load that file with weight_dtype='gguf' again, or "
-                             f"save an int8 or float checkpoint of the model")
+            raise InputError(f"{self.source}: saving {self.storage} is not supported yet; "
+                             f"load the model again with the same weight_dtype (a GGUF file's "
+                             f"blocks load as stored with 'gguf'), or save it in int8 or a "
+                             f"float dtype")
 
         save_target(self, path)
 

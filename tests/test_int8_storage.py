@@ -181,7 +181,7 @@ def test_int8_decoding_greedy_is_plain_and_errors_are_clear(target_of, tmp_path)
     with pytest.raises(InputError, match="one device"):
         stored.on_mesh(mesh)
     with pytest.raises(InputError, match="weight_dtype must be one of"):
-        target_of("llama").with_weight_dtype("int4")
+        target_of("llama").with_weight_dtype("uint8")
 
 
 def test_int8_checkpoint_reloads_as_stored(hf_family, target_of, tmp_path):

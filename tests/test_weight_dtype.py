@@ -81,7 +81,7 @@ def test_bf16_storage_decodes_greedily_and_speculatively(target_of):
 
 def test_unknown_weight_dtype_is_refused(target_of):
     with pytest.raises(InputError, match="weight_dtype"):
-        target_of("llama").with_weight_dtype("int4")
+        target_of("llama").with_weight_dtype("uint8")
 
 
 def test_weights_are_never_widened_in_the_compiled_step(target_of):

@@ -231,6 +231,25 @@ def pack(blocks: HostBlocks) -> BlockMatrix:
                        blocks.kind.name)
 
 
+def quantize(weight: jax.Array) -> BlockMatrix:
+    """`weight` [..., K] (`tiles`) in 4-bit blocks of 32 with a scale and a minimum (Q4_1's
+    layout, what `weight_dtype="int4"` stores): per block m = min w, d = (max w - m) / 15,
+    both rounded to float16 first, then q = round((w - m) / d) in [0, 15]; computed on the
+    host in float32. |w - (d q + m)| <= d / 2 plus float16's rounding of m."""
+    w = np.asarray(jax.device_get(weight), np.float32)
+    if not tiles(w.shape):
+        raise ValueError(f"4-bit storage needs rows in multiples of {TILE} and a last dim in "
+                         f"multiples of {BLOCK}, got a matrix {w.shape}")
+    blocks = w.reshape(*w.shape[:-1], -1, BLOCK)
+    low, high = blocks.min(axis=-1), blocks.max(axis=-1)
+    mins = low.astype(np.float16)
+    scales = ((high - low) / np.float32(15)).astype(np.float16)
+    step = scales.astype(np.float32)[..., None]
+    q = np.rint((blocks - mins.astype(np.float32)[..., None]) / np.where(step == 0, 1, step))
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(w.shape)
+    return pack(HostBlocks(KINDS["Q4_1"], q, scales, mins))
+
+
 def kinds(params: Any) -> list[str]:
     """The block kinds the matrices of the pytree `params` keep, sorted (none: [])."""
     leaves = jax.tree.leaves(params, is_leaf=is_int8)

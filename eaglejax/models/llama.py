@@ -128,13 +128,15 @@ def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.floa
 
 def store_matrices(infos: Params, params: Params, dtype: jnp.dtype) -> Params:
     """`params` with every matrix (per its `ParamInfo` in `infos`) stored in `dtype` (int8:
-    `quantized.quantize`, for the matrices whose shape tiles); norms and other vectors as
-    they are."""
+    `quantized.quantize`, int4: `gguf_blocks.quantize`, for the matrices whose shape tiles);
+    norms and other vectors as they are."""
     def store(info: ParamInfo, leaf: jax.Array) -> Any:
         if not info.matrix:
             return leaf
         if jnp.dtype(dtype) == jnp.int8:
             return quantized.quantize(leaf) if quantized.tiles(leaf.shape) else leaf
+        if jnp.dtype(dtype) == jnp.int4:
+            return gguf_blocks.quantize(leaf) if gguf_blocks.tiles(leaf.shape) else leaf
         return leaf.astype(dtype)
 
     return jax.tree.map(store, infos, params, is_leaf=is_param_info)
