@@ -1,4 +1,5 @@
-"""eaglejax in the peer harness (project venv): plain decoding, EAGLE-3 chains of K draft
+"""eaglejax in the peer harness (project venv): plain decoding (in each weight storage the
+job names, the first also speculating), EAGLE-3 chains of K draft
 tokens with the shipped head, and the same chains replaced by a prompt-lookup copy where
 the context's last 3 tokens occurred before, timed interleaved per prompt set and batch size by
 `eaglejax.bench.run_interleaved` (warm-up pass over every batch first; decode tokens /
@@ -42,16 +43,23 @@ def acceptance_length(results: list[Any]) -> float:
 
 def main(job_path: str, out: str) -> None:
     job = read_job(job_path)
-    target = eaglejax.load_target(job["paths"].get("eaglejax_target", "smollm2-135m-instruct"))
+    model = job["paths"].get("eaglejax_target", "smollm2-135m-instruct")
+    storages = job.get("eaglejax_storages", ["auto"])
+    targets = [eaglejax.load_target(model, weight_dtype=s) for s in storages]
+    target = targets[0]  # the first storage speculates too
     head = job["paths"].get("eaglejax_head") or shipped_head("smollm2-135m-instruct")
     draft = eaglejax.load_draft(str(head), target=target)
     info = {"eaglejax": eaglejax.__version__,
             "target": target.source, "dtype": str(np.dtype(target.dtype)),
+            "storage": {s: t.storage for s, t in zip(storages, targets)},
             "head": str(head), "machine": machine_report()}
     rec = Recorder(out, "eaglejax", info)
     n = job["max_new_tokens"]
     common = dict(target=target, max_new_tokens=n, ignore_eos=True, temperature=0.0)
     runs = {"plain": functools.partial(eaglejax.generate, **common)}
+    for storage, other in zip(storages[1:], targets[1:]):
+        runs[f"plain ({storage})"] = functools.partial(eaglejax.generate,
+                                                       **dict(common, target=other))
     for k in job["ks"]:
         chain = eaglejax.SpecConfig.chain(k)
         runs[f"eagle3 K={k}"] = functools.partial(
@@ -76,7 +84,7 @@ def main(job_path: str, out: str) -> None:
                         decode_tokens=t["decode_tokens"], decode_s=t["decode_s"],
                         tokens_per_s=t["decode_tokens"] / t["decode_s"],
                         acceptance_length=(acceptance_length(results)
-                                           if mode != "plain" else 1.0),
+                                           if not mode.startswith("plain") else 1.0),
                         outputs=[list(map(int, r.token_ids)) for r in results])
 
 

@@ -31,13 +31,13 @@ MODEL = "smollm2-135m-instruct"
 REPO = HERE.parents[1]
 
 
-def modes(engine: str, ks: list[int]) -> list[str]:
+def modes(engine: str, ks: list[int], storages: tuple[str, ...] = ("auto",)) -> list[str]:
     """The modes each engine's runner reports (for rows of a runner that died)."""
     spec = {"eaglejax": "eagle3 K={}", "vllm": "eagle3 K={}", "transformers": "prompt lookup {}",
             "llama.cpp": "prompt lookup {}"}[engine]
     extra = ["eagle3 assisted"] if engine == "transformers" else []
     if engine == "eaglejax":
-        extra = [f"eagle3 K={k} or lookup" for k in ks]
+        extra = [f"eagle3 K={k} or lookup" for k in ks] + [f"plain ({s})" for s in storages[1:]]
     return ["plain"] + [spec.format(k) for k in ks] + extra
 
 
@@ -199,6 +199,11 @@ def main() -> None:
                         help="exported head, HF target, jobs and logs (default PEERS_DIR/work)")
     parser.add_argument("--hf-target", default=None,
                         help="use this HF directory instead of `eaglejax convert --to hf`")
+    parser.add_argument("--eaglejax-storage", nargs="+", default=["auto"],
+                        choices=["auto", "float32", "bfloat16", "int8", "int4", "gguf"],
+                        help="eaglejax's weight storage (load_target's weight_dtype; auto: "
+                             "what `eaglejax generate` picks); more than one adds a plain run "
+                             "per further storage, the first also speculates")
     parser.add_argument("--threads", type=int, default=None, help="default: all usable cores")
     parser.add_argument("--vllm-cpus", default=None,
                         help="VLLM_CPU_OMP_THREADS_BIND (default: every usable core; 'auto' "
@@ -233,7 +238,7 @@ def main() -> None:
     del target
     job = {"prompt_sets": sets, "max_new_tokens": args.max_new_tokens,
            "batch_sizes": args.batch_sizes, "ks": args.ks, "threads": threads,
-           "vllm_eager": not args.vllm_compile,
+           "vllm_eager": not args.vllm_compile, "eaglejax_storages": args.eaglejax_storage,
            "paths": {"gguf": str(gguf), "hf_target": str(hf_dir),
                      "head_speculators": str(head)}}
     job_path = work / "job.json"
@@ -246,7 +251,7 @@ def main() -> None:
     plan: list[tuple[str, str | None, str, list[str], dict[str, str], list[str]]] = []
     if "eaglejax" in args.engines:
         plan.append(("eaglejax", sys.executable, "engine_eaglejax.py", [], env,
-                     modes("eaglejax", args.ks)))
+                     modes("eaglejax", args.ks, tuple(args.eaglejax_storage))))
     if "vllm" in args.engines:
         for mode, label in [("plain", "plain")] + [(f"eagle3:{k}", f"eagle3 K={k}")
                                                     for k in args.ks]:
