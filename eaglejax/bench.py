@@ -241,15 +241,17 @@ def beside_roofline(report: dict[str, Any], target: Target, draft,
     """A bench `report` of `target` (and `draft`) beside the roofline prediction for
     `device_name` (`programs.roofline.predict`) of the same model, batch, mean context and
     measured acceptance length: the shape run when one was asked for, else (the preset,
-    "auto") the device's preset shape. Measured over predicted is how far the run is from
-    the device's limits, meaningful where the run was on that device (`same_device`)."""
+    "auto") the device's preset shape; the target's weights as it stores them (bfloat16 for
+    float storage, else its quantized matrices' bytes). Measured over predicted is how far
+    the run is from the device's limits, meaningful where the run was on that device
+    (`same_device`)."""
     spec = speculative if isinstance(speculative, SpecConfig) or draft is None \
         else default_shape(draft, roofline.platform_of(device_name), report["batch_size"])
     al = report.get("acceptance_length", 1.0)
     rows = roofline.predict(device_name, target.config, batch=report["batch_size"],
                             context=report["mean_context_tokens"],
                             draft=None if draft is None else draft.config, spec=spec,
-                            accept_length=al)
+                            accept_length=al, storage=target_weight_bytes(target))
     measured = [report.get("plain_decode_tokens_per_s", report.get("decode_tokens_per_s")),
                 report.get("spec_decode_tokens_per_s")]
     for row, tokens_per_s in zip(rows, measured):
@@ -263,12 +265,23 @@ def beside_roofline(report: dict[str, Any], target: Target, draft,
             "ran": report.get("speculative"), "rows": rows}
 
 
+def target_weight_bytes(target: Target) -> roofline.WeightBytes:
+    """`target`'s weights as an accelerator would hold them: its quantized matrices as
+    stored (int8, int4, GGUF blocks), everything else in bfloat16."""
+    if target.weight_dtype != jnp.int8:
+        return roofline.weight_bytes(target.config)
+    return roofline.weight_bytes(target.config, target.storage, target.params)
+
+
 def describe_beside_roofline(beside: dict[str, Any]) -> str:
     """`beside_roofline`'s result as a few lines of text."""
     labels = [r["program"] + (f" at AL {r['accept_length']:.2f} (measured)"
                               if r["program"] != "plain step" else "") for r in beside["rows"]]
     width = max(len(label) for label in labels)
-    lines = [f"roofline for {beside['device']} (bfloat16 storage, greedy, from XLA's cost "
+    first = beside["rows"][0]
+    lines = [f"roofline for {beside['device']} ({first['storage']} weights, "
+             f"{first['weights_gb']:.2f} GB: "
+             f"{'fit' if first['weights_fit'] else 'do not fit'}; greedy, from XLA's cost "
              f"analysis) beside this run, measured on {beside['measured_on']}:",
              f"  {'program':<{width}} {'pred. ms':>8} {'pred. tok/s':>11} {'measured':>9} "
              f"{'meas./pred.':>11}"]

@@ -1,4 +1,4 @@
-"""The `eaglejax` command line: generate, bench, convert, train-draft, serve."""
+"""The `eaglejax` command line: generate, bench, roofline, convert, train-draft, serve."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 
 from eaglejax import compilation_cache, validation
 from eaglejax.bench import (
@@ -341,7 +340,22 @@ def _parser() -> argparse.ArgumentParser:
                             "of this run's model and shape at its measured acceptance, "
                             "printed beside what it measured; without them, instead of a "
                             "run, Llama-3.1-8B with EAGLE-3 and other drafters (batch 1 and 8; "
-                            "no model is loaded)")
+                            "no model is loaded; its weights in --weight-dtype bfloat16 (auto), "
+                            "int8 or int4); a loaded model's in the storage it loaded with")
+
+    roof = commands.add_parser(
+        "roofline", help="predicted accelerator decode speed of Llama-3.1-8B with EAGLE-3 and "
+                         "other drafters, from XLA's cost analysis (no model is loaded)")
+    roof.add_argument("devices", nargs="+", metavar="DEVICE",
+                      help=f"one or more of {', '.join(roofline.DEVICES)}")
+    roof.add_argument("--storage", default="bfloat16", choices=roofline.STORAGES,
+                      help="the target's weight storage: bfloat16, int8 (a float32 scale per "
+                           "output row) or int4 (4-bit blocks of 32 with a float16 scale and "
+                           "minimum), dequantized to bfloat16 in the matmuls (default: "
+                           "bfloat16)")
+    roof.add_argument("--batch-size", type=int, nargs="+", default=[1, 8],
+                      help="batch sizes (default: 1 8)")
+    roof.add_argument("--json", action="store_true")
 
     convert = commands.add_parser(
         "convert", help="convert a draft head between checkpoint layouts, or write a target "
@@ -544,7 +558,12 @@ def _bench(args: argparse.Namespace) -> None:
     if args.roofline is not None:
         roofline.device(args.roofline)  # an unknown device is refused before any work
         if (args.model, args.draft, args.draft_model) == (None, None, None):
-            print(roofline.report(args.roofline, as_json=args.json))
+            storage = "bfloat16" if args.weight_dtype == "auto" else args.weight_dtype
+            if storage not in roofline.STORAGES:
+                raise InputError(f"--roofline without a model predicts weights in "
+                                 f"{', '.join(roofline.STORAGES)} (--weight-dtype), not "
+                                 f"{storage}")
+            print(roofline.report(args.roofline, as_json=args.json, storage=storage))
             return
     validation.integer("--batch-size", args.batch_size, 1)
     validation.integer("--num-prompts", args.num_prompts, 1)
@@ -585,6 +604,15 @@ def _bench(args: argparse.Namespace) -> None:
         else:
             print(f"{key:>26}: {value:.3f}" if isinstance(value, float)
                   else f"{key:>26}: {value}")
+
+
+def _roofline(args: argparse.Namespace) -> None:
+    for name in args.devices:
+        roofline.device(name)  # unknown devices refused before any compile
+    for batch in args.batch_size:
+        validation.integer("--batch-size", batch, 1)
+    print(roofline.report(args.devices, as_json=args.json, storage=args.storage,
+                          batches=tuple(args.batch_size)))
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -769,7 +797,7 @@ def _served_name(model: str | ResolvedSource) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"generate": _generate, "bench": _bench, "convert": _convert,
+        {"generate": _generate, "bench": _bench, "roofline": _roofline, "convert": _convert,
          "train-draft": _train_draft, "serve": _serve}[args.command](args)
     except EaglejaxError as err:
         print(f"eaglejax: error: {err}", file=sys.stderr)

@@ -51,6 +51,34 @@ def embed_bytes(config: ModelConfig) -> int:
     return 2 * config.vocab_size * config.hidden_size
 
 
+def matrices(config: ModelConfig) -> list[tuple[int, int]]:
+    """[rows, columns] of every matrix a decode step reads whole, from the config's sizes:
+    each layer's qkv, o, gate+up and down projections, and the (untied) output head."""
+    c = config
+    layer = [(c.num_kv_heads * (c.num_heads // c.num_kv_heads + 2) * c.head_dim,
+              c.hidden_size), (c.hidden_size, c.num_heads * c.head_dim),
+             (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
+    return layer * c.num_layers + [(c.vocab_size, c.hidden_size)]
+
+
+def bf16_bytes(shapes: list[tuple[int, int]]) -> int:
+    return sum(2 * n * k for n, k in shapes)
+
+
+def bits(shapes: list[tuple[int, int]], storage: str) -> float:
+    """Bits a weight of the matrices `shapes` in `storage`: int8 8 and a float32 scale per
+    row, int4 4 and a float16 scale and minimum per 32."""
+    weights = sum(n * k for n, k in shapes)
+    total = {"bfloat16": 16 * weights, "int8": sum(8 * n * k + 32 * n for n, k in shapes),
+             "int4": (4 + 32 / 32) * weights}[storage]
+    return total / weights
+
+
+def saved(shapes: list[tuple[int, int]], storage: str) -> float:
+    """Bytes one read of `shapes` saves in `storage`: their bytes times (1 - bits/16)."""
+    return bf16_bytes(shapes) * (1 - bits(shapes, storage) / 16)
+
+
 # --- the costs come from the compiled programs ------------------------------------------
 
 def test_each_added_layer_costs_its_weights_and_cache():
@@ -144,6 +172,22 @@ def test_8b_decode_step_matches_its_weights():
     assert cost.flops == pytest.approx(weights + attention, rel=0.02)  # 2 FLOPs / 2 bytes
 
 
+@pytest.mark.parametrize("storage", ["bfloat16", "int8", "int4"])
+def test_8b_weights_fit_per_storage(storage):
+    """Llama-3.1-8B's weights: 16.06 GB in bfloat16 (over a v5e's 16 GB), about 8 in int8
+    and 5 in int4; the plain step (cached by the test above) moves the difference less."""
+    config = roofline.llama31_8b()
+    rows = {d: roofline.predict(d, config, batch=1, context=1024, storage=storage)[0]
+            for d in ("h100", "tpu-v5e")}
+    gb = {"bfloat16": 16.06, "int8": 8.04, "int4": 5.02}[storage]
+    assert rows["h100"]["weights_gb"] == pytest.approx(gb, abs=0.005)
+    assert rows["h100"]["weights_fit"] and rows["h100"]["storage"] == storage
+    assert rows["tpu-v5e"]["weights_fit"] is (storage != "bfloat16")
+    bf16 = roofline.predict("h100", config, batch=1, context=1024)[0]
+    assert (bf16["gb_accessed"] - rows["h100"]["gb_accessed"]) * 1e9 == pytest.approx(
+        saved(matrices(config), storage))
+
+
 def test_fused_gathers_and_scatters_count_only_what_moves():
     table = jax.ShapeDtypeStruct((1000, 512), jnp.float32)
     rows = jax.ShapeDtypeStruct((8,), jnp.int32)
@@ -216,6 +260,65 @@ def test_parallel_round_reads_the_head_once(tiny_report):
     assert parallel["accept_length"] == chain["accept_length"]
 
 
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_quantized_rows_read_fewer_weight_bytes(tiny_report, storage):
+    """Each program reads the target's matrices once in `storage` rather than bfloat16
+    (the DFlash drafter the output head once more): its bytes drop by their bytes times
+    1 - bits/16, FLOPs unchanged; memory-bound steps speed up by the byte ratio. Computed
+    from the bfloat16 costs `tiny_report` compiled."""
+    report = roofline.roofline(["h100", "tpu-v5e"], config=TINY, draft=TINY_HEAD,
+                               storage=storage)
+    assert report["assumptions"]["weight_storage"] == storage
+    assert report["assumptions"]["storage"].startswith(f"{storage} target matrices")
+    head = [(TINY.vocab_size, TINY.hidden_size)]
+    step_saved, head_saved = saved(matrices(TINY), storage), saved(head, storage)
+    for bf16, row in zip(tiny_report["rows"], report["rows"], strict=True):
+        assert (bf16["device"], bf16["batch"], bf16["program"]) == \
+            (row["device"], row["batch"], row["program"])
+        extra = head_saved if row["program"].startswith("DFlash") else 0
+        for key in ("gb_accessed", "gb_xla_attention"):
+            assert (bf16[key] - row[key]) * 1e9 == pytest.approx(step_saved + extra)
+        assert row["gflops"] == bf16["gflops"]
+        if row["program"] == "plain step" and bf16["bound"] == "memory":
+            assert row["bound"] == "memory"
+            assert row["tokens_per_s"] / bf16["tokens_per_s"] == pytest.approx(
+                bf16["gb_accessed"] / row["gb_accessed"])
+    assert sum(r["program"] == "plain step" and r["bound"] == "memory"
+               for r in report["rows"]) >= 2
+    weights = report["weights"]
+    stored = matrices(TINY) + head  # and the embedding table
+    assert weights["bits_per_weight"] == pytest.approx(bits(stored, storage))
+    assert weights["gb"] * 1e9 == pytest.approx(
+        roofline.parameter_bytes(TINY) - saved(stored, storage))
+    assert weights["fits"] == {"h100": True, "tpu-v5e": True}
+    text = roofline.format_report(report)
+    assert f"target weights in {storage}: {weights['gb']:.2f} GB; fit the h100's 80 GB, " \
+        "fit the tpu-v5e's 16 GB" in text
+
+
+def test_bfloat16_is_the_default_storage(tiny_report):
+    assert tiny_report["assumptions"]["storage"] == "bfloat16 weights and KV cache"
+    assert tiny_report["weights"]["bits_per_weight"] == 16.0
+    assert tiny_report["weights"]["gb"] * 1e9 == roofline.parameter_bytes(TINY)
+    assert roofline.roofline(["h100", "tpu-v5e"], config=TINY, draft=TINY_HEAD,
+                             storage="bfloat16")["rows"] == tiny_report["rows"]
+    assert [d.memory for d in roofline.DEVICES.values()] == [80e9, 141e9, 16e9, 95e9]
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_a_loaded_targets_bytes_are_its_arrays(target_of, storage):
+    """A quantized target's `WeightBytes` come from its stored arrays and match the
+    formula for the same storage; a float target's are bfloat16's."""
+    from eaglejax.bench import target_weight_bytes
+
+    target = target_of("llama")
+    assert target_weight_bytes(target) == roofline.weight_bytes(target.config)
+    stored = target_weight_bytes(target.with_weight_dtype(storage))
+    assert stored.storage == {"int8": "int8", "int4": "Q4_1 blocks"}[storage]
+    assert dataclasses.replace(stored, storage=storage) == \
+        roofline.weight_bytes(target.config, storage)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(InputError, match="known devices: h100, h200"):
         roofline.roofline(["a100"])
@@ -223,6 +326,8 @@ def test_bad_arguments_are_refused():
         roofline.roofline(["h100"], efficiency=1.5)
     with pytest.raises(InputError, match="attention"):
         roofline.roofline(["h100"], attention="flash")
+    with pytest.raises(InputError, match="storage"):
+        roofline.roofline(["h100"], storage="int2")
 
 
 # --- the CLI ----------------------------------------------------------------------------
@@ -251,6 +356,26 @@ def test_cli_json(tiny_models, capsys):
     report = json.loads(capsys.readouterr().out)
     assert {r["device"] for r in report["rows"]} == {"h100"}
     assert report["published"]["eagle3_tokens_per_s"] == 373.25
+
+
+def test_cli_roofline_storage(tiny_models, capsys):
+    """`eaglejax roofline DEVICE... --storage S --batch-size B`, and `bench --roofline`'s
+    --weight-dtype without a model."""
+    argv = ["roofline", "h100", "tpu-v5e", "--storage", "int8", "--batch-size", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "int8 target matrices" in out and "target weights in int8:" in out
+    table = out.split("assumptions")[0]
+    assert "h100" in table and "tpu-v5e" in table and "    8  " not in table
+    assert cli.main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["weights"]["storage"] == "int8" and {r["batch"] for r in report["rows"]} == {1}
+    assert cli.main(["bench", "--roofline", "h100", "--weight-dtype", "int4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights"]["storage"] == "int4"
+    assert cli.main(["bench", "--roofline", "h100", "--weight-dtype", "float16"]) == 2
+    assert "bfloat16, int8, int4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["roofline", "h100", "--storage", "int2"])
 
 
 def test_cli_unknown_device(capsys):
@@ -319,8 +444,9 @@ def test_bench_puts_the_run_beside_its_roofline(tmp_path, capsys):
     (expected,) = roofline.predict("h100", config, batch=1,
                                    context=report["mean_context_tokens"])
     assert plain["tokens_per_s"] == pytest.approx(expected["tokens_per_s"])
+    assert plain["storage"] == "bfloat16" and plain["weights_fit"] is True
     assert beside["same_device"] is (jax.default_backend() == "gpu" and roofline.runs_on(
         "h100", jax.devices()[0].device_kind))
     text = describe_beside_roofline(beside)
-    assert "roofline for h100" in text and "at AL" in text
+    assert "roofline for h100 (bfloat16 weights" in text and "at AL" in text
     assert ("not measured on the h100" in text) is not beside["same_device"]

@@ -29,6 +29,14 @@ How the CPU compile is made to count what an accelerator moves:
     attention is a stand-in with a fused kernel's traffic (`fused_attention_traffic`: it
     reads q, the cache and the new K/V once and writes the output); FLOPs always come from
     the real XLA attention. attention="xla" takes both from the XLA path.
+
+Quantized weight storage (`storage` "int8" or "int4", or a loaded target's own) is
+weight-only quantization as accelerators run it: the target's matrices are read as stored
+and dequantized to bfloat16 in each matmul's prologue, so the FLOPs stay bfloat16's and
+each read of them moves their stored bytes instead of 2 a weight (`WeightBytes`; norms,
+draft heads, draft models and the KV cache stay bfloat16). The costs are compiled once in
+bfloat16 and the difference is taken off every read of the target's weights: one per plain
+step or round, plus a drafter's reads of the target's output head (`head_reads`).
 """
 
 from __future__ import annotations
@@ -54,31 +62,33 @@ from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.draft import head
 from eaglejax.draft.config import DraftConfig
 from eaglejax.errors import InputError
-from eaglejax.models import llama
+from eaglejax.models import llama, quantized
 from eaglejax.programs import hlo
 from eaglejax.programs.reference import dflash_head, eagle3_head, llama31_8b, llama32_1b
 
 
 @dataclasses.dataclass(frozen=True)
 class Device:
-    """An accelerator's published peaks: HBM bytes/s and dense bfloat16 FLOP/s."""
+    """An accelerator's published peaks: HBM bytes/s and dense bfloat16 FLOP/s, and its HBM
+    capacity in bytes."""
 
     name: str
     bandwidth: float
     peak_flops: float
+    memory: float
     source: str
 
 
 DEVICES = {d.name: d for d in (
-    # NVIDIA H100 Tensor Core GPU datasheet, SXM5: HBM3 3.35 TB/s; BF16 Tensor Core 1,979
-    # TFLOPS with 2:4 sparsity, i.e. 989.4 dense.
-    Device("h100", 3.35e12, 989.4e12, "NVIDIA H100 SXM datasheet"),
-    # NVIDIA H200 datasheet, SXM: HBM3e 4.8 TB/s; the H100's tensor cores (989.4 dense).
-    Device("h200", 4.8e12, 989.4e12, "NVIDIA H200 SXM datasheet"),
-    # cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16 per chip, HBM2 819 GBps.
-    Device("tpu-v5e", 819e9, 197e12, "Cloud TPU v5e docs"),
-    # cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16 per chip, HBM2e 2,765 GBps.
-    Device("tpu-v5p", 2765e9, 459e12, "Cloud TPU v5p docs"),
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM5: 80 GB of HBM3 at 3.35 TB/s; BF16 Tensor
+    # Core 1,979 TFLOPS with 2:4 sparsity, i.e. 989.4 dense.
+    Device("h100", 3.35e12, 989.4e12, 80e9, "NVIDIA H100 SXM datasheet"),
+    # NVIDIA H200 datasheet, SXM: 141 GB of HBM3e at 4.8 TB/s; the H100's tensor cores.
+    Device("h200", 4.8e12, 989.4e12, 141e9, "NVIDIA H200 SXM datasheet"),
+    # cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16 per chip, HBM2 16 GB, 819 GBps.
+    Device("tpu-v5e", 819e9, 197e12, 16e9, "Cloud TPU v5e docs"),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16 per chip, HBM2e 95 GB, 2,765 GBps.
+    Device("tpu-v5p", 2765e9, 459e12, 95e9, "Cloud TPU v5p docs"),
 )}
 
 # SGLang's EAGLE-3 announcement: Llama-3.1-8B-Instruct, MT-bench, one H100, batch 1.
@@ -87,6 +97,7 @@ PUBLISHED = {"device": "h100", "batch": 1, "source": "SGLang, EAGLE-3 on MT-benc
 
 COMPILE_DTYPE = jnp.float32  # see the module docstring
 STORAGE_BYTES = 2  # bfloat16 weights and KV cache
+STORAGES = ("bfloat16", "int8", "int4")  # the target's weight storage (module docstring)
 MAX_TOKENS = 128  # the output buffer's length (a few hundred bytes per row)
 PROMPT = 16  # the prompt length the abstract state is shaped by (nothing is prefilled)
 ATTENTION = ("fused", "xla")
@@ -110,6 +121,87 @@ def parameter_bytes(config: ModelConfig, itemsize: int = STORAGE_BYTES) -> int:
     """Bytes of a target's parameters at `itemsize` bytes each."""
     infos = jax.tree.leaves(llama.param_info(config), is_leaf=llama.is_param_info)
     return itemsize * sum(math.prod(i.shape) for i in infos)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightBytes:
+    """A target's parameter bytes in `storage`: all of them (`total`), its matrices'
+    (`matrices`, of `matrix_weights` weights), what one forward reads whole (`read`: all
+    but an untied embedding table, whose lookups read a few rows) and its output head's
+    (`head`)."""
+
+    storage: str
+    total: float
+    matrices: float
+    matrix_weights: int
+    read: float
+    head: float
+
+    @property
+    def bits_per_weight(self) -> float:
+        """The matrices' stored bits per weight (scales and minimums included)."""
+        return 8 * self.matrices / self.matrix_weights
+
+
+def _stored_bytes(info: llama.ParamInfo, storage: str) -> float:
+    """Bytes of one parameter in `storage` as the library stores it: int8 1 a weight and a
+    float32 scale per output row, int4 5/8 a weight (4-bit values, a float16 scale and
+    minimum per 32); vectors, and matrices whose shape does not tile, 2 a weight."""
+    n = math.prod(info.shape)
+    if not info.matrix or storage == "bfloat16" or not quantized.tiles(info.shape):
+        return STORAGE_BYTES * n
+    return n + 4 * (n // info.shape[-1]) if storage == "int8" else n * 5 / 8
+
+
+def weight_bytes(config: ModelConfig, storage: str = "bfloat16", params: Any = None
+                 ) -> WeightBytes:
+    """`config`'s `WeightBytes` in `storage` (`STORAGES`); with `params` (a loaded
+    target's, `storage` naming them, e.g. "Q4_1 + Q8_0 blocks"), the nbytes of the matrices
+    it keeps quantized and 2 bytes a weight for the rest."""
+    if params is None and storage not in STORAGES:
+        raise InputError(f"storage must be one of {STORAGES}, got {storage!r}")
+    infos = llama.param_info(config)
+    if params is None:
+        sizes = jax.tree.map(lambda i: _stored_bytes(i, storage), infos,
+                             is_leaf=llama.is_param_info)
+    else:
+        sizes = jax.tree.map(lambda i, p: p.nbytes if quantized.is_int8(p)
+                             else STORAGE_BYTES * math.prod(i.shape),
+                             infos, params, is_leaf=llama.is_param_info)
+    pairs = list(zip(jax.tree.leaves(infos, is_leaf=llama.is_param_info),
+                     jax.tree.leaves(sizes)))
+    total = sum(size for _, size in pairs)
+    return WeightBytes(
+        storage, total, sum(size for i, size in pairs if i.matrix),
+        sum(math.prod(i.shape) for i, _ in pairs if i.matrix),
+        total - (0 if config.tie_word_embeddings else sizes["embed"]),
+        sizes.get("lm_head", sizes["embed"]))
+
+
+def head_reads(draft: DraftConfig | ModelConfig | None, spec: SpecConfig | None) -> int:
+    """Reads of the target's output head by one round's drafting: one for a DFlash drafter
+    without its own (one forward), one per draft depth for an EAGLE-1/2 head; none for
+    EAGLE-3 heads (their own `lm_head`) and draft models."""
+    if not isinstance(draft, DraftConfig) or spec is None or draft.kind == "eagle3" \
+            or (draft.kind == "dflash" and draft.reduced_vocab):
+        return 0
+    return 1 if draft.kind == "dflash" else spec.draft_depth
+
+
+def quantized_bytes(moved: float, config: ModelConfig, stored: WeightBytes,
+                    drafter_head_reads: int = 0) -> float:
+    """A program's `moved` bytes (bfloat16 weights) with the target's weights in `stored`:
+    less their saving on one read of them and `drafter_head_reads` more of the head."""
+    bf16 = weight_bytes(config)
+    return moved - (bf16.read - stored.read) - drafter_head_reads * (bf16.head - stored.head)
+
+
+def _describe_storage(stored: WeightBytes) -> str:
+    if stored.storage == "bfloat16":
+        return "bfloat16 weights and KV cache"
+    return (f"{stored.storage} target matrices ({stored.bits_per_weight:.2f} bits a weight, "
+            f"dequantized to bfloat16 in each matmul: bfloat16 FLOPs); norms, draft heads, "
+            f"draft models and the KV cache in bfloat16")
 
 
 def _abstract(infos: Any) -> Any:
@@ -293,8 +385,8 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
              config: ModelConfig | None = None, draft: DraftConfig | None = None,
              draft_model: ModelConfig | None = None, draft_model_name: str = "Llama-3.2-1B",
              model_chain: SpecConfig = SpecConfig.draft_model(4), model_chain_al: float = 3.0,
-             dflash: SpecConfig = SpecConfig.dflash(15), dflash_al: float = 5.0
-             ) -> dict[str, Any]:
+             dflash: SpecConfig = SpecConfig.dflash(15), dflash_al: float = 5.0,
+             storage: str = "bfloat16") -> dict[str, Any]:
     """Predicted decode speed of the plain step, a chain round, a P-EAGLE parallel chain
     round, a tree round, a DFlash block round and a draft model's chain round for every
     batch and device, as a JSON-ready report.
@@ -309,8 +401,9 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
     gsm8k), and Llama-3.2-1B drafting a chain of K=4 at an
     assumed AL of 3.0 (about 0.75 of its tokens accepted in turn; with a given `config`,
     the draft model's row needs `draft_model`, named `draft_model_name`); `efficiency`
-    scales both peaks (1.0: the pure roofline, an upper bound on speed); `attention` as in
-    the module docstring."""
+    scales both peaks (1.0: the pure roofline, an upper bound on speed); `attention` and
+    the target's weight `storage` (`STORAGES`) as in the module docstring. "weights" gives
+    the target's weight bytes in that storage and whether they fit each device's HBM."""
     devs = [device(d) for d in devices]
     if not 0 < efficiency <= 1:
         raise InputError(f"efficiency must be in (0, 1], got {efficiency!r}")
@@ -318,45 +411,51 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
         raise InputError(f"attention must be one of {ATTENTION}, got {attention!r}")
     given_config = config
     config = llama31_8b() if config is None else config
+    stored = weight_bytes(config, storage)
     draft = eagle3_head(config) if draft is None else draft
     parallel_draft = dataclasses.replace(draft, mask_token_id=draft.draft_vocab_size - 1)
     parallel_al = chain_al if parallel_al is None else parallel_al
     if draft_model is None and given_config is None:
         draft_model = llama32_1b()
-    programs = [("plain step", 1.0, lambda b: plain_step_cost(config, b, context)),
-                (chain.describe(), chain_al,
+    dflash_draft = dflash_head(config)
+    # (label, AL, the drafter's reads of the target's output head, cost at a batch)
+    programs = [("plain step", 1.0, 0, lambda b: plain_step_cost(config, b, context)),
+                (chain.describe(), chain_al, head_reads(draft, chain),
                  lambda b: spec_round_cost(config, draft, chain, b, context)),
-                (parallel.describe(), parallel_al,
+                (parallel.describe(), parallel_al, head_reads(parallel_draft, parallel),
                  lambda b: spec_round_cost(config, parallel_draft, parallel, b, context)),
-                (tree.describe(), tree_al,
+                (tree.describe(), tree_al, head_reads(draft, tree),
                  lambda b: spec_round_cost(config, draft, tree, b, context)),
                 (f"DFlash 5 layers, {dflash.describe()}", dflash_al,
-                 lambda b: spec_round_cost(config, dflash_head(config), dflash, b, context))]
+                 head_reads(dflash_draft, dflash),
+                 lambda b: spec_round_cost(config, dflash_draft, dflash, b, context))]
     if draft_model is not None:
-        programs.append((f"{draft_model_name} {model_chain.describe()}", model_chain_al,
+        programs.append((f"{draft_model_name} {model_chain.describe()}", model_chain_al, 0,
                          lambda b: spec_round_cost(config, draft_model, model_chain, b,
                                                    context)))
     rows = []
     for batch in batches:
-        costs = [(label, al, cost(batch)) for label, al, cost in programs]
+        costs = [(label, al, reads, cost(batch)) for label, al, reads, cost in programs]
         for dev in devs:
             plain_rate = None
-            for label, al, cost in costs:
-                moved = cost.moved(attention)
+            for label, al, reads, cost in costs:
+                moved = quantized_bytes(cost.moved(attention), config, stored, reads)
+                xla_moved = quantized_bytes(cost.xla_attention_bytes, config, stored, reads)
                 t = seconds(moved, cost.flops, dev, efficiency)
                 rate = tokens_per_second(batch, t, al)
                 plain_rate = rate if plain_rate is None else plain_rate
                 memory_bound = moved / dev.bandwidth >= cost.flops / dev.peak_flops
                 rows.append(dict(device=dev.name, batch=batch, program=label,
                                  gb_accessed=moved / 1e9,
-                                 gb_xla_attention=cost.xla_attention_bytes / 1e9,
+                                 gb_xla_attention=xla_moved / 1e9,
                                  gflops=cost.flops / 1e9, ms=t * 1e3, tokens_per_s=rate,
                                  speedup=rate / plain_rate, accept_length=al,
                                  bound="memory" if memory_bound else "compute"))
     return {
         "model": f"{config.model_type} L={config.num_layers} H={config.hidden_size} "
                  f"V={config.vocab_size}, EAGLE-3 head DV={draft.draft_vocab_size}",
-        "assumptions": {"context_tokens": context, "storage": "bfloat16 weights and KV cache",
+        "assumptions": {"context_tokens": context, "storage": _describe_storage(stored),
+                        "weight_storage": storage,
                         "decoding": "greedy", "attention": attention,
                         "chain": chain.describe(), "chain_accept_length": chain_al,
                         "parallel": parallel.describe(), "parallel_accept_length": parallel_al,
@@ -367,6 +466,9 @@ def roofline(devices: list[str], batches: tuple[int, ...] = (1, 8), *, context: 
                         "draft_model_accept_length": model_chain_al,
                         "efficiency": efficiency},
         "devices": {d.name: dataclasses.asdict(d) for d in devs},
+        "weights": {"storage": storage, "gb": stored.total / 1e9,
+                    "bits_per_weight": stored.bits_per_weight,
+                    "fits": {d.name: stored.total <= d.memory for d in devs}},
         "published": PUBLISHED,
         "rows": rows,
     }
@@ -391,24 +493,29 @@ def platform_of(device_name: str) -> str:
 
 def predict(device_name: str, config: ModelConfig, *, batch: int, context: int,
             draft: DraftConfig | ModelConfig | None = None, spec: SpecConfig | None = None,
-            accept_length: float = 1.0, attention: str = "fused") -> list[dict[str, Any]]:
+            accept_length: float = 1.0, attention: str = "fused",
+            storage: str | WeightBytes = "bfloat16") -> list[dict[str, Any]]:
     """Roofline rows for one model as it runs: its plain step and, with `draft` and `spec`,
     one round at `accept_length` (e.g. a run's measured AL), at `batch` rows and `context`
-    cached tokens (bfloat16 storage, greedy; see the module docstring)."""
+    cached tokens (greedy; the target's weights in `storage`, a `STORAGES` name or a loaded
+    target's `weight_bytes`; see the module docstring), with the weights' bytes and whether
+    they fit the device."""
     dev = device(device_name)
-    programs = [("plain step", 1.0, plain_step_cost(config, batch, context))]
+    stored = storage if isinstance(storage, WeightBytes) else weight_bytes(config, storage)
+    programs = [("plain step", 1.0, 0, plain_step_cost(config, batch, context))]
     if draft is not None and spec is not None:
-        programs.append((spec.describe(), accept_length,
+        programs.append((spec.describe(), accept_length, head_reads(draft, spec),
                          spec_round_cost(config, draft, spec, batch, context)))
     rows = []
-    for label, al, cost in programs:
-        moved = cost.moved(attention)
+    for label, al, reads, cost in programs:
+        moved = quantized_bytes(cost.moved(attention), config, stored, reads)
         t = seconds(moved, cost.flops, dev)
         rows.append(dict(device=dev.name, batch=batch, program=label, accept_length=al,
                          gb_accessed=moved / 1e9, gflops=cost.flops / 1e9, ms=t * 1e3,
                          tokens_per_s=tokens_per_second(batch, t, al),
                          bound="memory" if moved / dev.bandwidth >= cost.flops / dev.peak_flops
-                         else "compute"))
+                         else "compute", storage=stored.storage,
+                         weights_gb=stored.total / 1e9, weights_fit=stored.total <= dev.memory))
     return rows
 
 
@@ -432,9 +539,15 @@ def format_report(report: dict[str, Any]) -> str:
                   + (f", AL {a['draft_model_accept_length']} for {a['draft_model']}"
                      if a["draft_model"] else "")
                   + f"; {a['efficiency']:.0%} of peak bandwidth and FLOPs"]
+    w = report["weights"]
+    lines.append(f"target weights in {w['storage']}: {w['gb']:.2f} GB; "
+                 + ", ".join(f"{'fit' if fits else 'do not fit'} the {name}'s "
+                             f"{report['devices'][name]['memory'] / 1e9:.0f} GB"
+                             for name, fits in w["fits"].items()))
     for d in report["devices"].values():
         lines.append(f"{d['name']}: {d['bandwidth'] / 1e12:.3f} TB/s, "
-                     f"{d['peak_flops'] / 1e12:.1f} TFLOP/s bf16 dense ({d['source']})")
+                     f"{d['peak_flops'] / 1e12:.1f} TFLOP/s bf16 dense, "
+                     f"{d['memory'] / 1e9:.0f} GB HBM ({d['source']})")
     p = report["published"]
     if p["device"] in report["devices"]:
         lines.append(f"published ({p['source']}, {p['device']}, batch {p['batch']}): plain "
@@ -443,7 +556,8 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def report(device_name: str, as_json: bool = False, **kwargs: Any) -> str:
-    """`eaglejax bench --roofline DEVICE`: the table (or JSON) for one device."""
-    result = roofline([device_name], **kwargs)
+def report(devices: str | list[str], as_json: bool = False, **kwargs: Any) -> str:
+    """`eaglejax bench --roofline DEVICE`, `eaglejax roofline DEVICE...`: the table (or
+    JSON) for the devices (`roofline`'s keyword arguments)."""
+    result = roofline([devices] if isinstance(devices, str) else list(devices), **kwargs)
     return json.dumps(result, indent=2) if as_json else format_report(result)
