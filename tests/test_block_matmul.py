@@ -11,8 +11,9 @@ import pytest
 
 from eaglejax.models import gguf_blocks, llama
 from eaglejax.models.gguf_blocks import KINDS, BlockMatrix, HostBlocks
+from eaglejax.models import quantized
 from eaglejax.models.quantized import BLOCK
-from eaglejax.native import block_matmul
+from eaglejax.native import block_matmul, int8_matmul
 from eaglejax.native.few_row_matmul import MAX_ROWS
 from tolerances import FORWARD_UNITS, assert_close_scaled, scaled_error
 
@@ -91,6 +92,36 @@ def test_kernel_equals_the_formula_and_each_row_alone(kind):
         # far outside the check.
         wide = x.astype(np.float64) @ blocks.dequantized().astype(np.float64).T
         assert scaled_error(wide, formula(x, blocks)) > 100 * FORWARD_UNITS
+
+
+def test_more_rows_than_a_call_go_in_blocks():
+    """37 rows (a prefill chunk, a large serving batch) go through the kernels 16 at a time:
+    every row, its residual and its norm, as that row alone, bit for bit (GGUF blocks and
+    int8 storage alike)."""
+    assert block_matmul.available() and int8_matmul.available()
+    rng = np.random.default_rng(11)
+    matrix = gguf_blocks.pack(blocks_of("Q4_1", 64, 96, rng))
+    x = rng.normal(size=(37, 96)).astype(np.float32)
+    residual = rng.normal(size=(37, 64)).astype(np.float32)
+    norm = jnp.asarray(rng.normal(size=96).astype(np.float32))
+    kind = matrix.block_kind
+    ref = reference(matrix, 1e-5, False)
+    product = jax.jit(lambda x, r: block_matmul.linear(
+        x, matrix.packed, matrix.scales, matrix.mins, ref, offset=kind.offset, bits=kind.bits,
+        norm=norm, eps=1e-5, residual=r))
+    alone = np.concatenate([np.asarray(product(x[i:i + 1], residual[i:i + 1]))
+                            for i in range(37)])
+    np.testing.assert_array_equal(np.asarray(product(x, residual)), alone)
+
+    int8 = quantized.quantize(rng.normal(size=(64, 96)).astype(np.float32))
+
+    def int8_reference(rows, packed, scales, norm, residual):
+        return quantized.product(rows, quantized.Int8Matrix(packed, scales, int8.shape))
+
+    int8_product = jax.jit(lambda x: int8_matmul.linear(x, int8.packed, int8.scales,
+                                                        int8_reference))
+    alone = np.concatenate([np.asarray(int8_product(x[i:i + 1])) for i in range(37)])
+    np.testing.assert_array_equal(np.asarray(int8_product(x)), alone)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
