@@ -95,7 +95,7 @@ def test_kernel_equals_the_formula_and_each_row_alone(kind):
 
 
 def test_more_rows_than_a_call_go_in_blocks():
-    """37 rows (a prefill chunk, a large serving batch) go through the kernels 16 at a time:
+    """37 rows (a prefill chunk, a large serving batch) go through the weights 16 at a time:
     every row, its residual and its norm, as that row alone, bit for bit (GGUF blocks and
     int8 storage alike)."""
     assert block_matmul.available() and int8_matmul.available()

@@ -10,7 +10,6 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import jax
-import jax.numpy as jnp
 
 from eaglejax.sharding.rules import over_mesh
 
@@ -52,18 +51,3 @@ def on_cpu(kernel: Callable, reference: Callable) -> Callable:
     run.defvjp(forward, backward)
     return run
 
-
-def in_row_blocks(kernel: Callable, size: int) -> Callable:
-    """`kernel(rows, *weights, residual)` for any number of rows: consecutive blocks of at
-    most `size` rows (with their rows of `residual`, or None) go through it one after the
-    other and the results are stacked. For kernels of a few rows that sum each row alone, so
-    a block reproduces its rows exactly; each block reads the weights once."""
-    def run(rows: jax.Array, *args):
-        *weights, residual = args
-        if rows.shape[0] <= size:
-            return kernel(rows, *args)
-        return jnp.concatenate([
-            kernel(rows[i:i + size], *weights, None if residual is None else residual[i:i + size])
-            for i in range(0, rows.shape[0], size)])
-
-    return run

@@ -247,12 +247,12 @@ ffi::Error block_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const bool minimums = mins.element_count() == 0 ||
                         (md.size() == 3 && md[0] == dd[0] && md[1] == dd[1] && md[2] == dd[2]);
   if (!packed || K == 0 || K % kBlock != 0 || !scales || !minimums || xd.size() != 2 ||
-      xd[0] > kMaxRows || xd[1] != width || yd.size() != 2 || yd[0] != xd[0] || yd[1] != N ||
+      xd[1] != width || yd.size() != 2 || yd[0] != xd[0] || yd[1] != N ||
       prologue < kPlain || prologue > kSiluGate ||
       (prologue == kRmsNorm && scale.element_count() != K) ||
       (residual.element_count() != 0 && residual.element_count() != xd[0] * N)) {
     return ffi::Error::InvalidArgument(
-        "block_matmul: expected bits 4 or 8, x [M,K] (M <= 16; [M,2K] for silu(gate) * up), "
+        "block_matmul: expected bits 4 or 8, x [M,K] ([M,2K] for silu(gate) * up), "
         "packed [N/16,K/8,16,4] (4 bits) or [N/16,K/4,16,4] (8 bits) with K % 32 == 0, "
         "scales float16 [N/16,K/32,16], mins the same or empty, y [M,N], a norm scale [K] "
         "with the RMS norm, and a residual [M,N] or none");
@@ -261,21 +261,26 @@ ffi::Error block_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   std::vector<float> rows;
   const float* a = prologue_rows(static_cast<Prologue>(prologue), x.typed_data(), M, K,
                                  scale.typed_data(), eps, rows);
-  auto job = std::make_shared<Job>();
-  job->w = w.typed_data();
-  job->d = d.typed_data();
-  job->mins = mins.element_count() != 0 ? mins.typed_data() : nullptr;
-  job->x = quantize_rows(a, M, K);
-  job->y = y->typed_data();
-  job->M = M;
-  job->K = K;
-  job->N = N;
-  job->offset = offset;
-  job->bits = bits;
-  job->run_tiles = tiles_per_run(N / kTile, pool.num_threads());
-  parallel_tasks(pool, (N / kTile + job->run_tiles - 1) / job->run_tiles, [job] {
-    return [job](int64_t chunk) { run_chunk(*job, chunk); };
-  });
+  // Blocks of up to kMaxRows rows, one after the other (a prefill chunk, a large batch):
+  // each reads the weights once, its rows summed exactly as alone.
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int64_t rows_in_block = std::min(kMaxRows, M - m0);
+    auto job = std::make_shared<Job>();
+    job->w = w.typed_data();
+    job->d = d.typed_data();
+    job->mins = mins.element_count() != 0 ? mins.typed_data() : nullptr;
+    job->x = quantize_rows(a + m0 * K, rows_in_block, K);
+    job->y = y->typed_data() + m0 * N;
+    job->M = rows_in_block;
+    job->K = K;
+    job->N = N;
+    job->offset = offset;
+    job->bits = bits;
+    job->run_tiles = tiles_per_run(N / kTile, pool.num_threads());
+    parallel_tasks(pool, (N / kTile + job->run_tiles - 1) / job->run_tiles, [job] {
+      return [job](int64_t chunk) { run_chunk(*job, chunk); };
+    });
+  }
   if (residual.element_count() != 0) add_residual(y->typed_data(), residual.typed_data(), M * N);
   return ffi::Error::Success();
 }

@@ -1,12 +1,12 @@
 """x [..., K] . w[N,K]^T for a few rows of float32 x with w in GGUF block storage
 (`models.gguf_blocks`: Q4_0, Q4_1 or Q8_0 blocks as the file stores them, x quantized to
 int8 in blocks of 32, integer block sums) by the native CPU kernel `block_matmul.cc`
-(AVX-512 VNNI; 4-bit values unpacked once per weight line for every row, so a verify block
-costs about what the weight stream of 4.5 to 8.5 bits a weight does). More than 16
-rows go through it 16 at a time; other platforms and traces over a mesh keep XLA's operations (`models.gguf_blocks.product`,
-the same values up to float32 rounding); the norm / silu(gate) * up prologues and the
-residual ride along as in `few_row_matmul`. Gradients are those of the XLA reference the
-caller passes.
+(AVX-512 VNNI; 4-bit values unpacked once per weight line for up to 8 rows, so a verify block
+costs about what the weight stream of 4.5 to 8.5 bits a weight does). More than 16 rows go
+through the weights 16 at a time; other platforms and traces over a mesh keep XLA's
+operations (`models.gguf_blocks.product`, the same values up to float32 rounding); the norm
+/ silu(gate) * up prologues and the residual ride along as in `few_row_matmul`. Gradients
+are those of the XLA reference the caller passes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 
 from eaglejax import native
 from eaglejax.native import build
-from eaglejax.native.few_row_matmul import MAX_ROWS, PLAIN, RMS_NORM, SILU_GATE
+from eaglejax.native.few_row_matmul import PLAIN, RMS_NORM, SILU_GATE
 
 TARGET = "eaglejax_block_matmul"
 
@@ -35,9 +35,8 @@ def available() -> bool:
 def applies(x: jax.Array) -> bool:
     """Whether `linear(x, ...)` runs the kernel on CPU: float32 x with rows, the kernel
     available, and not inside `native.xla_only()` or over a mesh. More than MAX_ROWS rows
-    (prefill chunks, large serving batches) go through it MAX_ROWS at a time: each block
-    reads the weights once, which beats widening every weight to float32 for XLA's
-    product."""
+    (prefill chunks, large serving batches) go through the weights MAX_ROWS at a time in
+    one call, which beats widening every weight to float32 for XLA's product."""
     return (native.kernels_allowed() and x.dtype == jnp.float32
             and math.prod(x.shape[:-1]) >= 1 and available())
 
@@ -68,6 +67,6 @@ def linear(x: jax.Array, packed: jax.Array, scales: jax.Array, mins: jax.Array,
     if residual is not None:
         residual = residual.reshape(-1, n).astype(jnp.float32)
     kernel = functools.partial(_native, float(eps), gated, int(offset), int(bits))
-    run = native.on_cpu(native.in_row_blocks(kernel, MAX_ROWS), reference)
+    run = native.on_cpu(kernel, reference)
     y = run(rows, packed, scales, mins, norm, residual)
     return y.reshape(*x.shape[:-1], n)

@@ -159,12 +159,12 @@ ffi::Error int8_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const bool packed = wd.size() == 4 && wd[2] == kTile && wd[3] == 4;
   const int64_t N = packed ? wd[0] * kTile : 0, K = packed ? wd[1] * 4 : 0;
   const int64_t width = prologue == kSiluGate ? 2 * K : K;
-  if (!packed || K % kBlock != 0 || xd.size() != 2 || xd[0] > kMaxRows || xd[1] != width || s.element_count() != N ||
+  if (!packed || K % kBlock != 0 || xd.size() != 2 || xd[1] != width || s.element_count() != N ||
       prologue < kPlain || prologue > kSiluGate ||
       (prologue == kRmsNorm && scale.element_count() != K) ||
       (residual.element_count() != 0 && residual.element_count() != xd[0] * N)) {
     return ffi::Error::InvalidArgument(
-        "int8_matmul: expected x [M,K] (M <= 16; [M,2K] for silu(gate) * up), w packed [N/16,K/4,16,4] "
+        "int8_matmul: expected x [M,K] ([M,2K] for silu(gate) * up), w packed [N/16,K/4,16,4] "
         "with K % 32 == 0, row scales [N], a norm scale [K] with the RMS norm, and a residual "
         "[M,N] or none");
   }
@@ -172,18 +172,23 @@ ffi::Error int8_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   std::vector<float> rows;
   const float* a = prologue_rows(static_cast<Prologue>(prologue), x.typed_data(), M, K,
                                  scale.typed_data(), eps, rows);
-  auto job = std::make_shared<Job>();
-  job->w = w.typed_data();
-  job->s = s.typed_data();
-  job->x = quantize_rows(a, M, K);
-  job->y = y->typed_data();
-  job->M = M;
-  job->K = K;
-  job->N = N;
-  job->run_tiles = tiles_per_run(N / kTile, pool.num_threads());
-  parallel_tasks(pool, (N / kTile + job->run_tiles - 1) / job->run_tiles, [job] {
-    return [job](int64_t chunk) { run_chunk(*job, chunk); };
-  });
+  // Blocks of up to kMaxRows rows, one after the other (a prefill chunk, a large batch):
+  // each reads the weights once, its rows summed exactly as alone.
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int64_t rows_in_block = std::min(kMaxRows, M - m0);
+    auto job = std::make_shared<Job>();
+    job->w = w.typed_data();
+    job->s = s.typed_data();
+    job->x = quantize_rows(a + m0 * K, rows_in_block, K);
+    job->y = y->typed_data() + m0 * N;
+    job->M = rows_in_block;
+    job->K = K;
+    job->N = N;
+    job->run_tiles = tiles_per_run(N / kTile, pool.num_threads());
+    parallel_tasks(pool, (N / kTile + job->run_tiles - 1) / job->run_tiles, [job] {
+      return [job](int64_t chunk) { run_chunk(*job, chunk); };
+    });
+  }
   if (residual.element_count() != 0) add_residual(y->typed_data(), residual.typed_data(), M * N);
   return ffi::Error::Success();
 }

@@ -1,10 +1,11 @@
 """x [..., K] . w[N,K]^T for a few rows of float32 x with w in int8 storage
-(`models.quantized`: x quantized to int8 in blocks of 32, integer block sums)
-by the native CPU kernel `int8_matmul.cc` (AVX-512 VNNI: 64 multiply-adds per instruction,
-so a verify block costs about what the weight stream does). More than 16 rows go
-through it 16 at a time; other platforms and traces over a mesh keep XLA's operations (`models.quantized.product`, the same values
-up to float32 rounding); the norm / silu(gate) * up prologues and the residual ride along
-as in `few_row_matmul`. Gradients are those of the XLA reference the caller passes.
+(`models.quantized`: x quantized to int8 in blocks of 32, integer block sums) by the native
+CPU kernel `int8_matmul.cc` (AVX-512 VNNI: 64 multiply-adds per instruction, so a verify
+block costs about what the weight stream does). More than 16 rows go through the weights 16
+at a time; other platforms and traces over a mesh keep XLA's operations
+(`models.quantized.product`, the same values up to float32 rounding); the norm / silu(gate)
+* up prologues and the residual ride along as in `few_row_matmul`. Gradients are those of
+the XLA reference the caller passes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from eaglejax import native
 from eaglejax.native import build
-from eaglejax.native.few_row_matmul import MAX_ROWS, PLAIN, RMS_NORM, SILU_GATE
+from eaglejax.native.few_row_matmul import PLAIN, RMS_NORM, SILU_GATE
 
 TARGET = "eaglejax_int8_matmul"
 
@@ -33,9 +34,8 @@ def available() -> bool:
 def applies(x: jax.Array) -> bool:
     """Whether `linear(x, ...)` runs the kernel on CPU: float32 x with rows, the kernel
     available, and not inside `native.xla_only()` or over a mesh. More than MAX_ROWS rows
-    (prefill chunks, large serving batches) go through it MAX_ROWS at a time: each block
-    reads the weights once, which beats widening every weight to float32 for XLA's
-    product."""
+    (prefill chunks, large serving batches) go through the weights MAX_ROWS at a time in
+    one call, which beats widening every weight to float32 for XLA's product."""
     return (native.kernels_allowed() and x.dtype == jnp.float32
             and math.prod(x.shape[:-1]) >= 1 and available())
 
@@ -63,6 +63,6 @@ def linear(x: jax.Array, packed: jax.Array, scales: jax.Array,
     if residual is not None:
         residual = residual.reshape(-1, n).astype(jnp.float32)
     kernel = functools.partial(_native, float(eps), gated)
-    run = native.on_cpu(native.in_row_blocks(kernel, MAX_ROWS), reference)
+    run = native.on_cpu(kernel, reference)
     y = run(rows, packed, scales, norm, residual)
     return y.reshape(*x.shape[:-1], n)

@@ -15,7 +15,7 @@ namespace {  // internal linkage, as in the kernels: each one is a library of it
 constexpr int64_t kBlock = 32;  // x values per scale
 constexpr int64_t kTile = 16;   // output rows per packed tile
 constexpr int64_t kGroupsPerBlock = kBlock / 4;
-constexpr int64_t kMaxRows = 16;  // rows per call (the float sums of a tile stay in L1)
+constexpr int64_t kMaxRows = 16;  // rows per pass over the weights (their float sums stay in L1)
 
 // x quantized per row and block: p as int8 (4 per 32-bit word, as vpdpbusd broadcasts
 // them), t = max|x| / 127, and each block's sum(p) (a kernel's integer sums start at
