@@ -55,12 +55,13 @@ def transformers_prefill_s(model, ids: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def bench_prefill(lengths: list[int], repeats: int) -> list[dict[str, float]]:
+def bench_prefill(lengths: list[int], repeats: int,
+                  weight_dtype: str | None = None) -> list[dict[str, float]]:
     from eaglejax.loading.builtin import resolve_builtin
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from hf_oracle import transformers_model_from_gguf
 
-    target = eaglejax.load_target("smollm2-135m-instruct")
+    target = eaglejax.load_target("smollm2-135m-instruct", weight_dtype=weight_dtype)
     hf = transformers_model_from_gguf(resolve_builtin("smollm2-135m-instruct"))
     rows = []
     for n in lengths:
@@ -112,6 +113,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=8184)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--draft", help="draft head for --end-to-end spec")
+    parser.add_argument("--weight-dtype", default=None,
+                        help="eaglejax's weight storage in prefill mode, e.g. gguf or int8 "
+                             "(default: float32, as loaded)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     machine = f"{platform.machine()} {platform.processor() or ''}".strip()
@@ -123,7 +127,7 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
         report = {"machine": f"{machine}, {args.threads} torch threads",
-                  "rows": bench_prefill(args.lengths, args.repeats)}
+                  "rows": bench_prefill(args.lengths, args.repeats, args.weight_dtype)}
     if args.json:
         print(json.dumps(report, indent=2))
         return
