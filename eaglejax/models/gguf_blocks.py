@@ -134,29 +134,13 @@ class BlockMatrix(QuantizedMatrix):
         return KINDS[self.kind]
 
     @property
-    def dtype(self) -> jnp.dtype:
-        """int8: the products run on int8 activations, as int8 storage's do."""
-        return jnp.dtype(jnp.int8)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
     def nbytes(self) -> int:
         return sum(math.prod(a.shape) * a.dtype.itemsize
                    for a in (self.packed, self.scales, self.mins))
 
     def reshape(self, *shape: int) -> "BlockMatrix":
         """The same storage under another logical shape with the same last dim (K)."""
-        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        rows = math.prod(self.shape[:-1])
-        shape = tuple(rows // math.prod(d for d in shape[:-1] if d != -1) if d == -1 else d
-                      for d in shape)
-        if shape[-1] != self.shape[-1] or math.prod(shape[:-1]) != rows:
-            raise ValueError(f"a {self.kind} matrix {self.shape} keeps its last dim: cannot "
-                             f"reshape to {shape}")
-        return BlockMatrix(self.packed, self.scales, self.mins, shape, self.kind)
+        return BlockMatrix(self.packed, self.scales, self.mins, self.reshaped(*shape), self.kind)
 
     def values(self) -> jax.Array:
         """The stored values q + c as int16 [N, K] (c the kind's offset)."""

@@ -37,9 +37,31 @@ OFFSET = 128  # stored values are q + OFFSET
 
 class QuantizedMatrix:
     """A matrix stored quantized whose products run on int8 activations: `Int8Matrix`, or a
-    GGUF file's blocks kept as stored (`models.gguf_blocks.BlockMatrix`)."""
+    GGUF file's blocks kept as stored (`models.gguf_blocks.BlockMatrix`). Its storage is
+    [N, K] whatever its logical `shape` [..., K] (N the product of the leading dims)."""
 
     shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """int8: what the products multiply."""
+        return jnp.dtype(jnp.int8)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def reshaped(self, *shape: int) -> tuple[int, ...]:
+        """Another logical shape of the same storage (`reshape`'s arguments, -1 allowed):
+        the same last dim K and the same N."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        rows = math.prod(self.shape[:-1])
+        shape = tuple(rows // math.prod(d for d in shape[:-1] if d != -1) if d == -1 else d
+                      for d in shape)
+        if shape[-1] != self.shape[-1] or math.prod(shape[:-1]) != rows:
+            raise ValueError(f"a quantized matrix {self.shape} keeps its last dim: cannot "
+                             f"reshape to {shape}")
+        return shape
 
 
 @jax.tree_util.register_pytree_node_class
@@ -67,27 +89,12 @@ class Int8Matrix(QuantizedMatrix):
                    jax.ShapeDtypeStruct((n,), jnp.float32), shape)
 
     @property
-    def dtype(self) -> jnp.dtype:
-        return jnp.dtype(jnp.int8)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
     def nbytes(self) -> int:
         return math.prod(self.packed.shape) + 4 * math.prod(self.scales.shape)
 
     def reshape(self, *shape: int) -> "Int8Matrix":
         """The same storage under another logical shape with the same last dim (K)."""
-        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        rows = math.prod(self.shape[:-1])
-        shape = tuple(rows // math.prod(d for d in shape[:-1] if d != -1) if d == -1 else d
-                      for d in shape)
-        if shape[-1] != self.shape[-1] or math.prod(shape[:-1]) != rows:
-            raise ValueError(f"an int8 matrix {self.shape} keeps its last dim: cannot "
-                             f"reshape to {shape}")
-        return Int8Matrix(self.packed, self.scales, shape)
+        return Int8Matrix(self.packed, self.scales, self.reshaped(*shape))
 
     def values(self) -> jax.Array:
         """q as int8 [N, K]."""

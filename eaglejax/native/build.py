@@ -8,8 +8,8 @@ temporary name and is renamed into place, so concurrent processes never load a
 half-written file. `$CXX` picks the compiler (default `g++`, then `c++`, then `clang++`);
 `EAGLEJAX_NATIVE=0` turns native kernels off.
 Loading a target on CPU (or the first kernel asked for) starts the builds of every kernel
-in the folder at once in the background, one compiler process per core (a cold start spends about 16 s of compiler time on the six
-kernels: half of it on two cores). A failed build is reported once, when its kernel is
+in the folder at once in the background, one compiler process per core (a cold start spent
+about 16 s of compiler time when there were six kernels: half of it on two cores). A failed build is reported once, when its kernel is
 loaded (a warning with the compiler's message), and that kernel returns None.
 """
 
