@@ -204,8 +204,8 @@ def params_from_hf(get: Callable[[str], np.ndarray], names_and_shapes: Mapping[s
         kept = {key: leaf for key, leaf in kept.items() if leaf is not None}
         layer = layer_params_from_hf(config, lambda name, i=i: get(_LAYER.format(i=i) + name),
                                      skip=frozenset(kept))
-        layers.append({key: kept.get(key) if key in kept else to_dtype(("layers", i, key), value)
-                       for key, value in {**layer, **kept}.items()})
+        layers.append({**{key: to_dtype(("layers", i, key), value) for key, value in layer.items()},
+                       **kept})
     params: Params = {"embed": matrix("embed", "model.embed_tokens.weight"),
                       "layers": layers,
                       "final_norm": to_dtype(("final_norm",), get("model.norm.weight"))}
