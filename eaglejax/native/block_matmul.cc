@@ -157,7 +157,13 @@ void tiles(const Job& job, int64_t t0) {
       d[r] = load_half(job.d + job.at(t0 + r, b));
       mn[r] = job.mins != nullptr ? load_half(job.mins + job.at(t0 + r, b)) : d[r];
       lines[r] = job.w + (t0 + r) * job.tile_bytes() + b * block_bytes;
-      for (int64_t i = 0; i < block_bytes; i += kLine) __builtin_prefetch(lines[r] + i + 4096);
+      // The same block of the next group of tiles (RW tiles on), its scales and minimums.
+      const uint8_t* ahead = lines[r] + RW * job.tile_bytes();
+      for (int64_t i = 0; i < block_bytes; i += kLine) __builtin_prefetch(ahead + i, 0, 2);
+      if (b % 2 == 0) {
+        __builtin_prefetch(job.d + job.at(t0 + r + RW, b), 0, 2);
+        if (job.mins != nullptr) __builtin_prefetch(job.mins + job.at(t0 + r + RW, b), 0, 2);
+      }
     }
     if (job.bits == 4) {
       block_all_rows<RW, true>(job, lines, b, d, mn, sums);

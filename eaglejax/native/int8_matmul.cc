@@ -55,6 +55,7 @@ constexpr int kTilesWOneRow = 8;  // one row: more lines in flight (the stream b
 template <int MX, int RW>
 inline void block_rows(const Job& job, const uint8_t* const* lines, int64_t b, int64_t m0,
                        bool prefetch, __m512 (*sums)[kTilesWOneRow]) {
+  const int64_t ahead = RW * job.K / 4 * 64;  // the same line of the next group of tiles
   const int64_t groups = job.K / 4, blocks = job.K / kBlock;
   __m512i acc[MX][RW];
   for (int m = 0; m < MX; ++m) {
@@ -65,7 +66,7 @@ inline void block_rows(const Job& job, const uint8_t* const* lines, int64_t b, i
     __m512i wv[RW];
     for (int r = 0; r < RW; ++r) {
       wv[r] = _mm512_loadu_si512(lines[r] + g * 64);
-      if (prefetch) __builtin_prefetch(lines[r] + g * 64 + 4096);
+      if (prefetch) __builtin_prefetch(lines[r] + g * 64 + ahead, 0, 2);
     }
     for (int m = 0; m < MX; ++m) {
       const __m512i xv = _mm512_set1_epi32(job.x.words[(m0 + m) * groups + g]);

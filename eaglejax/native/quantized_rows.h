@@ -10,6 +10,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {  // internal linkage, as in the kernels: each one is a library of its own
 
 constexpr int64_t kBlock = 32;  // x values per scale
@@ -35,6 +39,20 @@ inline QuantizedX quantize_rows(const float* x, int64_t M, int64_t K) {
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* in = x + m * K + b * kBlock;
+#if defined(__AVX512F__)
+      // The same values 16 lanes at a time: an exact division, rounded to nearest even.
+      const __m512 lo = _mm512_loadu_ps(in), hi = _mm512_loadu_ps(in + 16);
+      const float t = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) /
+                      127.0f;
+      const __m512 divisor = _mm512_set1_ps(t == 0.0f ? 1.0f : t);
+      const __m512i p_lo = _mm512_cvtps_epi32(_mm512_div_ps(lo, divisor));
+      const __m512i p_hi = _mm512_cvtps_epi32(_mm512_div_ps(hi, divisor));
+      int8_t* words = reinterpret_cast<int8_t*>(q.words.data() + (m * K + b * kBlock) / 4);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(words), _mm512_cvtepi32_epi8(p_lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(words + 16), _mm512_cvtepi32_epi8(p_hi));
+      q.scales[m * blocks + b] = t;
+      q.sums[m * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(p_lo, p_hi));
+#else
       float most = 0.0f;
       for (int64_t k = 0; k < kBlock; ++k) most = std::max(most, std::fabs(in[k]));
       const float t = most / 127.0f;
@@ -48,6 +66,7 @@ inline QuantizedX quantize_rows(const float* x, int64_t M, int64_t K) {
       std::memcpy(q.words.data() + (m * K + b * kBlock) / 4, p, sizeof p);
       q.scales[m * blocks + b] = t;
       q.sums[m * blocks + b] = sum;
+#endif
     }
   }
   return q;
