@@ -10,9 +10,10 @@
 // vpdpbusd (64 unsigned weight bytes times one row's 4 signed x bytes, broadcast).
 // 8-bit values: packed [N/16, K/4, 16, 4]. 4-bit values: two lines share 64 bytes, line 2j
 // in the low nibbles and 2j + 1 in the high ones: packed [N/16, K/8, 16, 4], unpacked in
-// registers with an and and a shift and then used by up to 8 rows of x (8 rows x 2 tiles
-// from 8 rows on: a 16-row block unpacks each line twice; unpacking once into an L1
-// buffer for all rows measured the same, its stores costing what the reuse saved).
+// registers with an and and a shift and then used by a group of 4 rows of x (groups of 8
+// rows x 2 tiles ran 8-20% slower at 8-16 rows once the next tiles were prefetched;
+// unpacking once into an L1 buffer for all rows measured the same as 8-row groups, its
+// stores costing what the reuse saved).
 // Scales d and minimums mn: float16 [N/16, K/32, 16] (one 16-lane vector per tile and
 // block). A block's integer sums start at offset * sum(p), its float32 sum is
 // d * S (+ mn * sum(p)), scaled by t and added to the row's sums in block order; every
@@ -58,9 +59,8 @@ struct Job {
 };
 
 #if defined(__AVX512VNNI__)
-// 4 rows x 3 tiles: 12 integer sums, 3 weight lines and x in registers (8 rows x 2 tiles
-// for 4-bit values from 8 rows on); the float sums of every row wait in L1 while a block's
-// lines serve each group of rows.
+// 4 rows x 3 tiles: 12 integer sums, 3 weight lines and x in registers; the float sums of
+// every row wait in L1 while a block's lines serve each group of rows.
 constexpr int kRowsX = 4;
 constexpr int kTilesW = 3;
 constexpr int kTilesWOneRow = 8;  // one row: more lines in flight (the stream bounds it)
@@ -117,17 +117,11 @@ inline void block_rows(const Job& job, const uint8_t* const* lines, int64_t b, i
   }
 }
 
-// Block b of every row for RW tiles: in groups of 8 rows for one or two tiles (4-bit
-// values: each unpacked line serves 8 rows), then of 4 rows, then the rest.
+// Block b of every row for RW tiles: in groups of 4 rows, then the rest.
 template <int RW, bool Nibbles>
 inline void block_all_rows(const Job& job, const uint8_t* const* lines, int64_t b,
                            const __m512* d, const __m512* mn, __m512 (*sums)[kTilesWOneRow]) {
   int64_t m0 = 0;
-  if constexpr (RW <= 2) {
-    for (; m0 + 2 * kRowsX <= job.M; m0 += 2 * kRowsX) {
-      block_rows<2 * kRowsX, RW, Nibbles>(job, lines, b, m0, d, mn, sums);
-    }
-  }
   for (; m0 + kRowsX <= job.M; m0 += kRowsX) {
     block_rows<kRowsX, RW, Nibbles>(job, lines, b, m0, d, mn, sums);
   }
@@ -157,7 +151,10 @@ void tiles(const Job& job, int64_t t0) {
       d[r] = load_half(job.d + job.at(t0 + r, b));
       mn[r] = job.mins != nullptr ? load_half(job.mins + job.at(t0 + r, b)) : d[r];
       lines[r] = job.w + (t0 + r) * job.tile_bytes() + b * block_bytes;
-      // The same block of the next group of tiles (RW tiles on), its scales and minimums.
+      // The same block of the next group of tiles (RW tiles on), its scales and minimums
+      // (one 64-byte line per two blocks), into L2: 4 KB on in the tile's own stream left
+      // the kernel waiting on the scales and on half of each group's tiles (6 rows 28%
+      // slower, one row 17%).
       const uint8_t* ahead = lines[r] + RW * job.tile_bytes();
       for (int64_t i = 0; i < block_bytes; i += kLine) __builtin_prefetch(ahead + i, 0, 2);
       if (b % 2 == 0) {
@@ -182,9 +179,6 @@ void run_chunk(const Job& job, int64_t chunk) {
   int64_t t0 = begin;
   if (job.M == 1) {
     for (; t0 + kTilesWOneRow <= end; t0 += kTilesWOneRow) tiles<kTilesWOneRow>(job, t0);
-  }
-  if (job.bits == 4 && job.M >= 2 * kRowsX) {
-    for (; t0 + 2 <= end; t0 += 2) tiles<2>(job, t0);
   }
   for (; t0 + kTilesW <= end; t0 += kTilesW) tiles<kTilesW>(job, t0);
   for (; t0 < end; ++t0) tiles<1>(job, t0);

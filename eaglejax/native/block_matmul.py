@@ -1,8 +1,8 @@
 """x [..., K] . w[N,K]^T for a few rows of float32 x with w in GGUF block storage
 (`models.gguf_blocks`: Q4_0, Q4_1 or Q8_0 blocks as the file stores them, x quantized to
 int8 in blocks of 32, integer block sums) by the native CPU kernel `block_matmul.cc`
-(AVX-512 VNNI; 4-bit values unpacked once per weight line for up to 8 rows, so a verify block
-costs about what the weight stream of 4.5 to 8.5 bits a weight does). More than 16 rows go
+(AVX-512 VNNI; 4-bit values unpacked once per weight line for a group of 4 rows, the next
+tiles prefetched, so a verify block of 6 rows costs about 1.2x one row). More than 16 rows go
 through the weights 16 at a time; other platforms and traces over a mesh keep XLA's
 operations (`models.gguf_blocks.product`, the same values up to float32 rounding); the norm
 / silu(gate) * up prologues and the residual ride along as in `few_row_matmul`. Gradients
