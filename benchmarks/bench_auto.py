@@ -81,7 +81,7 @@ def main() -> None:
     report = summarize(per_prompt, names)
     report.update(machine=hardware.machine_report(bandwidth=False),
                   max_new_tokens=args.max_new_tokens, draft=args.draft, prompts=len(questions),
-                  weight_dtype=str(target.weight_dtype))
+                  weight_dtype=target.storage)
     if args.json:
         print(json.dumps(report, indent=2))
         return

@@ -87,7 +87,7 @@ def main() -> None:
                          "build, or EAGLEJAX_NATIVE=0)")
     target = eaglejax.load_target("smollm2-135m-instruct", weight_dtype=args.weight_dtype)
     mats = step_matrices(target.params)
-    report = {"machine": hardware.machine_report(), "weight_dtype": str(target.weight_dtype),
+    report = {"machine": hardware.machine_report(), "weight_dtype": target.storage,
               "products_ms": {}, "forward_ms": {}}
     native_products = products_fn()
     with native.xla_only():

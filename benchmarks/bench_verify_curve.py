@@ -36,7 +36,7 @@ def main() -> None:
             times[t].append(single_forward_ms(target, args.context, capacity, tokens=t,
                                               repeats=10))
     ms = {t: float(np.median(v)) for t, v in times.items()}
-    report = {"model": target.source, "weight_dtype": str(target.weight_dtype),
+    report = {"model": target.source, "weight_dtype": target.storage,
               "context": args.context, "machine": machine_report(),
               "forward_ms": ms, "in_single_steps": {t: ms[t] / ms[1] for t in sizes}}
     if args.json:

@@ -75,7 +75,7 @@ def run_interleaved(questions: list[Question], batch_size: int,
 def _header(target: Target, questions: list[Question], batch_size: int,
             max_new_tokens: int, sampling: Mapping[str, Any] | None) -> dict[str, Any]:
     return {"model": target.source, "dtype": jnp.dtype(target.dtype).name,
-            "machine": machine_report(), "batch_size": batch_size,
+            "storage": target.storage, "machine": machine_report(), "batch_size": batch_size,
             "prompts": len(questions), "max_new_tokens": max_new_tokens,
             "sampling": dict(sampling) if sampling else "greedy"}
 
