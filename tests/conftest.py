@@ -29,6 +29,20 @@ import pytest  # noqa: E402
 
 from hf_oracle import make_hf_model  # noqa: E402
 
+def share_native_builds(root):
+    """`root` (a Path) made an eaglejax cache folder whose native kernel builds are this
+    run's (a link to them): a process given it as $EAGLEJAX_CACHE loads the kernels instead
+    of building all of them again (~30 s of CPU on 2 cores, each time). Returns `root`."""
+    from eaglejax.compilation_cache import cache_root
+
+    built = cache_root() / "native"
+    built.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / "native").exists():
+        (root / "native").symlink_to(built, target_is_directory=True)
+    return root
+
+
 MEMORY_PER_WORKER = 6 * 2**30  # a worker's peak: SmolLM2, its transformers oracle, programs
 
 

@@ -17,6 +17,7 @@ import pytest
 import eaglejax
 from eaglejax import compilation_cache
 from eaglejax.cli import main
+from conftest import share_native_builds
 from eaglejax.errors import ConfigError
 
 PROMPT_TOKENS = [5, 9, 2, 17, 3]
@@ -43,7 +44,8 @@ def _run_cli(model_dir: Path, tmp_path: Path, *flags: str, **env: str) -> str:
     tmp_path/root; its stdout and stderr."""
     environ = {k: v for k, v in os.environ.items()
                if k not in ("EAGLEJAX_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR")}
-    environ.update(EAGLEJAX_CACHE=str(tmp_path / "root"), JAX_PLATFORMS="cpu", **env)
+    environ.update(EAGLEJAX_CACHE=str(share_native_builds(tmp_path / "root")),
+                   JAX_PLATFORMS="cpu", **env)
     proc = subprocess.run(
         [sys.executable, "-m", "eaglejax.cli", "generate", "w5 w9 w2 w17 w3", "--model",
          str(model_dir), "--no-chat", "--max-new-tokens", "12", "--ignore-eos", *flags],

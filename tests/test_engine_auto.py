@@ -207,13 +207,14 @@ def check_engine(target):
 if __name__ == "__main__":  # the fresh-process half of test_engine_in_a_fresh_process
     import os
 
-    from conftest import make_hf_model
+    from conftest import make_hf_model, share_native_builds
     from spec_helpers import make_selfdraftable
 
     import eaglejax
 
     directory = Path(sys.argv[1])
-    os.environ.update(EAGLEJAX_AUTOTUNE_CACHE="1", EAGLEJAX_CACHE=str(directory / "cache"))
+    os.environ.update(EAGLEJAX_AUTOTUNE_CACHE="1",
+                      EAGLEJAX_CACHE=str(share_native_builds(directory / "cache")))
     model = make_hf_model("llama", directory, seed=11, num_hidden_layers=2)
     make_selfdraftable(model)
     model.save_pretrained(directory)

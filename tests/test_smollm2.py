@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import eaglejax
+from conftest import share_native_builds
 from tolerances import FORWARD_UNITS, assert_close_scaled
 
 pytestmark = pytest.mark.slow
@@ -92,7 +93,7 @@ def test_stop_string_cuts_text_and_tokens(smollm2):
 def test_cli_generate_json(tmp_path):
     """Plain (`--no-draft`) and the default (the shipped head with `auto`, which speculates
     where that is faster as it decodes: the same tokens either way)."""
-    env = {**os.environ, "EAGLEJAX_CACHE": str(tmp_path / "cache"),
+    env = {**os.environ, "EAGLEJAX_CACHE": str(share_native_builds(tmp_path / "cache")),
            "EAGLEJAX_AUTOTUNE_CACHE": "1"}
     command = [sys.executable, "-m", "eaglejax.cli", "generate", "Name a color.",
                "--max-new-tokens", "8", "--json"]
