@@ -137,12 +137,14 @@ def fc_input(params: Params, config: DraftConfig, features: jax.Array) -> jax.Ar
 def draft_forward(params: Params, config: DraftConfig, target_params: Params, tokens: jax.Array,
                   inputs: jax.Array, positions: jax.Array, cache: KVCache | None = None, *,
                   from_features: bool = True, mask: jax.Array | None = None,
-                  attn_impl: AttentionImpl = "auto") -> DraftOutput:
+                  attn_impl: AttentionImpl = "auto", stage: bool = True) -> DraftOutput:
     """Run the head on tokens [B,T] at positions [B,T].
 
     inputs: target features [B,T,feature_size] when `from_features`, else the head's own
     previous hidden states [B,T,H] (chain steps). The new K/V rows are staged in the cache
-    after each row's valid prefix (lengths unchanged), as in the target's forward.
+    after each row's valid prefix (lengths unchanged), as in the target's forward; with
+    `stage=False` the cache is only read and returned as given (tree drafting, which
+    re-feeds its nodes at every depth: no copy of the cache per step).
     """
     d = config.decoder
     eps = d.rms_norm_eps
@@ -168,7 +170,8 @@ def draft_forward(params: Params, config: DraftConfig, target_params: Params, to
     k_new, v_new, k_bufs, v_bufs = [], [], [], []
     for i, (layer, k_cache, v_cache) in enumerate(zip(params["layers"], cache.k, cache.v)):
         x, k, v, k_buf, v_buf = decoder_layer(d, rope, x, layer, k_cache, v_cache, cache.lengths,
-                                              mask, attn_impl, attn_input if i == 0 else None)
+                                              mask, attn_impl, attn_input if i == 0 else None,
+                                              stage=stage)
         for out, value in ((k_new, k), (v_new, v), (k_bufs, k_buf), (v_bufs, v_buf)):
             out.append(value)
     staged = None if given is None else KVCache(tuple(k_bufs), tuple(v_bufs), cache.lengths)

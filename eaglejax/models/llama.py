@@ -314,15 +314,17 @@ def attention_output_and_mlp(config: ModelConfig, h: jax.Array, layer: Params,
 def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
                   layer: Params, k_cache: jax.Array, v_cache: jax.Array,
                   cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl,
-                  attn_input: jax.Array | None = None):
+                  attn_input: jax.Array | None = None, stage: bool = True):
     """One pre-norm decoder layer over residual h [B,T,H]; returns (h, k, v, k_buf, v_buf).
     `attn_input`: see `qkv_block`. On CPU, a few new tokens over a cache take the attention
-    step (rotation, staging, attention) in one native call."""
+    step (rotation, staging, attention) in one native call. `stage=False` leaves the cache
+    as it is (k_buf, v_buf are the caches given): for a caller that drops the staged cache,
+    which would otherwise cost XLA a copy of the cache for each call that writes it."""
     qkv = qkv_block(config, h, layer, attn_input)
 
     def attention_step(qkv, cos, sin, k_cache, v_cache, cache_lengths, mask):
         q, k, v = rotated_heads(config, (cos[:, :, None], sin[:, :, None]), qkv, layer)
-        if k_cache.shape[2]:
+        if stage and k_cache.shape[2]:
             # Stage the new rows first so the attention reads the updated buffer: XLA then
             # updates the cache in place instead of copying it.
             k_cache = write_block(k_cache, k, cache_lengths)
@@ -331,7 +333,7 @@ def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax
         return attn, k_cache, v_cache, k, v
 
     args = (qkv, rope[0][:, :, 0], rope[1][:, :, 0], k_cache, v_cache, cache_lengths, mask)
-    if (not config.qk_norm and resolve_impl(impl) != "pallas"
+    if (stage and not config.qk_norm and resolve_impl(impl) != "pallas"
             and cache_attention.rope_applies(qkv, k_cache)):
         attn, k_cache, v_cache, k, v = cache_attention.rope_attention(*args,
                                                                       reference=attention_step)
@@ -340,18 +342,19 @@ def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax
     return attention_output_and_mlp(config, h, layer, attn), k, v, k_cache, v_cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "impl", "kernels"))
+@functools.partial(jax.jit, static_argnames=("config", "impl", "kernels", "stage"))
 def decoder_layer_call(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
                        layer: Params, k_cache: jax.Array, v_cache: jax.Array,
                        cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl,
-                       kernels: bool):
+                       kernels: bool, stage: bool = True):
     """`decoder_layer` as a nested program: a model's layers share one shape, so a forward
     traces one layer and calls it per layer (30x less tracing for SmolLM2; XLA inlines the
     calls, so the program runs as the unrolled one). `kernels` (`native.kernels_allowed()`)
     keys the trace, so a trace with the native kernels never serves one without; code that
     swaps a function or constant the layer reads calls `decoder_layer_call.clear_cache()`."""
     del kernels
-    return decoder_layer(config, rope, h, layer, k_cache, v_cache, cache_lengths, mask, impl)
+    return decoder_layer(config, rope, h, layer, k_cache, v_cache, cache_lengths, mask, impl,
+                         stage=stage)
 
 
 def rope_for(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -369,14 +372,16 @@ def empty_cache(config: ModelConfig, batch: int, dtype: jnp.dtype) -> KVCache:
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache | None = None, *, mask: jax.Array | None = None,
-            tap_layers: tuple[int, ...] = (), attn_impl: AttentionImpl = "auto") -> ForwardOutput:
+            tap_layers: tuple[int, ...] = (), attn_impl: AttentionImpl = "auto",
+            stage: bool = True) -> ForwardOutput:
     """Run new tokens [B,T] at positions [B,T] over the cache's valid prefix.
 
     mask [B,T,T] says which new tokens each new token sees (default causal). With
     `tap_layers`, also returns the residual streams entering those layers, concatenated
     in the given order ([B,T,len*H]); layer id L means the final un-normed output.
     With none asked, no tap is computed. Layers are unrolled (not scanned) so that no
-    weight is ever copied out of a stacked array.
+    weight is ever copied out of a stacked array. The new K/V rows are staged in the cache
+    after each row's valid prefix; `stage=False` only reads it (`decoder_layer`).
     """
     batch, t_new = tokens.shape
     if mask is None:
@@ -391,7 +396,7 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
         streams.append(h)
         h, k, v, k_buf, v_buf = decoder_layer_call(config, rope, h, layer, k_cache, v_cache,
                                                   cache.lengths, mask, attn_impl,
-                                                  native.kernels_allowed())
+                                                  native.kernels_allowed(), stage)
         for out, x in ((k_new, k), (v_new, v), (k_bufs, k_buf), (v_bufs, v_buf)):
             out.append(x)
     streams.append(h)

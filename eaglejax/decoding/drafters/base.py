@@ -54,11 +54,12 @@ class Head(NamedTuple):
     attn_impl: AttentionImpl
 
     def step(self, tokens: jax.Array, inputs: jax.Array, positions: jax.Array,
-             cache: kv_cache.KVCache, mask: jax.Array | None = None):
-        """Head outputs for tokens [B,T] fed with the head's own hidden states [B,T,H]."""
+             cache: kv_cache.KVCache, mask: jax.Array | None = None, *, stage: bool = True):
+        """Head outputs for tokens [B,T] fed with the head's own hidden states [B,T,H];
+        `stage=False` where the caller drops the staged cache (`draft_forward`)."""
         return draft_forward(self.params, self.config, self.target_params, tokens, inputs,
                              positions, cache, from_features=False, mask=mask,
-                             attn_impl=self.attn_impl)
+                             attn_impl=self.attn_impl, stage=stage)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Draft-vocabulary logits [...,DV] of the head's un-normed hidden states [...,H]."""

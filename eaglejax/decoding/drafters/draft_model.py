@@ -46,11 +46,13 @@ class ModelHead(NamedTuple):
     attn_impl: AttentionImpl
 
     def step(self, tokens: jax.Array, inputs: jax.Array | None, positions: jax.Array,
-             cache: kv_cache.KVCache, mask: jax.Array | None = None) -> ForwardOutput:
+             cache: kv_cache.KVCache, mask: jax.Array | None = None, *,
+             stage: bool = True) -> ForwardOutput:
         """The model over tokens [B,T] at positions [B,T] after the cache's valid prefix
-        (`mask` [B,T,T] among the new tokens; causal by default); `inputs` are ignored."""
+        (`mask` [B,T,T] among the new tokens; causal by default); `inputs` are ignored;
+        `stage` as `Head.step`'s."""
         return forward(self.params, self.config, tokens, positions, cache, mask=mask,
-                       attn_impl=self.attn_impl)
+                       attn_impl=self.attn_impl, stage=stage)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Logits [...,DV] over the shared ids of final-normed hidden states [...,H]."""

@@ -52,7 +52,7 @@ def draft_dynamic_tree(head: Head, root: Root, top_k: int, depth: int,
         slot_mask = slot_mask.at[:, lo:hi].set(frontier["mask"] | own)
         positions = root.cache.lengths[:, None] + slot_depths[None, :hi] - 1
         hidden = head.step(slot_tokens[:, :hi], slot_inputs[:, :hi], positions, root.cache,
-                           slot_mask[:, :hi, :hi]).hidden[:, lo:hi]  # [B,k,H]
+                           slot_mask[:, :hi, :hi], stage=False).hidden[:, lo:hi]  # [B,k,H]
         child_scores, child_index = top_k_last(head.log_probs(hidden), k)  # [B,k,k]
         cum = (frontier["scores"][:, :, None] + child_scores).reshape(batch, k * k)
         tokens = head.draft_ids[child_index].reshape(batch, k * k)

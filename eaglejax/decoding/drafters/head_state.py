@@ -87,7 +87,7 @@ def _mask_slot_logits(head: "Head", cache: kv_cache.KVCache, count: int) -> jax.
     positions = cache.lengths[:, None] + jnp.arange(count)[None, :]
     out = draft_forward(head.params, head.config, head.target_params, tokens,
                         features.astype(head_dtype(head.params)), positions, cache,
-                        attn_impl=head.attn_impl)
+                        attn_impl=head.attn_impl, stage=False)
     return head.logits(out.hidden)
 
 

@@ -49,7 +49,7 @@ def draft_static_tree(head: Head, root: Root, shape: StaticShape) -> Tree:
         positions = root.cache.lengths[:, None] + jnp.asarray(depths[1:fed])[None] - 1
         mask = jnp.broadcast_to(jnp.asarray(ancestors[1:fed, 1:fed]), (batch, fed - 1, fed - 1))
         hidden = head.step(tokens[:, 1:fed], inputs[:, 1:fed], positions, root.cache,
-                           mask).hidden
+                           mask, stage=False).hidden
         picked = hidden[:, np.asarray(expanding) - 1]  # [B,E,H]
         logits = head.logits(picked)
         top = head.draft_ids[top_k_last(logits, width)[1]]  # [B,E,width]
