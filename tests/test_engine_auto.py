@@ -173,9 +173,11 @@ def check_engine(target):
     for scripted in (True, False):
         engine = Engine(target, draft, num_slots=2, capacity=96, rounds_per_call=8)
         assert engine.speculation == "auto"
+        modes = len(engine.policy.plan.modes)  # the target's plan: on a CPU, one-token
+        probe = modes - 1  # rounds before the trees
         if scripted:
-            engine.policy = Scripted(engine, [(PROBE, 1), (PLAIN, 3), (SMALL, 2), (PLAIN, 1),
-                                              (LARGE, 1), (PROBE, 2), (SMALL, 1), (PLAIN, 16)])
+            engine.policy = Scripted(engine, [(probe, 1), (PLAIN, 3), (1, 2), (PLAIN, 1),
+                                              (2, 1), (probe, 2), (3, 1), (PLAIN, 16)])
         requests = [Request(i, p, n, ignore_eos=True) for i, (p, n) in
                     enumerate(zip(prompts, limits))]
         requests.append(Request("hot", prompts[0], 20, SamplingOptions(0.8, seed=2),
@@ -191,12 +193,12 @@ def check_engine(target):
             assert 1 <= got[i].rounds <= limits[i] - 1 or limits[i] == 1
         assert len(got["hot"].token_ids) == 20
         mix = dict(engine.policy.forwards_by_mode)
-        names = [engine.policy.plan.name(m) for m in range(4)]  # the target's plan
+        names = [engine.policy.plan.name(m) for m in range(modes)]
         if scripted:
             assert set(mix) == set(names)
         else:  # the self-draft's trees accept deep paths; what requests showed is kept
             prior = engine.policy.prior
-            assert 1 + prior.accepted[names[PROBE]] / prior.rounds[names[PROBE]] > 2.0
+            assert 1 + prior.accepted[names[probe]] / prior.rounds[names[probe]] > 2.0
         assert not engine.policy.requests  # every request released
         page = ServingMetrics(engine.policy).render()[0].decode()
         for name in mix:

@@ -3,7 +3,11 @@ measured while decoding. No calibration pass: the choice adapts as the text goes
 
 The modes: plain decoding, a few dynamic trees of the device's preset top_k and depth (each
 with a context-lookup branch of `LOOKUP` copied tokens in place of its weakest nodes where
-the n-gram matched), and the probe: the largest tree with the branch grafted on top. With no
+the n-gram matched), and the probe: the largest tree with the branch grafted on top. On a
+CPU a head's plan also weighs one-token rounds (the head's best next token, or the
+context's next token where the n-gram matched: a 2-token verify costs about one step
+there; on the GGUF's blocks a fixed one-token shape decoded 1.36x plain on MT-bench, the 6-node
+tree decoded 1.06x, BENCHMARKS.md, session 32). With no
 draft the trees are suffix drafting's (`drafters.suffix`: what followed earlier matches of
 the latest tokens, no model; they hold the lookup branch's copy already, so none is added),
 and `auto` speculates where the text repeats itself. A probe
@@ -124,13 +128,17 @@ class AutoPlan:
 
     @classmethod
     def for_device(cls, platform: str, top_k: int | None = None, depth: int | None = None,
-                   *, probe_nodes: int = CPU_PROBE_NODES, method: str = "tree") -> "AutoPlan":
+                   *, probe_nodes: int = CPU_PROBE_NODES, method: str = "tree",
+                   one_token: bool = False) -> "AutoPlan":
         """The probe is the largest tree of the batch-1 preset (within `probe_nodes` with its
         branch on a CPU), the candidates the two sizes below it (a tree of 8 nodes or fewer:
         the one below and its own size, with the branch in place of its weakest nodes);
         every tree a dynamic tree of `method` ("tree": the head's, "draft_model_tree": a
         draft model's, "dflash_tree": over a DFlash head's block; "suffix": suffix
-        drafting's, `SpecConfig.suffix`'s matches and depth, with no branch)."""
+        drafting's, `SpecConfig.suffix`'s matches and depth, with no branch). With
+        `one_token` (a head's trees), the first candidate is the cheapest round, one draft
+        token: the head's best, or the context's next token where its n-gram matched (the
+        probe counts it as its best 2-node subtree with a 1-token branch)."""
         preset = SpecConfig.suffix() if method == "suffix" else SpecConfig.preset(platform, 1)
         top_k, depth = top_k or preset.top_k, depth or preset.depth
         lookup = 0 if method == "suffix" else LOOKUP
@@ -144,19 +152,25 @@ class AutoPlan:
             return spec.with_lookup(lookup, LOOKUP_NGRAM, replaces) if lookup else spec
 
         candidates = tuple(tree(s, replaces=True) for s in below)
+        if one_token and lookup:
+            candidates = (SpecConfig(method=method, top_k=top_k, depth=1, total_tokens=2)
+                          .with_lookup(1, LOOKUP_NGRAM, True), *candidates)
+            sizes = (2, *sizes)
         return cls((None, *candidates, tree(sizes[-1], replaces=False)), sizes)
 
     @classmethod
     def for_target(cls, target: Target, draft: object) -> "AutoPlan":
         """The plan for `target` and its `draft` (a head, a DFlash head or a `DraftModel`:
         their trees; None: suffix drafting's) on the default device: on a CPU, the probe's
-        size follows what bounds a verify of its matrices (`cpu_probe_nodes`)."""
+        size follows what bounds a verify of its matrices (`cpu_probe_nodes`), and a head's
+        plan weighs one-token rounds too (a 2-token verify costs about one step there)."""
         kind = draft_kind(draft)
         method = {"model": "draft_model_tree",
                   "head": "dflash_tree" if kind and draft.dflash else "tree",
                   None: "suffix"}[kind]
-        return cls.for_device(jax.default_backend(),
-                              probe_nodes=cpu_probe_nodes(target.weight_dtype), method=method)
+        platform = jax.default_backend()
+        return cls.for_device(platform, probe_nodes=cpu_probe_nodes(target.weight_dtype),
+                              method=method, one_token=platform == "cpu" and method == "tree")
 
     def name(self, mode: int) -> str:
         spec = self.modes[mode]
