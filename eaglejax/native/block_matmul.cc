@@ -11,9 +11,10 @@
 // 8-bit values: packed [N/16, K/4, 16, 4]. 4-bit values: two lines share 64 bytes, line 2j
 // in the low nibbles and 2j + 1 in the high ones: packed [N/16, K/8, 16, 4], unpacked in
 // registers with an and and a shift and then used by a group of 4 rows of x (groups of 8
-// rows x 2 tiles ran 8-20% slower at 8-16 rows once the next tiles were prefetched;
-// unpacking once into an L1 buffer for all rows measured the same as 8-row groups, its
-// stores costing what the reuse saved).
+// rows x 2 tiles ran 8-20% slower at 8-16 rows once the next tiles were prefetched, 6 x 2
+// and 6 x 3 4-15% slower; unpacking once into an L1 buffer for all rows measured the same
+// as 8-row groups, its stores costing what the reuse saved). One row runs the same groups
+// of 3 tiles: 8 tiles at a time ran 7-13% slower.
 // Scales d and minimums mn: float16 [N/16, K/32, 16] (one 16-lane vector per tile and
 // block). A block's integer sums start at offset * sum(p), its float32 sum is
 // d * S (+ mn * sum(p)), scaled by t and added to the row's sums in block order; every
@@ -63,14 +64,22 @@ struct Job {
 // every row wait in L1 while a block's lines serve each group of rows.
 constexpr int kRowsX = 4;
 constexpr int kTilesW = 3;
-constexpr int kTilesWOneRow = 8;  // one row: more lines in flight (the stream bounds it)
+
+// An opaque copy of a weight line: what is unpacked from it is unpacked again for each group
+// of rows. Left to itself the compiler hoists the unpacking of all 3 tiles' 8 lines out of
+// the loop over groups of rows (24 registers) and spills the sums instead (4-5% slower at
+// 8-12 rows).
+inline __m512i opaque(__m512i v) {
+  asm volatile("" : "+v"(v));
+  return v;
+}
 
 // Block b of rows m0..m0+MX-1 for RW tiles, added to sums[m][r]. The block's 8 lines of
 // tile r are at lines[r] (8-bit values), or with Nibbles its 4 packed lines, unpacked in
 // registers.
 template <int MX, int RW, bool Nibbles>
 inline void block_rows(const Job& job, const uint8_t* const* lines, int64_t b, int64_t m0,
-                       const __m512* d, const __m512* mn, __m512 (*sums)[kTilesWOneRow]) {
+                       const __m512* d, const __m512* mn, __m512 (*sums)[kTilesW]) {
   const int64_t groups = job.K / 4, blocks = job.K / kBlock;
   __m512i acc[MX][RW];
   for (int m = 0; m < MX; ++m) {
@@ -83,7 +92,7 @@ inline void block_rows(const Job& job, const uint8_t* const* lines, int64_t b, i
     for (int j = 0; j < kGroupsPerBlock / 2; ++j) {
       __m512i lo[RW], hi[RW];
       for (int r = 0; r < RW; ++r) {
-        const __m512i v = _mm512_loadu_si512(lines[r] + j * kLine);
+        const __m512i v = opaque(_mm512_loadu_si512(lines[r] + j * kLine));
         lo[r] = _mm512_and_si512(v, low);
         hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
@@ -99,7 +108,7 @@ inline void block_rows(const Job& job, const uint8_t* const* lines, int64_t b, i
   } else {
     for (int g = 0; g < kGroupsPerBlock; ++g) {
       __m512i wv[RW];
-      for (int r = 0; r < RW; ++r) wv[r] = _mm512_loadu_si512(lines[r] + g * kLine);
+      for (int r = 0; r < RW; ++r) wv[r] = opaque(_mm512_loadu_si512(lines[r] + g * kLine));
       for (int m = 0; m < MX; ++m) {
         const __m512i xv = _mm512_set1_epi32(xw[m * groups + g]);
         for (int r = 0; r < RW; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], wv[r], xv);
@@ -120,7 +129,7 @@ inline void block_rows(const Job& job, const uint8_t* const* lines, int64_t b, i
 // Block b of every row for RW tiles: in groups of 4 rows, then the rest.
 template <int RW, bool Nibbles>
 inline void block_all_rows(const Job& job, const uint8_t* const* lines, int64_t b,
-                           const __m512* d, const __m512* mn, __m512 (*sums)[kTilesWOneRow]) {
+                           const __m512* d, const __m512* mn, __m512 (*sums)[kTilesW]) {
   int64_t m0 = 0;
   for (; m0 + kRowsX <= job.M; m0 += kRowsX) {
     block_rows<kRowsX, RW, Nibbles>(job, lines, b, m0, d, mn, sums);
@@ -141,7 +150,7 @@ inline __m512 load_half(const uint16_t* p) {
 template <int RW>
 void tiles(const Job& job, int64_t t0) {
   const int64_t blocks = job.K / kBlock, block_bytes = job.block_bytes();
-  __m512 sums[kMaxRows][kTilesWOneRow];
+  __m512 sums[kMaxRows][kTilesW];
   for (int64_t m = 0; m < job.M; ++m)
     for (int r = 0; r < RW; ++r) sums[m][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -177,9 +186,6 @@ void run_chunk(const Job& job, int64_t chunk) {
   const int64_t begin = chunk * job.run_tiles;
   const int64_t end = std::min(job.N / kTile, begin + job.run_tiles);
   int64_t t0 = begin;
-  if (job.M == 1) {
-    for (; t0 + kTilesWOneRow <= end; t0 += kTilesWOneRow) tiles<kTilesWOneRow>(job, t0);
-  }
   for (; t0 + kTilesW <= end; t0 += kTilesW) tiles<kTilesW>(job, t0);
   for (; t0 < end; ++t0) tiles<1>(job, t0);
 }
