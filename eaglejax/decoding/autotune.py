@@ -18,8 +18,8 @@ kept per mode as a decayed mean (half-life `HALF_LIFE` target forwards, whatever
 that ran them), so it follows the text.
 
 What a round of each mode costs is its wall time, measured on every segment the loop runs
-(median of the last few; a program's first segment in the process is not timed: XLA:CPU
-finishes linking it then); plain decoding is first timed over
+(median of the last few; a program's first run in the process is one round or step, not
+timed: XLA:CPU finishes linking it then); plain decoding is first timed over
 `PLAIN_TIMING_STEPS` steps, so a call that knows nothing yet spends little of its time
 learning what plain costs, and its cost is never guessed from the trees'; a tree not yet
 run is costed by interpolating between the modes run so far in node count (a verify's cost
