@@ -23,6 +23,8 @@ from eaglejax.decoding.autotune import (
     PLAIN_TIMING_STEPS,
     PLAIN_WIDTH,
     PRIOR_ROUNDS,
+    SEGMENT_S,
+    SPEC_ROUNDS,
     AutoPlan,
     AutoPolicy,
     Knowledge,
@@ -215,6 +217,19 @@ def test_plain_is_first_timed_briefly_and_never_costed_from_the_trees():
     assert policy.segment_rounds(PLAIN) == PLAIN_TIMING_STEPS < PLAIN_WIDTH
     policy.observe(PLAIN, PLAIN_TIMING_STEPS * 0.016, PLAIN_TIMING_STEPS, 0, 0)
     assert policy.segment_rounds(PLAIN) == PLAIN_WIDTH
+
+
+def test_a_cheap_tree_runs_segments_that_fill_the_segment_time():
+    """A timed tree runs as many rounds as fill `SEGMENT_S` (each segment's dispatch idles
+    the machine), at least `spec_rounds` and at most 4x; an untimed one `spec_rounds`; the
+    serving engine's policy (`segment_s=0`) exactly `spec_rounds`."""
+    for segment_s, round_s, rounds in ((SEGMENT_S, 0.02, int(SEGMENT_S / 0.02)),
+                                       (SEGMENT_S, 0.0005, 4 * SPEC_ROUNDS),
+                                       (SEGMENT_S, 0.2, SPEC_ROUNDS), (0, 0.02, SPEC_ROUNDS)):
+        policy = AutoPolicy(PLAN, Knowledge(), segment_s=segment_s)
+        assert policy.segment_rounds(SMALL) == SPEC_ROUNDS  # not timed yet
+        policy.observe(SMALL, 4 * round_s, 4, 4, 4)
+        assert policy.segment_rounds(SMALL) == rounds
 
 
 def test_acceptance_is_a_decayed_mean_and_a_prior_weighs_little():

@@ -100,6 +100,11 @@ PRIOR_ROUNDS = 2  # what a new call's inherited acceptance weighs, in row-rounds
 MIN_PROBE_EVERY, MAX_PROBE_EVERY = 32, 512  # target forwards between probes
 PROBE_ROUNDS = 2  # rounds per probe segment
 SPEC_ROUNDS = 8  # rounds per segment of another speculative mode (per call: ~2-9 ms)
+# ... or more (up to 4x), as many as last about this long: a segment's dispatch (SmolLM2's
+# 520 arrays) and the counters read after it idle the machine ~2 ms. Where `auto` settled on
+# one-token rounds (the mix, GGUF blocks, a 2-core Zen 4, one run): 8-round segments at
+# 0.91x the fixed shape, 0.1 s 0.96x, 0.25 s 0.98x (BENCHMARKS.md, session 33).
+SEGMENT_S = 0.25
 PLAIN_WIDTH = 16  # plain steps per plain segment
 PLAIN_TIMING_STEPS = 4  # steps of the plain segment that first times plain decoding
 TIMINGS_KEPT = 5  # per mode, the latest round times whose median is its cost
@@ -221,12 +226,15 @@ class AutoPolicy:
     what each segment did (see the module docstring)."""
 
     def __init__(self, plan: AutoPlan, knowledge: Knowledge, *, opening_probe: bool = True,
-                 spec_rounds: int = SPEC_ROUNDS):
+                 spec_rounds: int = SPEC_ROUNDS, segment_s: float = SEGMENT_S):
         """`opening_probe`: the first segment probes (a call's own text; the serving engine
-        probes per request instead); `spec_rounds`: rounds per segment of a tree."""
+        probes per request instead); `spec_rounds`: rounds per segment of a tree, or as many
+        as its measured cost fits in `segment_s` seconds if more (0: exactly
+        `spec_rounds`)."""
         self.plan = plan
         self.knowledge = knowledge
         self.spec_rounds = spec_rounds
+        self.segment_s = segment_s
         for name in knowledge.rounds:  # inherited acceptance weighs PRIOR_ROUNDS at most
             scale = min(1.0, PRIOR_ROUNDS / max(knowledge.rounds[name], 1e-9))
             knowledge.rounds[name] *= scale
@@ -318,12 +326,16 @@ class AutoPolicy:
 
     def segment_rounds(self, mode: int) -> int:
         """Target forwards the next segment of `mode` may run: a probe runs `PROBE_ROUNDS`
-        unless it is the choice, with its cost known."""
+        unless it is the choice, with its cost known; a timed tree at least `spec_rounds`,
+        up to 4x that to fill `segment_s`."""
         if mode == 0:
             return PLAIN_WIDTH if self.timed(0) else PLAIN_TIMING_STEPS
         if mode == self.probe and (self.best != self.probe or not self.timed(mode)):
             return PROBE_ROUNDS
-        return self.spec_rounds
+        if not self.timed(mode):
+            return self.spec_rounds
+        filled = int(self.segment_s / self.round_seconds(mode))
+        return min(max(self.spec_rounds, filled), 4 * self.spec_rounds)
 
     def use_acceptance(self, accepted: dict[str, float], rounds: dict[str, float]) -> None:
         """Take what is known of acceptance from elsewhere (the serving engine: its live
