@@ -1,5 +1,7 @@
 """Versions of a quantized native kernel side by side in one process: the 121 products of a
-SmolLM2-135M-Instruct decode step for M rows, each version built from its own source.
+SmolLM2-135M-Instruct decode step for M rows, one after the other as in a forward (each
+input waits on the sums before it: left independent, XLA ran them side by side and hid each
+call's start and tail), each version built from its own source.
 
     python benchmarks/bench_kernel_variants.py [--kernel block|int8] OLD.cc [NEW.cc ...]
         [--rows 1 6 8 12] [--repeats 21] [--json]
@@ -64,7 +66,8 @@ def products_fn(target: str, kernel: str):
         total = jnp.float32(0)
         for w in mats:
             width = w.shape[-1]
-            rows = jnp.tile(x, (1, -(-width // x.shape[-1])))[:, :width]
+            # one after the other, as in a forward (each input waits on the sums before it)
+            rows = jnp.tile(x, (1, -(-width // x.shape[-1])))[:, :width] + 0 * total
             out = jax.ShapeDtypeStruct((x.shape[0], w.packed.shape[0] * w.packed.shape[2]),
                                        jnp.float32)
             common = dict(prologue=np.int32(0), eps=np.float32(0))
