@@ -378,10 +378,12 @@ def _parser() -> argparse.ArgumentParser:
                               "speculators package; dflash: DFlash drafters in the z-lab "
                               "layout (vLLM, SGLang); hf: SRC is a target model, written for "
                               "transformers and vLLM (config.json, safetensors, tokenizer)")
-    convert.add_argument("--quantize", default=None, choices=["int8"],
+    convert.add_argument("--quantize", default=None, choices=["int8", "int4", "gguf"],
                          help="instead, write the TARGET model SRC as an eaglejax checkpoint "
-                              "with its matrices in int8 (per-row scales; it loads without "
-                              "quantizing again: --model DST)")
+                              "with its matrices in int8 (per-row scales), int4 (4-bit "
+                              "blocks of 32 with a scale and a minimum) or, from a GGUF "
+                              "file, its own Q4_0/Q4_1/Q8_0 blocks as stored; it loads "
+                              "without quantizing again: --model DST")
     convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                          help="parameter dtype (default: the target's as it loads: an "
                               "eaglejax checkpoint's saved dtype, else float32 on CPU and "
@@ -655,8 +657,8 @@ def _convert_target(args: argparse.Namespace) -> None:
 
 
 def _quantize_target(args: argparse.Namespace) -> None:
-    """`convert SRC DST --quantize int8`: the target model SRC as an eaglejax checkpoint with
-    its matrices in int8 (it loads without quantizing again)."""
+    """`convert SRC DST --quantize int8|int4|gguf`: the target model SRC as an eaglejax
+    checkpoint with its matrices stored so (it loads without quantizing again)."""
     if args.target is not None or args.to != "eaglejax":
         raise InputError("--quantize writes the target model SRC as an eaglejax checkpoint: "
                          "it takes neither --target nor --to")
@@ -667,7 +669,7 @@ def _quantize_target(args: argparse.Namespace) -> None:
                          weight_dtype=args.quantize)
     target.save(str(dst))
     print(f"wrote {dst} (eaglejax checkpoint; {target.config.model_type}, "
-          f"{target.config.num_layers} layers, {args.quantize} matrices, "
+          f"{target.config.num_layers} layers, {target.storage} matrices, "
           f"{target.dtype.name} compute)")
 
 

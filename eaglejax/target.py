@@ -107,14 +107,8 @@ class Target:
 
     def save(self, path: str) -> None:
         """Write an eaglejax checkpoint (loads much faster than re-converting GGUF/HF files),
-        its matrices as stored (int8 storage reloads without quantizing again)."""
+        its matrices as stored (int8, int4 and a GGUF file's blocks reload as they are)."""
         from eaglejax.loading.checkpoint import save_target  # loading is the layer above
-
-        if gguf_blocks.kinds(self.params):
-            raise InputError(f"{self.source}: saving {self.storage} is not supported yet; "
-                             f"load the model again with the same weight_dtype (a GGUF file's "
-                             f"blocks load as stored with 'gguf'), or save it in int8 or a "
-                             f"float dtype")
 
         save_target(self, path)
 

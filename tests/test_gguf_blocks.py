@@ -3,6 +3,7 @@ the values against the `gguf` package's own dequantization, the model against tr
 computing the same weights on int8-rounded inputs, and decoding on it."""
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -183,8 +184,8 @@ def test_int4_target_matches_transformers_computing_it(hf_family, target_of):
 
 def test_decoding_on_blocks_and_clear_errors(tiny_gguf, hf_family, tmp_path):
     """Greedy speculation on block storage gives plain decoding's tokens (with a head the
-    target's int8 storage quantizes too); storing again, sharding, saving, a file that is not
-    GGUF and a GGUF without kept blocks are refused with one clear error each."""
+    target's int8 storage quantizes too); storing again, sharding, a file that is not GGUF
+    and a GGUF without kept blocks are refused with one clear error each."""
     from eaglejax.draft.draft import new_eagle3_draft
 
     path, cfg, _ = tiny_gguf
@@ -199,9 +200,6 @@ def test_decoding_on_blocks_and_clear_errors(tiny_gguf, hf_family, tmp_path):
         assert [r.token_ids for r in got] == [r.token_ids for r in plain]
     with pytest.raises(InputError, match="already quantized"):
         target.with_weight_dtype("bfloat16")
-    with pytest.raises(InputError, match=r"saving Q4_0 \+ Q4_1 \+ Q8_0 blocks is not supported"):
-        target.save(str(tmp_path / "saved"))
-    assert not (tmp_path / "saved").exists()
     with pytest.raises(InputError, match="one device"):
         eaglejax.load_target(path, weight_dtype="gguf", mesh=eaglejax.make_mesh(tp=1, dp=1))
     with pytest.raises(InputError, match="not a GGUF file"):
@@ -210,3 +208,52 @@ def test_decoding_on_blocks_and_clear_errors(tiny_gguf, hf_family, tmp_path):
     _write_tiny(tmp_path / "float.gguf", "llama", cfg_f, sd, permute=True, q8=False)
     with pytest.raises(LoadError, match="no matrix is stored in a block type"):
         eaglejax.load_target(tmp_path / "float.gguf", weight_dtype="gguf")
+
+
+def test_block_checkpoints_reload_as_stored(tiny_gguf, hf_family, tmp_path):
+    """A GGUF file's blocks (Q4_0, Q4_1 and Q8_0: kinds with and without minimums) and int4
+    storage of a float model, saved (`Target.save`, `eaglejax convert --quantize gguf|int4`),
+    reload bit for bit without quantizing again, stay as saved under "auto", "gguf" (and
+    "int4" where all are Q4_1), and refuse another storage, a mesh and a damaged manifest
+    with one clear error each."""
+    import json
+
+    from eaglejax.cli import main
+
+    path, _, _ = tiny_gguf
+    blocks = eaglejax.load_target(path, weight_dtype="gguf")
+    int4 = eaglejax.load_target(hf_family("llama")[0], weight_dtype="int4")
+    assert main(["convert", str(path), str(tmp_path / "gguf-ck"), "--quantize", "gguf"]) == 0
+    assert main(["convert", str(hf_family("llama")[0]), str(tmp_path / "int4-ck"),
+                 "--quantize", "int4"]) == 0
+    blocks.save(str(tmp_path / "gguf-saved"))
+    int4.save(str(tmp_path / "int4-saved"))
+    ids = [[5, 6, 7, 8, 9, 10]]
+    for want, name, asks in ((blocks, "gguf", (None, "auto", "gguf")),
+                             (int4, "int4", (None, "auto", "gguf", "int4"))):
+        for directory in (f"{name}-ck", f"{name}-saved"):
+            for weight_dtype in asks:
+                got = eaglejax.load_target(str(tmp_path / directory),
+                                           weight_dtype=weight_dtype)
+                assert got.storage == want.storage
+                pairs = list(zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)))
+                assert len(pairs) == len(jax.tree.leaves(want.params))
+                assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in pairs)
+            np.testing.assert_array_equal(got.logits(ids), want.logits(ids))
+    assert blocks.storage == "Q4_0 + Q4_1 + Q8_0 blocks" and int4.storage == "Q4_1 blocks"
+    with pytest.raises(InputError, match="already quantized"):
+        eaglejax.load_target(str(tmp_path / "gguf-ck"), weight_dtype="int4")
+    with pytest.raises(InputError, match="one device"):
+        eaglejax.load_target(str(tmp_path / "int4-ck"), mesh=eaglejax.make_mesh(tp=1, dp=1))
+    manifest = tmp_path / "int4-ck" / "eaglejax.json"
+    saved = json.loads(manifest.read_text())
+    saved["blocks"] = {**saved["blocks"], "['layers'][0]['no_such']": "Q4_1"}
+    manifest.write_text(json.dumps(saved))
+    with pytest.raises(LoadError, match="no_such.*not a matrix of this model"):
+        eaglejax.load_target(str(tmp_path / "int4-ck"))
+    saved["blocks"] = {key: "Q5_K" for key in saved["blocks"]}
+    manifest.write_text(json.dumps(saved))
+    with pytest.raises(LoadError, match="Q5_K"):
+        eaglejax.load_target(str(tmp_path / "int4-ck"))
+    assert main(["convert", str(path), str(tmp_path / "gguf-ck"),
+                 "--quantize", "gguf"]) != 0  # nothing saved is overwritten

@@ -20,7 +20,7 @@ from eaglejax.loading.gguf_file import read_gguf
 from eaglejax.loading.hf_dir import HFWeights, read_json
 from eaglejax.loading.hub import ResolvedSource, named_errors, resolve_source
 from eaglejax.loading.weights import Stored, fuse_matrix, params_from_hf
-from eaglejax.models.gguf_blocks import KINDS, BlockMatrix, HostBlocks, pack, tiles
+from eaglejax.models.gguf_blocks import KINDS, BlockMatrix, HostBlocks, kinds, pack, tiles
 from eaglejax.models.quantized import any_int8
 from eaglejax.models.placement import TargetPlacement
 from eaglejax.native import build
@@ -68,7 +68,8 @@ def load_target(path_or_name: str | Path | ResolvedSource, *,
     in another (e.g. bfloat16 under float32 compute, or "int8": `Target.with_weight_dtype`), "auto"
     for the storage that decodes fastest on this machine (a GGUF file's own blocks where
     `blocks_decode_fastest`, else `fastest_weight_dtype`; what `eaglejax generate`,
-    `eaglejax bench` and `eaglejax.generate()` use; a checkpoint saved in int8 stays int8),
+    `eaglejax bench` and `eaglejax.generate()` use; a checkpoint saved in int8, int4 or a
+    GGUF file's blocks stays as saved),
     "gguf" for a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices as stored (`models.gguf_blocks`),
     None as loaded.
     `mesh` (`eaglejax.make_mesh`): every weight goes from the file straight into its
@@ -95,9 +96,20 @@ def load_target(path_or_name: str | Path | ResolvedSource, *,
     if jax.default_backend() == "cpu":
         build.start_builds()  # the native kernels compile while the model loads
     target = _load(path_or_name, dtype, mesh, keep_blocks)
-    if target.weight_dtype == jnp.int8 and (auto or weight_dtype == jnp.int8):
-        return target  # an int8 checkpoint: stored as it asks, or as quantized on purpose
+    if target.weight_dtype == jnp.int8 and (
+            auto or _stored_as_asked(target, weight_dtype, keep_blocks is True)):
+        return target  # a quantized checkpoint: stored as it asks, or as quantized on purpose
     return target if weight_dtype is None else target.with_weight_dtype(weight_dtype)
+
+
+def _stored_as_asked(target: Target, weight_dtype: jnp.dtype | None, blocks_asked: bool
+                     ) -> bool:
+    """Whether a quantized checkpoint's matrices are what `weight_dtype` (int8, int4) or,
+    with `blocks_asked`, "gguf" asks for."""
+    kept = kinds(target.params)
+    if not kept:
+        return weight_dtype == jnp.int8
+    return blocks_asked or (weight_dtype == jnp.int4 and kept == ["Q4_1"])
 
 
 def _load(path_or_name: str | Path | ResolvedSource, dtype: jnp.dtype | str | None,
@@ -120,8 +132,9 @@ def _load_path(path: Path, name: str, dtype: jnp.dtype | str | None,
                mesh: Mesh | None, keep_blocks: bool | str) -> Target:
     dtype = jnp.dtype(dtype) if dtype is not None else None
     if path.is_dir() and checkpoint.is_checkpoint(path):
-        _not_gguf(path, keep_blocks)
         config, params, tokenizer, eos_ids = checkpoint.load_checkpoint(path, dtype, mesh)
+        if not kinds(params):  # a checkpoint of GGUF blocks keeps them
+            _not_gguf(path, keep_blocks)
         target = Target(config, params, tokenizer, name, eos_ids)
         return target if mesh is None else target.on_mesh(mesh)
     dtype = dtype or default_dtype()

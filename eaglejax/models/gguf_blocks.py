@@ -129,6 +129,28 @@ class BlockMatrix(QuantizedMatrix):
     def tree_unflatten(cls, aux, children):
         return cls(*children, *aux)
 
+    @classmethod
+    def abstract(cls, shape: tuple[int, ...], kind: str) -> "BlockMatrix":
+        """The storage of a matrix of `shape` in blocks of `kind` as shapes and dtypes only,
+        as a checkpoint saves it (`savable`: no minimums saved where the kind has none)."""
+        n, k, block_kind = math.prod(shape[:-1]), shape[-1], KINDS[kind]
+        per_tile = jax.ShapeDtypeStruct((n // TILE, k // BLOCK, TILE), jnp.float16)
+        return cls(jax.ShapeDtypeStruct((n // TILE, k * block_kind.bits // 32, TILE, 4),
+                                        jnp.uint8), per_tile,
+                   per_tile if block_kind.has_min else None, shape, kind)
+
+    def savable(self) -> "BlockMatrix":
+        """This matrix as a checkpoint saves it: the empty minimums of a kind without them
+        left out (orbax saves no zero-size array); `restored` puts them back."""
+        return self if self.block_kind.has_min else \
+            BlockMatrix(self.packed, self.scales, None, self.shape, self.kind)
+
+    def restored(self) -> "BlockMatrix":
+        """A matrix as `savable` left it, whole again."""
+        return self if self.mins is not None else \
+            BlockMatrix(self.packed, self.scales, jnp.zeros((0,), jnp.float16), self.shape,
+                        self.kind)
+
     @property
     def block_kind(self) -> BlockKind:
         return KINDS[self.kind]
@@ -232,6 +254,13 @@ def quantize(weight: jax.Array) -> BlockMatrix:
     q = np.rint((blocks - mins.astype(np.float32)[..., None]) / np.where(step == 0, 1, step))
     q = np.clip(q, 0, 15).astype(np.uint8).reshape(w.shape)
     return pack(HostBlocks(KINDS["Q4_1"], q, scales, mins))
+
+
+def kinds_by_path(params: Any) -> dict[str, str]:
+    """`jax.tree_util.keystr` path -> block kind of every matrix of `params` kept in blocks."""
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_int8)[0]
+    return {jax.tree_util.keystr(path): leaf.kind for path, leaf in leaves
+            if isinstance(leaf, BlockMatrix)}
 
 
 def kinds(params: Any) -> list[str]:
