@@ -265,8 +265,7 @@ def kinds_by_path(params: Any) -> dict[str, str]:
 
 def kinds(params: Any) -> list[str]:
     """The block kinds the matrices of the pytree `params` keep, sorted (none: [])."""
-    leaves = jax.tree.leaves(params, is_leaf=is_int8)
-    return sorted({leaf.kind for leaf in leaves if isinstance(leaf, BlockMatrix)})
+    return sorted(set(kinds_by_path(params).values()))
 
 
 def product(x: jax.Array, weight: BlockMatrix) -> jax.Array:
