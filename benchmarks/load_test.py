@@ -4,7 +4,7 @@ batches of `eaglejax.generate()` and against `transformers serve`, side by side 
     python benchmarks/load_test.py [--concurrency 1 4 16 32] [--max-tokens 64]
         [--draft checkpoints/smollm2-135m-instruct-eagle3] [--shape auto | tree:4,4,6]
         [--runs plain speculative static transformers] [--weight-dtype auto | float32]
-        [--json OUT]
+        [--repeats N] [--json OUT]
 
 MT-bench first turns (categories interleaved), chat template, greedy, `--max-tokens` new
 tokens (EOS honoured: the same for every server, since greedy replies are identical). At
@@ -14,7 +14,10 @@ level's wall time), time to first token and inter-token latency (per request: th
 from its first to its last token over its tokens after the first) at p50 and p99, and the
 acceptance length the server reports. Static batches: the same requests as `generate()`
 batches of c rows (a batch returns when its longest row ends; no streaming, so no TTFT;
-compile time of new batch shapes excluded).
+compile time of new batch shapes excluded). Every server is started first and stays up; each
+level runs on every server in turn, `--repeats` times (the order alternating), and each
+server's figures are those of its median run by tokens/s: on a noisy host the servers'
+ratios then come from the same minutes.
 `transformers` (not run by default; needs `accelerate`): `transformers serve
 --continuous-batching` on the same weights (transformers' own GGUF reader, saved as a
 Hugging Face directory).
@@ -177,8 +180,17 @@ def parse_args() -> argparse.Namespace:
                              "`eaglejax serve`)")
     parser.add_argument("--runs", nargs="+", default=["plain", "speculative", "static"],
                         choices=["plain", "speculative", "static", "transformers"])
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each level on each server, alternating")
     parser.add_argument("--json", default=None)
     return parser.parse_args()
+
+
+def median_run(levels: list[dict]) -> dict:
+    """The run of median tokens/s, with every run's tokens/s."""
+    ranked = sorted(levels, key=lambda level: level["output_tokens_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2],
+            "runs_tokens_per_s": [level["output_tokens_per_s"] for level in levels]}
 
 
 def main() -> None:
@@ -205,19 +217,28 @@ def main() -> None:
             "transformers", "serve", str(hf), "--continuous-batching"]
     report = {"machine": machine_report(), "max_tokens": args.max_tokens,
               "prompts": "MT-bench first turns, categories interleaved", "results": {}}
-    for name, command in servers.items():
-        port = free_port()
-        command = command + ["--port", str(port)]
-        print(f"starting {name}: {' '.join(command)}", flush=True)
-        proc = start(command, port, logs / f"{name.replace(' ', '_')}.log")
-        model = str(hf) if name.startswith("transformers") else MODEL
-        try:
-            for c in args.concurrency:
-                level = asyncio.run(run_level(f"http://127.0.0.1:{port}", model,
-                                              prompts[:max(8, 2 * c)], c, args.max_tokens))
-                report["results"].setdefault(name, {})[c] = level
-                print(f"{name} c={c}: {json.dumps(level)}", flush=True)
-        finally:
+    running = {}
+    try:
+        for name, command in servers.items():
+            port = free_port()
+            command = command + ["--port", str(port)]
+            print(f"starting {name}: {' '.join(command)}", flush=True)
+            proc = start(command, port, logs / f"{name.replace(' ', '_')}.log")
+            running[name] = (proc, f"http://127.0.0.1:{port}",
+                             str(hf) if name.startswith("transformers") else MODEL)
+        for c in args.concurrency:
+            levels: dict[str, list[dict]] = {name: [] for name in running}
+            for repeat in range(args.repeats):
+                for name in list(running)[::1 if repeat % 2 == 0 else -1]:
+                    _, url, model = running[name]
+                    level = asyncio.run(run_level(url, model, prompts[:max(8, 2 * c)], c,
+                                                  args.max_tokens))
+                    levels[name].append(level)
+                    print(f"{name} c={c}: {json.dumps(level)}", flush=True)
+            for name, runs in levels.items():
+                report["results"].setdefault(name, {})[c] = median_run(runs)
+    finally:
+        for proc, _, _ in running.values():
             proc.terminate()
             proc.wait(timeout=60)
     if "static" in args.runs:

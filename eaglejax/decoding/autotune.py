@@ -390,6 +390,9 @@ def learn(knowledge: Knowledge, plan: AutoPlan, mode: int, forwards: int, accept
 
 
 SWITCH_ENV = "EAGLEJAX_AUTOTUNE_CACHE"
+# Raised when what was kept on disk was measured by rules since changed (2: the serving
+# engine timed its programs' first runs, which link their kernels, and kept that cost).
+KNOWLEDGE_RULES = 2
 KNOWLEDGE_FILE = "autotune.json"
 _KNOWN: dict[tuple, Knowledge] = {}
 
@@ -401,6 +404,7 @@ def _disk_key(target: Target, draft: "Draft | None", batch: int, plan: AutoPlan)
     kernels = native.kernels_allowed() and few_row_matmul.available() \
         and cache_attention.available()
     blob = json.dumps({
+        "rules": KNOWLEDGE_RULES,
         "device": [device.platform, device.device_kind, hardware.cpu_model(),
                    hardware.cpu_cores(), jax.device_count()],
         "versions": [__version__, jax.__version__], "native": kernels,

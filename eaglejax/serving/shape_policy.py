@@ -60,7 +60,12 @@ if TYPE_CHECKING:
     from eaglejax.draft.draft import Draft
 
 REMEMBER_EVERY_S = 10.0  # at most one write of what was learnt to disk per this interval
-STEP_ROUNDS = 4  # rounds per speculative engine step: arriving requests join between steps
+# Rounds per speculative engine step (arriving requests join between steps): as many as the
+# plain engine's steps per call (`Engine.rounds_per_call`), over which a call's dispatch and
+# the host's reading of its counters spread. With 4, auto's one-token rounds measured 1.53
+# plain steps each and it decoded plainly at 0.79x the plain engine; with 16, 1.0 and 1.04x
+# (one client, SmolLM2's blocks and shipped head, one process; BENCHMARKS.md, session 34).
+STEP_ROUNDS = 16
 
 
 class ShapePolicy:
@@ -134,11 +139,11 @@ class ShapePolicy:
                     counted[name] += 1.0
         return accepted, counted
 
-    def observe(self, mode: int, rows: int, seconds: float, forwards: int,
+    def observe(self, mode: int, rows: int, seconds: float | None, forwards: int,
                 per_request: dict[Hashable, tuple[float, int, np.ndarray | None]]) -> None:
         """A step of `mode` over `rows` active rows ran `forwards` target forwards in
-        `seconds`; per request: accepted draft tokens, its row-rounds and (a probe) its
-        per-column counts."""
+        `seconds` (None: not a measure of its cost, its program's first run); per request:
+        accepted draft tokens, its row-rounds and (a probe) its per-column counts."""
         if forwards <= 0:
             return
         self.forwards_by_mode[self.plan.name(mode)] += forwards
