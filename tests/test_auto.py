@@ -148,6 +148,23 @@ def test_a_tree_close_to_plain_is_timed_once_before_plain_is_settled():
         assert policy.next_mode() == after  # settled: no tree left to time
 
 
+def test_a_tree_timed_dear_once_is_timed_again_after_a_probe():
+    """Plain is the choice on the cost the 6-node tree measured once (35 ms: 40 tok/s against
+    50), while its node count gives 30 ms (46.7, within EXPLORE): the next probe that leaves
+    plain the choice makes it forget that cost, so it runs again; timed at 25 ms it wins."""
+    policy = _learnt(plain_s=0.02, probe_s=0.05, al_small=1.4, al_large=1.5, al_probe=1.6)
+    assert policy.next_mode() == SMALL
+    policy.observe(SMALL, 4 * 0.035, 4, 4 * 0.4, 4)
+    while policy.next_mode() == PLAIN:
+        policy.observe(PLAIN, 16 * 0.02, 16, 0, 0)
+    assert policy.next_mode() == PROBE
+    policy.observe(PROBE, 0.05, 1, 0.6, 1, _counts(1.4, 1.5, 1))
+    assert policy.best == PLAIN and not policy.timed(SMALL)
+    assert policy.next_mode() == SMALL
+    policy.observe(SMALL, 4 * 0.025, 4, 4 * 0.4, 4)
+    assert policy.next_mode() == SMALL
+
+
 def test_the_probe_interval_doubles_while_the_choice_holds_and_resets_when_it_changes():
     policy = _learnt(plain_s=0.01, probe_s=0.075)
     assert policy.knowledge.probe_every == MIN_PROBE_EVERY  # the first probe changed nothing

@@ -31,7 +31,10 @@ tree's own rounds then measure the call's text); then the probe comes back every
 `probe_every` target forwards: the interval
 doubles (up to `MAX_PROBE_EVERY`) each time a probe leaves the choice as it was and falls
 back to `MIN_PROBE_EVERY` when it changes it, so text that turns predictable (code, quotes,
-repetition) brings speculation back while a head that never pays costs little.
+repetition) brings speculation back while a head that never pays costs little. A probe that
+leaves plain decoding the choice also has each tree whose acceptance would pay at the cost
+its node count gives forget its measured cost and run again: a cost measured once, at a
+busy moment, never keeps a tree out for good.
 
 What was learnt (costs, acceptance, the probe interval) is carried to the next call with
 the same target, head and batch size in the process, and on disk (`<eaglejax cache>/
@@ -359,6 +362,8 @@ class AutoPolicy:
         learn(self.knowledge, self.plan, mode, forwards, accepted, row_rounds, counts)
         if mode == self.probe:
             before, self.best = self.best, self._best()
+            if self.best == 0:
+                self._doubt_costs()
             if informed and not self.opening:  # a choice made with every mode costed,
                 # confirmed or overturned
                 self.knowledge.probe_every = MIN_PROBE_EVERY if self.best != before else min(
@@ -367,6 +372,26 @@ class AutoPolicy:
         else:
             self.best = self._best()
             self.since_probe += forwards
+
+
+    def _doubt_costs(self) -> None:
+        """A probe left plain decoding the choice: a tree whose acceptance would pay at the
+        cost its node count gives (interpolated between the modes timed) forgets its measured
+        cost, so that `next_mode` times it again. A cost measured once, on a busy moment or
+        another context length, would otherwise keep a tree from ever running again (the
+        serving engine, its one-token rounds once measured at 1.7 plain steps and kept on
+        disk: plain decoding for every later request; BENCHMARKS.md, session 34)."""
+        plain = self.expected_rates()[0]
+        if plain is None:
+            return
+        for mode in range(1, self.probe):
+            name = self.plan.name(mode)
+            times = self.knowledge.round_s.pop(name, None)
+            if not times:
+                continue
+            al, guess = self.acceptance_length(mode), self.round_seconds(mode)
+            if al is None or not guess or al / guess < EXPLORE * plain:
+                self.knowledge.round_s[name] = times
 
 
 def learn(knowledge: Knowledge, plan: AutoPlan, mode: int, forwards: int, accepted: float,

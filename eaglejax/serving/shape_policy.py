@@ -27,7 +27,10 @@ Measured (BENCHMARKS.md, 2-core Intel Xeon, SmolLM2 with its shipped EAGLE-3 hea
 slots, MT-bench): as served, the head's acceptance never beat plain decoding by the margin,
 so after its probes `auto` decoded plainly: 0.93-0.97x the plain server with one client,
 within this host's noise of it with 2-32 (the target alone). Pass a `SpecConfig` (`serve
---tree ...`) to force a shape.
+--tree ...`) to force a shape. On a 2-core AMD EPYC (session 34, the file's blocks): the
+engine with one-token rounds fixed decoded at 1.10x the plain engine with one request and
+1.01x with two (4 verify rows against a 2-row step: no gain for this head to take, so 2
+rows still decode plainly); `auto` at one row 1.04x once its steps ran 16 rounds.
 
 What a batch size learnt (costs, the probe interval) is kept on disk as `generate`'s `auto`
 keeps it (`autotune.recall`/`remember`, keyed by the batch size: batch 1 is shared with
