@@ -146,10 +146,13 @@ def token_ids(name: str, value: Any, vocab_size: int | None = None) -> list[int]
 
 
 def in_vocabulary(name: str, ids: Sequence[int], vocab_size: int) -> None:
-    """InputError naming the first id outside [0, vocab_size)."""
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InputError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    """InputError naming the first id that is not an integer in [0, vocab_size)."""
+    for t in ids:
+        if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
+            raise InputError(f"{name}: {t!r} is not a token id (an integer); encode text with "
+                             f"the tokenizer first")
+        if not 0 <= t < vocab_size:
+            raise InputError(f"{name}: token id {t} is outside the vocabulary [0, {vocab_size})")
 
 
 def token_batch(name: str, value: Any, vocab_size: int) -> np.ndarray:

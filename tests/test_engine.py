@@ -137,6 +137,8 @@ def test_bad_requests_name_themselves(target, draft):
         engine.submit(Request("hot", [1], 4, SamplingOptions(-1.0)))
     with pytest.raises(InputError, match="request 'oov'"):
         engine.submit(Request("oov", [1, target.config.vocab_size], 4))
+    with pytest.raises(InputError, match="request 'text': 'h' is not a token id"):
+        engine.submit(Request("text", "hello", 4))  # a chat template's text, not encoded
     engine.submit(Request("twin", [1], 4))
     with pytest.raises(InputError, match="request 'twin': a live request already has this key"):
         engine.submit(Request("twin", [2], 4))
