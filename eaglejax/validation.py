@@ -146,9 +146,10 @@ def token_ids(name: str, value: Any, vocab_size: int | None = None) -> list[int]
 
 
 def in_vocabulary(name: str, ids: Sequence[int], vocab_size: int) -> None:
-    """InputError naming the first id that is not an integer in [0, vocab_size)."""
+    """InputError naming the first id that is not an integer (Python, numpy or a JAX integer
+    scalar) in [0, vocab_size)."""
     for t in ids:
-        if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
+        if not is_int(t) and not (np.ndim(t) == 0 and np.asarray(t).dtype.kind in "iu"):
             raise InputError(f"{name}: {t!r} is not a token id (an integer); encode text with "
                              f"the tokenizer first")
         if not 0 <= t < vocab_size:

@@ -373,13 +373,12 @@ class AutoPolicy:
             self.best = self._best()
             self.since_probe += forwards
 
-
     def _doubt_costs(self) -> None:
         """A probe left plain decoding the choice: a tree whose acceptance would pay at the
         cost its node count gives (interpolated between the modes timed) forgets its measured
         cost, so that `next_mode` times it again. A cost measured once, on a busy moment or
         another context length, would otherwise keep a tree from ever running again (the
-        serving engine, its one-token rounds once measured at 1.7 plain steps and kept on
+        serving engine, its one-token rounds once measured at 1.6-2.0 plain steps and kept on
         disk: plain decoding for every later request; BENCHMARKS.md, session 34)."""
         plain = self.expected_rates()[0]
         if plain is None:
