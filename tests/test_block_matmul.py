@@ -3,6 +3,8 @@ format's formula in float64 for Q4_0, Q4_1 and Q8_0 blocks made by the `gguf` pa
 each row of a block against that row alone, the prologues and residual against XLA's
 path, and a malformed call."""
 
+import re
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -142,6 +144,33 @@ def test_kernel_prologues_and_residual(kind):
         want = np.asarray(jax.jit(reference(matrix, eps, gated))(
             rows, *arrays, options.get("norm"), residual))
         assert_close_scaled(got, want, units=FORWARD_UNITS, what=f"{kind} {name}")
+
+
+def xla_product_memory(product, x, matrix) -> tuple[str, int]:
+    """The compiled HLO of XLA's `product(x, matrix)` and its scratch bytes."""
+    compiled = jax.jit(product).lower(x, matrix).compile()
+    return compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_xla_products_multiply_the_stored_int8_values():
+    """XLA's products (prefill blocks, meshes, GPU/TPU) multiply the weights' int8 values in
+    an s8 x s8 -> s32 dot: no float32 copy of the weight is made (scratch below one; the
+    negative control, a product of the widened weight, needs one)."""
+    rng = np.random.default_rng(13)
+    n, k = 256, 512
+    x = jnp.asarray(rng.normal(size=(3, k)), jnp.float32)
+    matrices = {"int8": (quantized.product, quantized.quantize(
+        rng.normal(size=(n, k)).astype(np.float32)))}
+    for kind in KINDS:
+        matrices[kind] = (gguf_blocks.product, gguf_blocks.pack(blocks_of(kind, n, k, rng)))
+    widened = 4 * n * k
+    for name, (product, matrix) in matrices.items():
+        hlo, scratch = xla_product_memory(product, x, matrix)
+        assert re.search(r"s32\[[0-9,]+\]\{[0-9,]+\} dot\(", hlo), name
+        assert f"f32[{n},{k}]" not in hlo and scratch < widened, (name, scratch)
+    _, scratch = xla_product_memory(
+        lambda x, m: quantized.quantized_rows(x) @ m.dequantized().T, x, matrix)
+    assert scratch >= widened
 
 
 def test_malformed_call_is_refused():

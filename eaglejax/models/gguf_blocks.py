@@ -13,9 +13,9 @@ products do (`models.quantized.quantized_rows`: p = round(x / t), t = max|x| / 1
                                + m[n, b] * sum_{k in b} p[i, k])
 
 with c = -8, 0 or -128 (Q8_0's values are stored offset by 128, unsigned) and the sums over a
-block in integers: the file's exact weights times x rounded to int8 blocks of 32 (what
-`product` computes with XLA's operations, and the native kernel `native.block_matmul` in
-registers). A step reads 4.5 / 5 / 8.5 bits a weight: the stream of SmolLM2's Q4_1 file.
+block in integers: the file's exact weights times x rounded to int8 blocks of 32 (the native
+kernel `native.block_matmul` in registers; `product` with XLA's operations, the values
+unpacked to int8 and the block sums an s8 x s8 -> s32 dot: `models.quantized.block_sums`). A step reads 4.5 / 5 / 8.5 bits a weight: the stream of SmolLM2's Q4_1 file.
 
 Layout (the kernel's): tiles of 16 output rows; each 4 consecutive k of the 16 rows form one
 64-byte line of unsigned bytes (as AVX-512 VNNI reads them). 8-bit values: packed
@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax.models.quantized import BLOCK, TILE, QuantizedMatrix, is_int8, quantized_rows
+from eaglejax.models.quantized import (
+    BLOCK, TILE, QuantizedMatrix, block_sums, is_int8, quantized_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +165,9 @@ class BlockMatrix(QuantizedMatrix):
         """The same storage under another logical shape with the same last dim (K)."""
         return BlockMatrix(self.packed, self.scales, self.mins, self.reshaped(*shape), self.kind)
 
-    def values(self) -> jax.Array:
-        """The stored values q + c as int16 [N, K] (c the kind's offset)."""
+    def tile_values(self) -> jax.Array:
+        """The stored values q + c (c the kind's offset) as int8 in the tile layout
+        [N/16, K/4, 16, 4]."""
         kind = self.block_kind
         tiles, lines = self.packed.shape[:2]
         if kind.bits == 4:  # [T, K/8, 16, 4] -> [T, K/8, 2, 16, 4]: low nibbles first
@@ -173,8 +175,12 @@ class BlockMatrix(QuantizedMatrix):
             q = q.reshape(tiles, 2 * lines, TILE, 4)
         else:
             q = self.packed
-        q = q.transpose(0, 2, 1, 3).reshape(tiles * TILE, -1)
-        return q.astype(jnp.int16) + kind.offset
+        return (q.astype(jnp.int16) + kind.offset).astype(jnp.int8)
+
+    def values(self) -> jax.Array:
+        """The stored values q + c as int8 [N, K] (c the kind's offset)."""
+        q = self.tile_values()
+        return q.transpose(0, 2, 1, 3).reshape(q.shape[0] * TILE, -1)
 
     def _per_row(self, a: jax.Array) -> jax.Array:
         """[N/16, K/32, 16] -> float32 [N, K/32]."""
@@ -269,8 +275,16 @@ def kinds(params: Any) -> list[str]:
 
 
 def product(x: jax.Array, weight: BlockMatrix) -> jax.Array:
-    """x [..., K] times a block-stored `weight` [N, K]^T with XLA's operations: the file's
-    weights times x rounded to int8 blocks of 32 (the native kernel's values up to float32
-    rounding; prefill blocks and other platforms)."""
-    w = weight.dequantized().reshape(-1, weight.shape[-1])
-    return jnp.einsum("nk,...k->...n", w, quantized_rows(x))
+    """x [..., K] times a block-stored `weight` [N, K]^T with XLA's operations, in x's dtype:
+    the file's weights times x rounded to int8 blocks of 32, the block sums in integers
+    (`quantized.block_sums`), scaled by t, d (and m times sum p) and summed over the blocks
+    in float32 (the native kernel's values up to float32 rounding; prefill blocks, meshes
+    and other platforms)."""
+    p, t = quantized_blocks(x.reshape(-1, x.shape[-1]))
+    sums = block_sums(p, weight.tile_values()).astype(jnp.float32)  # [K/32, M, N]
+    scales = weight.scales.transpose(1, 0, 2).reshape(sums.shape[0], 1, -1)  # [K/32, 1, N]
+    y = jnp.sum(sums * scales.astype(jnp.float32) * t.T[:, :, None], axis=0)
+    if weight.block_kind.has_min:
+        mins = weight.mins.transpose(1, 0, 2).reshape(sums.shape[0], -1)  # [K/32, N]
+        y = y + (t * jnp.sum(p, axis=-1, dtype=jnp.int32)) @ mins.astype(jnp.float32)
+    return y.reshape(*x.shape[:-1], -1).astype(x.dtype)

@@ -15,6 +15,13 @@ one scale per row of x instead (a single int8 product) lost 12% top-1 agreement 
 float32 on SmolLM2-135M, blocks of 32 5% (per-row weights alone: 4%; BENCHMARKS.md).
 Each row is quantized on its own, so a verify block reproduces the single-token step.
 
+XLA's product (`product`: meshes, GPU/TPU, and CPUs without the kernel) multiplies the same
+int8 values without widening them: an s8 x s8 -> s32 dot batched over the blocks of 32
+(`block_sums`) gives the integer block sums [K/32, M, N], then scaled and summed over the
+blocks in float32. Its scratch is those sums (4 M N K / 32 bytes: an eighth of the int8
+weights per row of x) and, where XLA does not fuse the unpacking into the dot, the int8
+values themselves.
+
 The values are kept in the kernel's layout: tiles of `TILE` (16) output rows, each 4
 consecutive k of the 16 rows in one 64-byte line, offset by 128 (unsigned, as the
 instruction reads them): packed[N/16, K/4, 16, 4] = q + 128. Matrices whose shape does not
@@ -96,11 +103,14 @@ class Int8Matrix(QuantizedMatrix):
         """The same storage under another logical shape with the same last dim (K)."""
         return Int8Matrix(self.packed, self.scales, self.reshaped(*shape))
 
+    def tile_values(self) -> jax.Array:
+        """q as int8 in the tile layout [N/16, K/4, 16, 4]."""
+        return (self.packed.astype(jnp.int16) - OFFSET).astype(jnp.int8)
+
     def values(self) -> jax.Array:
         """q as int8 [N, K]."""
         tiles, groups = self.packed.shape[:2]
-        q = (self.packed.astype(jnp.int16) - OFFSET).astype(jnp.int8)
-        return q.transpose(0, 2, 1, 3).reshape(tiles * TILE, groups * 4)
+        return self.tile_values().transpose(0, 2, 1, 3).reshape(tiles * TILE, groups * 4)
 
     def dequantized(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
         """s * q in `dtype`, in the logical shape."""
@@ -153,17 +163,41 @@ def quantize(weight: jax.Array) -> Int8Matrix:
                       w.shape)
 
 
+def quantized_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] quantized per block of `BLOCK` values as the products read it: p int8
+    [..., K/32, 32] and t float32 [..., K/32], p = round(x / t), t = max|x| / 127."""
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, BLOCK)
+    scale = jnp.max(jnp.abs(blocks), axis=-1) / 127
+    p = jnp.round(blocks / jnp.where(scale == 0, 1, scale)[..., None])
+    return p.astype(jnp.int8), scale
+
+
 def quantized_rows(x: jax.Array) -> jax.Array:
     """x [..., K] as its products read it: p * t per block of `BLOCK` values (float32)."""
-    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, BLOCK)
-    scale = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True) / 127
-    p = jnp.round(blocks / jnp.where(scale == 0, 1, scale))
-    return (p * scale).reshape(x.shape)
+    p, t = quantized_blocks(x)
+    return (p.astype(jnp.float32) * t[..., None]).reshape(x.shape)
+
+
+def block_sums(p: jax.Array, values: jax.Array) -> jax.Array:
+    """The integer sums sum_{k in b} p[m, k] q[n, k] of every block b, int32 [K/32, M, N]:
+    p int8 [M, K/32, 32] (`quantized_blocks`) and the weights' values q int8 in the tile
+    layout [N/16, K/4, 16, 4], multiplied as they are (an s8 x s8 -> s32 dot, batched over
+    the blocks: no float copy of the weights is made)."""
+    n_tiles, groups = values.shape[:2]
+    blocks = groups * 4 // BLOCK
+    lhs = p.reshape(p.shape[0], blocks, BLOCK // 4, 4)
+    rhs = values.reshape(n_tiles, blocks, BLOCK // 4, TILE, 4)
+    sums = jax.lax.dot_general(lhs, rhs, (((2, 3), (2, 4)), ((1,), (1,))),
+                               preferred_element_type=jnp.int32)  # [K/32, M, N/16, 16]
+    return sums.reshape(blocks, p.shape[0], n_tiles * TILE)
 
 
 def product(x: jax.Array, weight: Int8Matrix) -> jax.Array:
-    """x [..., K] times an int8 `weight` [N, K]^T with XLA's operations (the native kernel's
-    values up to float32 rounding; prefill blocks and other platforms)."""
-    rows = quantized_rows(x)
-    y = jnp.einsum("nk,...k->...n", weight.values().astype(jnp.float32), rows)
-    return y * weight.scales
+    """x [..., K] times an int8 `weight` [N, K]^T with XLA's operations, in x's dtype: the
+    block sums in integers (`block_sums`), scaled by t and s and summed over the blocks in
+    float32 (the native kernel's values up to float32 rounding; prefill blocks, meshes and
+    other platforms)."""
+    p, t = quantized_blocks(x.reshape(-1, x.shape[-1]))
+    sums = block_sums(p, weight.tile_values())
+    y = jnp.sum(sums.astype(jnp.float32) * t.T[:, :, None], axis=0) * weight.scales
+    return y.reshape(*x.shape[:-1], -1).astype(x.dtype)
