@@ -57,13 +57,11 @@ class Target:
 
     def on_mesh(self, mesh: Mesh) -> "Target":
         """This target with its parameters sharded over `mesh` (`eaglejax.make_mesh`;
-        rule table: `eaglejax.sharding.rules`); parameters already placed there stay."""
+        rule table: `eaglejax.sharding.rules`; quantized matrices split with their scales:
+        `TargetPlacement.place_quantized`); parameters already placed there stay."""
         if self.mesh is not None:
             raise InputError(f"{self.source}: this target is already on a mesh; load it "
                              f"again with load_target(..., mesh=) for another")
-        if self.weight_dtype == jnp.int8:
-            raise InputError(f"{self.source}: int8 storage runs on one device for now; "
-                             f"store the matrices in a float dtype to shard them")
         placement = TargetPlacement.plan(self.config, mesh)
         params = placement.place_tree(self.params)
         return dataclasses.replace(self, config=placement.config, params=params, mesh=mesh)
@@ -94,15 +92,16 @@ class Target:
         compute dtype. bfloat16 halves the bytes a decode step reads; "int8" quarters them
         (`models.quantized`: per-row scales, products on int8 activations); "int4" stores
         4-bit blocks of 32 with a scale and a minimum (`models.gguf_blocks.quantize`, 5 bits
-        a weight, the same products). Matrices whose shape does not tile stay as they are."""
+        a weight, the same products). Matrices whose shape does not tile stay as they are.
+        On a mesh each matrix is quantized on the host and split as before
+        (`TargetPlacement.place_quantized`)."""
         dtype = validation.dtype("weight_dtype", dtype, WEIGHT_DTYPES)
         if self.weight_dtype == jnp.int8:
             raise InputError(f"this target's matrices are already quantized ({self.storage}); "
                              f"load the model again to store them another way")
-        if dtype in (jnp.int8, jnp.int4) and self.mesh is not None:
-            raise InputError(f"weight_dtype {dtype.name} runs on one device for now; load the "
-                             f"target without a mesh, or store it in a float dtype")
         params = store_matrices(param_info(self.config), self.params, dtype)
+        if self.mesh is not None:  # quantized on the host, each matrix placed again
+            params = TargetPlacement.plan(self.config, self.mesh).place_tree(params)
         return dataclasses.replace(self, params=params)
 
     def save(self, path: str) -> None:

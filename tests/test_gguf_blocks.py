@@ -37,8 +37,12 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's q/k row o
 def tiny_gguf(tmp_path_factory):
     """(path, HF config, HF tensors as the file's dequantized values) of a random llama whose
     matrices are stored as KINDS says."""
+    return write_blocks_gguf(tmp_path_factory.mktemp("blocks") / "tiny-blocks.gguf")
+
+
+def write_blocks_gguf(path):
+    """`tiny_gguf` written at `path`."""
     cfg, sd = _hf_model("llama", seed=4)
-    path = tmp_path_factory.mktemp("blocks") / "tiny-blocks.gguf"
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     raw = {}
     for hf, value in sd.items():
@@ -184,8 +188,8 @@ def test_int4_target_matches_transformers_computing_it(hf_family, target_of):
 
 def test_decoding_on_blocks_and_clear_errors(tiny_gguf, hf_family, tmp_path):
     """Greedy speculation on block storage gives plain decoding's tokens (with a head the
-    target's int8 storage quantizes too); storing again, sharding, a file that is not GGUF
-    and a GGUF without kept blocks are refused with one clear error each."""
+    target's int8 storage quantizes too); a mesh takes them; storing again, a file that is not
+    GGUF and a GGUF without kept blocks are refused with one clear error each."""
     from eaglejax.draft.draft import new_eagle3_draft
 
     path, cfg, _ = tiny_gguf
@@ -200,8 +204,9 @@ def test_decoding_on_blocks_and_clear_errors(tiny_gguf, hf_family, tmp_path):
         assert [r.token_ids for r in got] == [r.token_ids for r in plain]
     with pytest.raises(InputError, match="already quantized"):
         target.with_weight_dtype("bfloat16")
-    with pytest.raises(InputError, match="one device"):
-        eaglejax.load_target(path, weight_dtype="gguf", mesh=eaglejax.make_mesh(tp=1, dp=1))
+    on_mesh = eaglejax.load_target(path, weight_dtype="gguf",
+                                   mesh=eaglejax.make_mesh(tp=1, dp=1))  # more: test_quantized_mesh
+    assert on_mesh.mesh is not None and on_mesh.storage == target.storage
     with pytest.raises(InputError, match="not a GGUF file"):
         eaglejax.load_target(hf_family("llama")[0], weight_dtype="gguf")
     cfg_f, sd = _hf_model("llama", seed=5)
@@ -214,8 +219,8 @@ def test_block_checkpoints_reload_as_stored(tiny_gguf, hf_family, tmp_path):
     """A GGUF file's blocks (Q4_0, Q4_1 and Q8_0: kinds with and without minimums) and int4
     storage of a float model, saved (`Target.save`, `eaglejax convert --quantize gguf|int4`),
     reload bit for bit without quantizing again, stay as saved under "auto", "gguf" (and
-    "int4" where all are Q4_1), and refuse another storage, a mesh and a damaged manifest
-    with one clear error each."""
+    "int4" where all are Q4_1), load onto a mesh, and refuse another storage and a damaged
+    manifest with one clear error each."""
     import json
 
     from eaglejax.cli import main
@@ -243,8 +248,9 @@ def test_block_checkpoints_reload_as_stored(tiny_gguf, hf_family, tmp_path):
     assert blocks.storage == "Q4_0 + Q4_1 + Q8_0 blocks" and int4.storage == "Q4_1 blocks"
     with pytest.raises(InputError, match="already quantized"):
         eaglejax.load_target(str(tmp_path / "gguf-ck"), weight_dtype="int4")
-    with pytest.raises(InputError, match="one device"):
-        eaglejax.load_target(str(tmp_path / "int4-ck"), mesh=eaglejax.make_mesh(tp=1, dp=1))
+    on_mesh = eaglejax.load_target(str(tmp_path / "int4-ck"),
+                                   mesh=eaglejax.make_mesh(tp=1, dp=1))
+    assert on_mesh.mesh is not None and on_mesh.storage == "Q4_1 blocks"
     manifest = tmp_path / "int4-ck" / "eaglejax.json"
     saved = json.loads(manifest.read_text())
     saved["blocks"] = {**saved["blocks"], "['layers'][0]['no_such']": "Q4_1"}

@@ -57,6 +57,37 @@ def test_quantize_rounds_each_row_to_its_scale():
         matrix.reshape(64, 48)
 
 
+def test_split_storage_is_the_same_matrix():
+    """`split` keeps the bytes with the rows in the logical leading dims (what a mesh
+    shards); indexing its leading dim (`w_gate_up[0]` on a mesh) and reshaping give the
+    same values, int8 and 4-bit blocks alike; rows that do not split are refused, and
+    placing such a matrix on a mesh names the parameter."""
+    from eaglejax import ConfigError
+    from eaglejax.models import gguf_blocks
+    from eaglejax.models.placement import TargetPlacement
+    from eaglejax.programs.reference import llama31_8b
+
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(2, 48, 64)).astype(np.float32)
+    for matrix in (quantized.quantize(w), gguf_blocks.quantize(w)):
+        split = matrix.split()
+        assert split.packed.shape[:2] == (2, 3) and matrix.packed.shape[0] == 6
+        wide = np.asarray(matrix.dequantized())
+        for i in range(2):
+            np.testing.assert_array_equal(split[i].dequantized(), wide[i])
+            np.testing.assert_array_equal(matrix[i].dequantized(), wide[i])
+        np.testing.assert_array_equal(split.reshape(-1, 64).dequantized(), wide.reshape(96, 64))
+        assert split.flat().packed.shape == matrix.packed.shape
+    with pytest.raises(TypeError, match="indexed by one int"):
+        quantized.quantize(w)[0:1]
+    odd = quantized.quantize(rng.normal(size=(2, 24, 64)).astype(np.float32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        odd.split()
+    placement = TargetPlacement.plan(llama31_8b(1), eaglejax.make_mesh(tp=1))
+    with pytest.raises(ConfigError, match=r"\['layers'\]\[0\]\['wqkv'\].*mesh"):
+        placement.place(("layers", 0, "wqkv"), odd)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 12, 16])
 def test_kernel_equals_the_formula_and_each_row_alone(rows):
     """The native product against the formula in float64: integer block sums are exact, so
@@ -153,8 +184,8 @@ def test_int8_target_matches_transformers_computing_the_format(family, hf_family
 
 def test_int8_decoding_greedy_is_plain_and_errors_are_clear(target_of, tmp_path):
     """Speculative greedy decoding on int8 storage gives plain decoding's tokens (verify
-    blocks run the same per-row products as single steps); storing twice, sharding and
-    saving are refused with a clear error."""
+    blocks run the same per-row products as single steps); storing twice and saving are
+    refused with a clear error; a mesh takes it."""
     from eaglejax.draft.draft import new_eagle3_draft
 
     stored = target_of("llama").with_weight_dtype("int8")
@@ -177,9 +208,10 @@ def test_int8_decoding_greedy_is_plain_and_errors_are_clear(target_of, tmp_path)
     assert not (tmp_path / "head").exists()
     with pytest.raises(InputError, match="already quantized"):
         stored.with_weight_dtype("bfloat16")
-    mesh = eaglejax.make_mesh(tp=1, dp=1)
-    with pytest.raises(InputError, match="one device"):
-        stored.on_mesh(mesh)
+    placed = stored.on_mesh(eaglejax.make_mesh(tp=1, dp=1))  # more devices: test_quantized_mesh
+    assert placed.mesh is not None and placed.weight_dtype == jnp.int8
+    np.testing.assert_array_equal(placed.params["layers"][0]["wqkv"].dequantized(),
+                                  stored.params["layers"][0]["wqkv"].dequantized())
     with pytest.raises(InputError, match="weight_dtype must be one of"):
         target_of("llama").with_weight_dtype("uint8")
 
@@ -187,7 +219,7 @@ def test_int8_decoding_greedy_is_plain_and_errors_are_clear(target_of, tmp_path)
 def test_int8_checkpoint_reloads_as_stored(hf_family, target_of, tmp_path):
     """`eaglejax convert SRC DST --quantize int8` (and `Target.save` of int8 storage) writes a
     checkpoint that reloads bit for bit without quantizing again, stays int8 under "auto",
-    and refuses another storage and a mesh with one line each."""
+    loads onto a mesh, and refuses another storage with one line."""
     from eaglejax.cli import main
 
     want = target_of("llama").with_weight_dtype("int8")
@@ -204,8 +236,8 @@ def test_int8_checkpoint_reloads_as_stored(hf_family, target_of, tmp_path):
         np.testing.assert_array_equal(got.logits(ids), want.logits(ids))
     with pytest.raises(InputError, match="already quantized"):
         eaglejax.load_target(str(tmp_path / "ck"), weight_dtype="bfloat16")
-    with pytest.raises(InputError, match="one device"):
-        eaglejax.load_target(str(tmp_path / "ck"), mesh=eaglejax.make_mesh(tp=1, dp=1))
+    on_mesh = eaglejax.load_target(str(tmp_path / "ck"), mesh=eaglejax.make_mesh(tp=1, dp=1))
+    assert on_mesh.mesh is not None and on_mesh.weight_dtype == jnp.int8
     assert main(["convert", str(hf_family("llama")[0]), str(tmp_path / "ck"),
                  "--quantize", "int8"]) != 0  # nothing saved is overwritten
 

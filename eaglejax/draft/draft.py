@@ -138,10 +138,9 @@ class Draft:
         if any_int8(self.params):
             raise InputError(f"{self.source}: this head's matrices are already quantized to "
                              f"int8; load it again to store them another way")
-        if dtype == jnp.int8 and self.target.mesh is not None:
-            raise InputError("weight_dtype int8 runs on one device for now; store the head "
-                             "in a float dtype on a mesh")
         params = store_matrices(param_info(self.config), self.params, dtype)
+        if self.target.mesh is not None:  # quantized on the host: replicated again
+            params = replicate(params, self.target.mesh)
         return dataclasses.replace(self, params=params)
 
     def save(self, path: str) -> None:

@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from eaglejax.config import ModelConfig
-from eaglejax.errors import EaglejaxError, InputError, LoadError
+from eaglejax.errors import EaglejaxError, LoadError
 from eaglejax.loading.files import file_checksums, verify_checksums, write_atomically
 from eaglejax.loading.hf_dir import read_json
 from eaglejax.loading.orbax_io import restore_tree
@@ -78,8 +78,9 @@ def saved_dtype_of(manifest: dict, source: str, key: str = "dtype") -> jnp.dtype
 def load_checkpoint(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None = None):
     """(config, params, tokenizer or None, eos ids) from a checkpoint directory. With a
     `mesh`, each parameter is read straight into its sharding there (orbax reads only each
-    device's slice) unless the model's KV heads must be widened for the mesh first
-    (`eaglejax.models.placement`): then the caller places them."""
+    device's slice) unless the model's KV heads must be widened for the mesh first or the
+    matrices are quantized (saved `flat`, split on a mesh: `eaglejax.models.placement`):
+    then the caller places them."""
     manifest = read_json(path / MANIFEST)
     if manifest.get("format") != FORMAT:
         raise LoadError(f"{path / MANIFEST}: format is {manifest.get('format')!r}, "
@@ -96,9 +97,6 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None = Non
         saved_dtype_of(manifest, str(path / MANIFEST), "weight_dtype")
 
     int8 = weight_dtype == jnp.int8
-    if int8 and mesh is not None:
-        raise InputError(f"{path}: {manifest['weight_dtype']} storage runs on one device for "
-                         f"now; load this checkpoint without a mesh")
 
     def stored(key, info):
         if blocks is not None:  # the saved blocks, the other matrices in the compute dtype
@@ -112,7 +110,7 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None = Non
 
     abstract = jax.tree_util.tree_map_with_path(stored, param_info(config),
                                                 is_leaf=is_param_info)
-    if mesh is not None:
+    if mesh is not None and not int8:  # quantized matrices: the caller splits them
         if TargetPlacement.plan(config, mesh).factor == 1:
             where = shardings(mesh, logical_axes(config), abstract)
             abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
@@ -152,7 +150,6 @@ def _block_kinds(manifest: dict, config: ModelConfig, source: str) -> dict[str, 
 
 
 def _blocks_as(params: Params, form: str) -> Params:
-    """`params` with every `BlockMatrix` in its `savable` or `restored` form."""
-    return jax.tree.map(lambda leaf: getattr(leaf, form)()
-                        if isinstance(leaf, gguf_blocks.BlockMatrix) else leaf,
+    """`params` with every quantized matrix in its `savable` or `restored` form."""
+    return jax.tree.map(lambda leaf: getattr(leaf, form)() if is_int8(leaf) else leaf,
                         params, is_leaf=is_int8)

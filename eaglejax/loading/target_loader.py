@@ -73,7 +73,9 @@ def load_target(path_or_name: str | Path | ResolvedSource, *,
     "gguf" for a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices as stored (`models.gguf_blocks`),
     None as loaded.
     `mesh` (`eaglejax.make_mesh`): every weight goes from the file straight into its
-    sharding on the mesh (`eaglejax.models.placement`), never whole onto one device."""
+    sharding on the mesh (`eaglejax.models.placement`), never whole onto one device; a
+    GGUF file's blocks and a quantized checkpoint's matrices split with their scales, and
+    int8/int4 quantize each float matrix on the host and split it the same way."""
     if not isinstance(path_or_name, (str, os.PathLike, ResolvedSource)):
         raise InputError(f"load_target wants a model name or path, got {path_or_name!r}")
     if dtype is not None:
@@ -90,9 +92,6 @@ def load_target(path_or_name: str | Path | ResolvedSource, *,
     if mesh is not None and not isinstance(mesh, Mesh):
         raise InputError(f"mesh must be a jax.sharding.Mesh (eaglejax.make_mesh), "
                          f"got {type(mesh).__name__}")
-    if keep_blocks is True and mesh is not None:
-        raise InputError(f"weight_dtype {GGUF_BLOCKS!r} runs on one device for now; load the "
-                         f"target without a mesh, or store it in a float dtype")
     if jax.default_backend() == "cpu":
         build.start_builds()  # the native kernels compile while the model loads
     target = _load(path_or_name, dtype, mesh, keep_blocks)

@@ -181,8 +181,8 @@ def params_from_hf(get: Callable[[str], np.ndarray], names_and_shapes: Mapping[s
     """Build the parameter tree from HF tensors fetched one by one with `get(name)`.
     `place(path, host array in dtype)` puts each parameter where it belongs (a device
     mesh: `eaglejax.models.placement`); by default the default device. `stored(key, names)`
-    may return a matrix kept as its file stores it (GGUF blocks); `get` is then never asked
-    for those names."""
+    may return a matrix kept as its file stores it (GGUF blocks: `place` puts it too); `get`
+    is then never asked for those names."""
     check_hf_tensors(names_and_shapes, config, source)
     if place is None:
         def to_dtype(path, a):
@@ -192,14 +192,17 @@ def params_from_hf(get: Callable[[str], np.ndarray], names_and_shapes: Mapping[s
             return place(path, np.asarray(a, dtype=np.float32).astype(dtype))
     keep = stored or (lambda key, names: None)
 
+    def kept_at(path: tuple, kept: Any) -> Any:
+        return kept if place is None or kept is None else place(path, kept)
+
     def matrix(key: str, name: str) -> Any:
-        kept = keep(key, (name,))
+        kept = kept_at((key,), keep(key, (name,)))
         return to_dtype((key,), get(name)) if kept is None else kept
 
     layers = []
     for i in range(config.num_layers):
         prefix = _LAYER.format(i=i)
-        kept = {key: keep(key, tuple(prefix + n for n in names))
+        kept = {key: kept_at(("layers", i, key), keep(key, tuple(prefix + n for n in names)))
                 for key, names in LAYER_MATRICES.items()}
         kept = {key: leaf for key, leaf in kept.items() if leaf is not None}
         layer = layer_params_from_hf(config, lambda name, i=i: get(_LAYER.format(i=i) + name),

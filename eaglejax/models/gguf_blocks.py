@@ -116,7 +116,8 @@ class HostBlocks:
 class BlockMatrix(QuantizedMatrix):
     """A matrix [..., K] kept in GGUF blocks (module docstring): `packed` uint8 in the
     kernel's layout, `scales` and `mins` float16 [N/16, K/32, 16] (`mins` [0] without a
-    minimum), N the product of the leading dims of `shape` (the logical shape)."""
+    minimum), N the product of the leading dims of `shape` (the logical shape); `split`:
+    the leading [N/16] of each as [*shape[:-2], shape[-2]/16]."""
 
     def __init__(self, packed: jax.Array, scales: jax.Array, mins: jax.Array,
                  shape: tuple[int, ...], kind: str):
@@ -130,6 +131,17 @@ class BlockMatrix(QuantizedMatrix):
     def tree_unflatten(cls, aux, children):
         return cls(*children, *aux)
 
+    def rebuilt(self, arrays: list[jax.Array], shape: tuple[int, ...]) -> "BlockMatrix":
+        return BlockMatrix(*arrays, shape, self.kind)
+
+    def arranged(self, rows: tuple[int, ...]) -> "BlockMatrix":
+        def rearranged(a: jax.Array, tile_dims: int) -> jax.Array:
+            return a.reshape(*rows, *a.shape[-tile_dims:])
+
+        mins = self.mins if self.mins.ndim == 1 else rearranged(self.mins, 2)
+        return BlockMatrix(rearranged(self.packed, 3), rearranged(self.scales, 2), mins,
+                           self.shape, self.kind)
+
     @classmethod
     def abstract(cls, shape: tuple[int, ...], kind: str) -> "BlockMatrix":
         """The storage of a matrix of `shape` in blocks of `kind` as shapes and dtypes only,
@@ -141,10 +153,11 @@ class BlockMatrix(QuantizedMatrix):
                    per_tile if block_kind.has_min else None, shape, kind)
 
     def savable(self) -> "BlockMatrix":
-        """This matrix as a checkpoint saves it: the empty minimums of a kind without them
-        left out (orbax saves no zero-size array); `restored` puts them back."""
-        return self if self.block_kind.has_min else \
-            BlockMatrix(self.packed, self.scales, None, self.shape, self.kind)
+        """This matrix as a checkpoint saves it: `flat`, the empty minimums of a kind without
+        them left out (orbax saves no zero-size array); `restored` puts them back."""
+        flat = self.flat()
+        return flat if self.block_kind.has_min else \
+            BlockMatrix(flat.packed, flat.scales, None, self.shape, self.kind)
 
     def restored(self) -> "BlockMatrix":
         """A matrix as `savable` left it, whole again."""
@@ -162,19 +175,21 @@ class BlockMatrix(QuantizedMatrix):
                    for a in (self.packed, self.scales, self.mins))
 
     def reshape(self, *shape: int) -> "BlockMatrix":
-        """The same storage under another logical shape with the same last dim (K)."""
-        return BlockMatrix(self.packed, self.scales, self.mins, self.reshaped(*shape), self.kind)
+        """The same storage (`flat`) under another logical shape with the same last dim."""
+        flat = self.flat()
+        return BlockMatrix(flat.packed, flat.scales, flat.mins, self.reshaped(*shape),
+                           self.kind)
 
     def tile_values(self) -> jax.Array:
         """The stored values q + c (c the kind's offset) as int8 in the tile layout
         [N/16, K/4, 16, 4]."""
-        kind = self.block_kind
-        tiles, lines = self.packed.shape[:2]
+        kind, packed = self.block_kind, self.flat().packed
+        tiles, lines = packed.shape[:2]
         if kind.bits == 4:  # [T, K/8, 16, 4] -> [T, K/8, 2, 16, 4]: low nibbles first
-            q = jnp.stack([self.packed & 0x0F, self.packed >> 4], axis=2)
+            q = jnp.stack([packed & 0x0F, packed >> 4], axis=2)
             q = q.reshape(tiles, 2 * lines, TILE, 4)
         else:
-            q = self.packed
+            q = packed
         return (q.astype(jnp.int16) + kind.offset).astype(jnp.int8)
 
     def values(self) -> jax.Array:
@@ -189,11 +204,11 @@ class BlockMatrix(QuantizedMatrix):
     def dequantized(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
         """The file's weights in `dtype`, in the logical shape (float32: the values the `gguf`
         package's dequantization gives)."""
-        q = self.values().astype(jnp.float32)
+        q, flat = self.values().astype(jnp.float32), self.flat()
         n, k = q.shape
-        w = self._per_row(self.scales)[..., None] * q.reshape(n, k // BLOCK, BLOCK)
+        w = self._per_row(flat.scales)[..., None] * q.reshape(n, k // BLOCK, BLOCK)
         if self.block_kind.has_min:
-            w = w + self._per_row(self.mins)[..., None]
+            w = w + self._per_row(flat.mins)[..., None]
         return w.reshape(self.shape).astype(dtype)
 
     def rows(self, ids: jax.Array) -> jax.Array:
@@ -202,14 +217,14 @@ class BlockMatrix(QuantizedMatrix):
         n = math.prod(self.shape[:-1])
         ids = jnp.clip(ids, 0, n - 1)
         tile, lane = ids // TILE, ids % TILE
-        kind = self.block_kind
-        q = self.packed[tile, :, lane, :]  # [..., lines, 4]
+        kind, flat = self.block_kind, self.flat()
+        q = flat.packed[tile, :, lane, :]  # [..., lines, 4]
         if kind.bits == 4:
             q = jnp.stack([q & 0x0F, q >> 4], axis=-2)  # [..., lines, 2, 4]
         q = q.reshape(*ids.shape, -1, BLOCK).astype(jnp.float32) + kind.offset
-        w = self.scales[tile, :, lane].astype(jnp.float32)[..., None] * q
+        w = flat.scales[tile, :, lane].astype(jnp.float32)[..., None] * q
         if kind.has_min:
-            w = w + self.mins[tile, :, lane].astype(jnp.float32)[..., None]
+            w = w + flat.mins[tile, :, lane].astype(jnp.float32)[..., None]
         return w.reshape(*ids.shape, -1)
 
     def __repr__(self) -> str:
@@ -280,6 +295,7 @@ def product(x: jax.Array, weight: BlockMatrix) -> jax.Array:
     (`quantized.block_sums`), scaled by t, d (and m times sum p) and summed over the blocks
     in float32 (the native kernel's values up to float32 rounding; prefill blocks, meshes
     and other platforms)."""
+    weight = weight.flat()
     p, t = quantized_blocks(x.reshape(-1, x.shape[-1]))
     sums = block_sums(p, weight.tile_values()).astype(jnp.float32)  # [K/32, M, N]
     scales = weight.scales.transpose(1, 0, 2).reshape(sums.shape[0], 1, -1)  # [K/32, 1, N]

@@ -24,7 +24,7 @@ from eaglejax.models.rope import apply_rope, inverse_frequencies, rope_tables
 from eaglejax import native
 from eaglejax.models import gguf_blocks, quantized
 from eaglejax.models.gguf_blocks import BlockMatrix
-from eaglejax.models.quantized import Int8Matrix
+from eaglejax.models.quantized import Int8Matrix, QuantizedMatrix
 from eaglejax.native import cache_attention, embedding_rows as embedding_rows_kernel, few_row_matmul
 from eaglejax.native import block_matmul, int8_matmul
 from eaglejax.sharding.rules import over_mesh
@@ -160,7 +160,7 @@ def embedding_rows(table: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax
     float32 compute on CPU reads only those rows (`native.embedding_rows`: XLA:CPU would
     widen the whole table once per program call); an int8 or GGUF block table dequantizes
     only those rows."""
-    if isinstance(table, (Int8Matrix, BlockMatrix)):
+    if isinstance(table, QuantizedMatrix):
         return table.rows(tokens).astype(dtype)
     if embedding_rows_kernel.applies(table, dtype):
         return embedding_rows_kernel.rows(table, tokens)
@@ -191,6 +191,8 @@ def linear(x: jax.Array, weight: jax.Array, *, norm: jax.Array | None = None,
     for float32 or bfloat16 weights, `native.int8_matmul` for int8, `native.block_matmul` for
     GGUF blocks), the surrounding operations with them.
     """
+    if isinstance(weight, QuantizedMatrix):
+        weight = weight.flat()  # as the products read it (a mesh may keep it split)
     if isinstance(weight, Int8Matrix):
         product = quantized.product
     elif isinstance(weight, BlockMatrix):

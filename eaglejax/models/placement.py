@@ -7,6 +7,10 @@ head is repeated `tp / num_kv_heads` times, each copy serving its share of the q
 heads, so attention still splits over `tp` (the same function; the K/V projections and
 the KV cache grow by that factor, as in vLLM and sglang-jax). Where neither count divides
 the other, attention stays replicated and only the MLP and vocabulary split.
+
+Quantized matrices (`models.quantized`, `models.gguf_blocks`) split as their float matrices
+do: by tiles of 16 rows (column-parallel) or by blocks of 32 along K (row-parallel), each
+scale (and minimum) with its values (`TargetPlacement.place_quantized`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from eaglejax.config import ModelConfig
 from eaglejax.errors import ConfigError
 from eaglejax.models.llama import logical_axes
+from eaglejax.models.quantized import BLOCK, TILE, QuantizedMatrix, is_int8
 from eaglejax.sharding.rules import logical_spec
 
 GROUPED_BY_KV_HEAD = ("kv_heads", "qkv")  # the leading axes of [kv_heads, kv_group + 2, ...]
@@ -96,11 +101,45 @@ class TargetPlacement:
             axes = axes[key]
         return axes
 
-    def place(self, path: tuple[str | int, ...], host: np.ndarray) -> jax.Array:
-        """Parameter `path` (e.g. ("layers", 3, "wqkv")) from its host array."""
+    def place(self, path: tuple[str | int, ...], host: Any) -> Any:
+        """Parameter `path` (e.g. ("layers", 3, "wqkv")) from its host array, or a quantized
+        matrix (`place_quantized`)."""
+        if is_int8(host):
+            return self.place_quantized(path, host)
         if self.axes(path)[:2] == GROUPED_BY_KV_HEAD:
             host = widen_kv_heads(np.asarray(host), self.factor)
         return on_mesh(host, self.sharding(path, np.shape(host)))
+
+    def place_quantized(self, path: tuple[str | int, ...],
+                        matrix: QuantizedMatrix) -> QuantizedMatrix:
+        """A quantized matrix with its arrays in their `split` form, each split as the float
+        matrix's logical axes split it: a column-parallel matrix by its tiles of 16 rows
+        (their scales with them), a row-parallel one by its blocks of 32 along K (the blocks'
+        scales and minimums with them); replicated along a mesh axis that does not divide
+        the tiles or the blocks. ConfigError for a matrix whose rows do not split."""
+        try:
+            host = jax.tree.map(np.asarray, matrix.split())
+        except ValueError as err:
+            name = "".join(f"[{key!r}]" for key in path)
+            raise ConfigError(f"{name}: {err}, so it cannot be placed on a mesh; store it in "
+                              f"a float dtype") from None
+        if self.axes(path)[:2] == GROUPED_BY_KV_HEAD and self.factor > 1:
+            kv, width = host.shape[:2]
+            widened = [widen_kv_heads(a, self.factor) if a.ndim > 1 else a
+                       for a in host.tree_flatten()[0]]
+            host = host.rebuilt(widened, (kv * self.factor, (width - 2) // self.factor + 2,
+                                          *host.shape[2:]))
+        blocks = (*host.shape[:-2], host.shape[-2] // TILE, host.shape[-1] // BLOCK)
+        spec = tuple(logical_spec(self.axes(path), blocks, self.mesh))
+        spec += (None,) * (len(blocks) - len(spec))
+
+        def placed(a: np.ndarray) -> jax.Array:
+            # by rank: packed (*blocks, 16, 4) and block scales (*blocks, 16) extend the
+            # blocks' dims, int8 scales (*tiles' rows) end before K; empty minimums
+            dims = spec[:a.ndim] + (None,) * (a.ndim - len(spec)) if a.size else ()
+            return on_mesh(a, NamedSharding(self.mesh, PartitionSpec(*dims)))
+
+        return host.rebuilt([placed(a) for a in host.tree_flatten()[0]], host.shape)
 
     def sharding(self, path: tuple[str | int, ...], shape: tuple[int, ...]) -> NamedSharding:
         """Where parameter `path` of this (placed) shape lives."""
@@ -114,6 +153,6 @@ class TargetPlacement:
             if (self.factor == 1 and isinstance(x, jax.Array)
                     and x.sharding.is_equivalent_to(self.sharding(keys, x.shape), x.ndim)):
                 return x
-            return self.place(keys, np.asarray(x))
+            return self.place(keys, x if is_int8(x) else np.asarray(x))
 
-        return jax.tree_util.tree_map_with_path(leaf, params)
+        return jax.tree_util.tree_map_with_path(leaf, params, is_leaf=is_int8)

@@ -45,9 +45,50 @@ OFFSET = 128  # stored values are q + OFFSET
 class QuantizedMatrix:
     """A matrix stored quantized whose products run on int8 activations: `Int8Matrix`, or a
     GGUF file's blocks kept as stored (`models.gguf_blocks.BlockMatrix`). Its storage is
-    [N, K] whatever its logical `shape` [..., K] (N the product of the leading dims)."""
+    [N, K] whatever its logical `shape` [..., K] (N the product of the leading dims), its
+    arrays' rows either in one dim of N/16 tiles (`flat`: what the products, the native
+    kernels and checkpoints read) or in the logical leading dims with the last in tiles
+    (`split`: what a mesh shards by the matrix's logical axes); the bytes are the same."""
 
     shape: tuple[int, ...]
+
+    def rebuilt(self, arrays: list[jax.Array], shape: tuple[int, ...]) -> "QuantizedMatrix":
+        """A matrix of this class and kind from storage arrays (`tree_flatten`'s order)."""
+        raise NotImplementedError
+
+    def arranged(self, rows: tuple[int, ...]) -> "QuantizedMatrix":
+        """The same storage with its arrays' row dims (those before a tile's) as `rows`."""
+        raise NotImplementedError
+
+    def flat(self) -> "QuantizedMatrix":
+        """The storage with its rows in one dim of N/16 tiles."""
+        return self.arranged((math.prod(self.shape[:-1]) // TILE,))
+
+    def split(self) -> "QuantizedMatrix":
+        """The storage with its rows in the logical leading dims, the last in tiles (e.g.
+        `w_gate_up` [2, I, H]: packed [2, I/16, ...]); ValueError unless shape[-2] is a
+        multiple of 16."""
+        if self.ndim < 2 or self.shape[-2] % TILE:
+            raise ValueError(f"a quantized matrix {self.shape} splits its rows by its leading "
+                             f"dims only where the last of them is a multiple of {TILE}")
+        return self.arranged((*self.shape[:-2], self.shape[-2] // TILE))
+
+    def savable(self) -> "QuantizedMatrix":
+        """This matrix as a checkpoint saves it (`flat`); `restored` undoes what it adds."""
+        return self.flat()
+
+    def restored(self) -> "QuantizedMatrix":
+        """A matrix as `savable` left it, whole again."""
+        return self
+
+    def __getitem__(self, index: int) -> "QuantizedMatrix":
+        """The matrix at `index` of the leading dim (`w_gate_up[0]`: the gate projection),
+        taken from the `split` storage."""
+        if self.ndim < 3 or not isinstance(index, int):
+            raise TypeError(f"a quantized matrix {self.shape} is indexed by one int on a "
+                            f"leading dim of a 3-D or larger shape, got {index!r}")
+        arrays = self.split().tree_flatten()[0]
+        return self.rebuilt([a[index] if a.ndim > 1 else a for a in arrays], self.shape[1:])
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -75,7 +116,8 @@ class QuantizedMatrix:
 class Int8Matrix(QuantizedMatrix):
     """A matrix [..., K] in int8 storage (module docstring): `packed` uint8
     [N/16, K/4, 16, 4] and `scales` float32 [N], N the product of the leading dims of
-    `shape` (the logical shape; `reshape` may merge or split its leading dims)."""
+    `shape` (the logical shape; `reshape` may merge or split its leading dims); `split`:
+    packed [*shape[:-2], shape[-2]/16, K/4, 16, 4] and scales [*shape[:-1]]."""
 
     def __init__(self, packed: jax.Array, scales: jax.Array, shape: tuple[int, ...]):
         self.packed, self.scales, self.shape = packed, scales, tuple(shape)
@@ -86,6 +128,13 @@ class Int8Matrix(QuantizedMatrix):
     @classmethod
     def tree_unflatten(cls, shape, children):
         return cls(*children, shape)
+
+    def rebuilt(self, arrays: list[jax.Array], shape: tuple[int, ...]) -> "Int8Matrix":
+        return Int8Matrix(*arrays, shape)
+
+    def arranged(self, rows: tuple[int, ...]) -> "Int8Matrix":
+        return Int8Matrix(self.packed.reshape(*rows, *self.packed.shape[-3:]),
+                          self.scales.reshape(*rows[:-1], rows[-1] * TILE), self.shape)
 
     @classmethod
     def abstract(cls, shape: tuple[int, ...]) -> "Int8Matrix":
@@ -100,31 +149,32 @@ class Int8Matrix(QuantizedMatrix):
         return math.prod(self.packed.shape) + 4 * math.prod(self.scales.shape)
 
     def reshape(self, *shape: int) -> "Int8Matrix":
-        """The same storage under another logical shape with the same last dim (K)."""
-        return Int8Matrix(self.packed, self.scales, self.reshaped(*shape))
+        """The same storage (`flat`) under another logical shape with the same last dim."""
+        flat = self.flat()
+        return Int8Matrix(flat.packed, flat.scales, self.reshaped(*shape))
 
     def tile_values(self) -> jax.Array:
         """q as int8 in the tile layout [N/16, K/4, 16, 4]."""
-        return (self.packed.astype(jnp.int16) - OFFSET).astype(jnp.int8)
+        return (self.flat().packed.astype(jnp.int16) - OFFSET).astype(jnp.int8)
 
     def values(self) -> jax.Array:
         """q as int8 [N, K]."""
-        tiles, groups = self.packed.shape[:2]
-        return self.tile_values().transpose(0, 2, 1, 3).reshape(tiles * TILE, groups * 4)
+        q = self.tile_values()
+        return q.transpose(0, 2, 1, 3).reshape(q.shape[0] * TILE, -1)
 
     def dequantized(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
         """s * q in `dtype`, in the logical shape."""
-        wide = self.values().astype(jnp.float32) * self.scales[:, None]
+        wide = self.values().astype(jnp.float32) * self.flat().scales[:, None]
         return wide.astype(dtype).reshape(self.shape)
 
     def rows(self, ids: jax.Array) -> jax.Array:
         """Dequantized float32 rows [..., K] for row ids (clamped to the matrix): an
         embedding table's lookup, reading only those rows."""
-        n = self.scales.shape[0]
-        ids = jnp.clip(ids, 0, n - 1)
-        q = self.packed[ids // TILE, :, ids % TILE, :]  # [..., K/4, 4]
+        flat = self.flat()
+        ids = jnp.clip(ids, 0, flat.scales.shape[0] - 1)
+        q = flat.packed[ids // TILE, :, ids % TILE, :]  # [..., K/4, 4]
         q = q.reshape(*ids.shape, -1).astype(jnp.float32) - OFFSET
-        return q * self.scales[ids][..., None]
+        return q * flat.scales[ids][..., None]
 
     def __repr__(self) -> str:
         return f"Int8Matrix(shape={self.shape})"
@@ -199,5 +249,5 @@ def product(x: jax.Array, weight: Int8Matrix) -> jax.Array:
     other platforms)."""
     p, t = quantized_blocks(x.reshape(-1, x.shape[-1]))
     sums = block_sums(p, weight.tile_values())
-    y = jnp.sum(sums.astype(jnp.float32) * t.T[:, :, None], axis=0) * weight.scales
+    y = jnp.sum(sums.astype(jnp.float32) * t.T[:, :, None], axis=0) * weight.flat().scales
     return y.reshape(*x.shape[:-1], -1).astype(x.dtype)

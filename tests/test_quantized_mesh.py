@@ -1,0 +1,125 @@
+"""Quantized storage on device meshes: int8, int4 and a GGUF file's blocks load split over
+tensor x data parallel meshes with their scales beside their values, and greedy decoding
+gives one device's tokens.
+
+The checks run in a subprocess with 8 host CPU devices (the suite's own process has one)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+VOCAB = 128  # 8 tiles of 16 rows: the embedding and output head split on tp=2, 4 and 8
+
+
+@pytest.mark.slow
+def test_quantized_meshes_decode_like_one_device(tmp_path):
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(HERE / "test_quantized_mesh.py"), str(tmp_path)],
+                          cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("identical") == 4, proc.stdout
+
+
+# ------------------------------------------------------------ the 8-device subprocess
+
+
+def _quantized(target) -> dict:
+    """keystr path -> quantized matrix of the target's parameters."""
+    import jax
+
+    from eaglejax.models.quantized import is_int8
+
+    leaves = jax.tree_util.tree_flatten_with_path(target.params, is_leaf=is_int8)[0]
+    return {jax.tree_util.keystr(path): leaf for path, leaf in leaves if is_int8(leaf)}
+
+
+def _check_split(matrix, tp: int) -> bool:
+    """Whether `matrix` is split over tp (each device 1/tp of the split dim of each array),
+    its scales (and minimums) split where its values are: the same dims of the rows' tiles
+    and of K's blocks. False where it is replicated."""
+    packed, *per_block = [a for a in matrix.tree_flatten()[0] if a.size]
+    spec = tuple(packed.sharding.spec) + (None,) * packed.ndim
+    rows = packed.ndim - 3  # the row dims, then K's groups of 4 or 8, then the tile's 16 x 4
+    for a in per_block:
+        a_spec = tuple(a.sharding.spec) + (None,) * a.ndim
+        # int8 scales [*rows] (the last in rows, not tiles); block scales [*rows, K/32, 16]
+        want = spec[:rows] if a.ndim == rows else spec[:rows + 1] + (None,)
+        assert a_spec[:a.ndim] == want, (matrix, a.shape, a_spec, spec)
+    split = [dim for dim, axis in enumerate(spec[:packed.ndim]) if axis == "tp"]
+    assert len(split) <= 1 and all(axis in (None, "tp") for axis in spec), spec
+    for dim in split:
+        for shard in packed.addressable_shards:
+            assert shard.data.shape[dim] * tp == packed.shape[dim]
+    return bool(split)
+
+
+def _decode_on_meshes(directory: Path) -> None:
+    import jax
+
+    import eaglejax
+    from hf_oracle import make_hf_model
+    from test_gguf_blocks import write_blocks_gguf
+
+    assert len(jax.devices()) == 8
+    # head_dim 16, so that the fused QKV's rows split by KV head in tiles of 16
+    make_hf_model("llama", directory / "hf", seed=7, num_hidden_layers=2, hidden_size=128,
+                  num_attention_heads=8, num_key_value_heads=2, intermediate_size=256,
+                  vocab_size=VOCAB)
+    rs = __import__("numpy").random.RandomState(5)
+    prompts = [rs.randint(0, VOCAB, size=n).tolist() for n in (3, 9, 17, 6)]
+
+    def tokens(target) -> list[list[int]]:
+        out = eaglejax.generate(prompts, target=target, max_new_tokens=8, ignore_eos=True)
+        return [o.token_ids for o in out]
+
+    def all_split(target, tp: int) -> None:
+        matrices = _quantized(target)
+        assert len(matrices) == 4 * target.config.num_layers + 2  # and embed, lm_head
+        assert all(_check_split(m, tp) for m in matrices.values()), matrices
+
+    devices = jax.devices()
+    tp2dp2 = eaglejax.make_mesh(tp=2, dp=2, devices=devices[:4])
+    int8 = eaglejax.load_target(directory / "hf", weight_dtype="int8")
+    want = tokens(int8)
+    sharded = eaglejax.load_target(directory / "hf", weight_dtype="int8", mesh=tp2dp2)
+    all_split(sharded, 2)
+    assert tokens(sharded) == want
+    print("identical int8 tp=2 dp=2")
+    int8.save(str(directory / "int8-ck"))  # saved flat, read back onto the mesh split
+    from_checkpoint = eaglejax.load_target(directory / "int8-ck", mesh=tp2dp2)
+    all_split(from_checkpoint, 2)
+    assert tokens(from_checkpoint) == want
+    print("identical int8 checkpoint tp=2 dp=2")
+
+    # int4 through Target.on_mesh on tp=4: the 2 KV heads widened to 4 with their scales
+    int4 = eaglejax.load_target(directory / "hf", weight_dtype="int4")
+    placed = int4.on_mesh(eaglejax.make_mesh(tp=4, devices=devices[:4]))
+    assert placed.config.num_kv_heads == 4 and placed.storage == "Q4_1 blocks"
+    all_split(placed, 4)
+    assert tokens(placed) == tokens(int4)
+    print("identical int4 tp=4 (KV heads widened)")
+
+    # a GGUF file's Q4_0/Q4_1/Q8_0 blocks on tp=2; w_down's K (96) is 3 blocks of 32, which
+    # tp=2 does not divide: replicated
+    path = write_blocks_gguf(directory / "blocks.gguf")[0]
+    blocks = eaglejax.load_target(path, weight_dtype="gguf")
+    sharded = eaglejax.load_target(path, weight_dtype="gguf",
+                                   mesh=eaglejax.make_mesh(tp=2, devices=devices[:2]))
+    assert sharded.storage == blocks.storage == "Q4_0 + Q4_1 + Q8_0 blocks"
+    split = {key: _check_split(m, 2) for key, m in _quantized(sharded).items()}
+    assert not split["['layers'][0]['w_down']"] and split["['layers'][0]['w_gate_up']"]
+    assert split["['embed']"] and split["['layers'][0]['wqkv']"] and split["['lm_head']"]
+    assert tokens(sharded) == tokens(blocks)
+    print("identical GGUF blocks tp=2")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    _decode_on_meshes(Path(sys.argv[1]))
