@@ -1,8 +1,12 @@
 """Quantized storage on device meshes: int8, int4 and a GGUF file's blocks load split over
 tensor x data parallel meshes with their scales beside their values, and greedy decoding
-gives one device's tokens.
+gives one device's tokens; the decoding loops of int8 and int4 targets export for cuda and
+tpu on 1 and 8 devices with the stored int8 values entering the products, and tp=8 runs a
+float model's collectives per layer.
 
-The checks run in a subprocess with 8 host CPU devices (the suite's own process has one)."""
+The checks run in one subprocess with 8 host CPU devices (the suite's own process has one).
+Exports and collective counts use Llama-3.1-8B's widths at 1 and 2 layers, as
+tests/test_sharding_export.py does for float weights."""
 
 from __future__ import annotations
 
@@ -18,13 +22,49 @@ VOCAB = 128  # 8 tiles of 16 rows: the embedding and output head split on tp=2, 
 
 
 @pytest.mark.slow
-def test_quantized_meshes_decode_like_one_device(tmp_path):
+def test_quantized_meshes_decode_export_and_communicate_like_float(tmp_path):
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(HERE / "test_quantized_mesh.py"), str(tmp_path)],
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("identical") == 4, proc.stdout
+    assert proc.stdout.count("exported ok") == 4 and "collectives ok" in proc.stdout, proc.stdout
+
+
+def test_int8_dots_are_read_from_the_module():
+    """The export check's reader: an s8 x s8 -> s32 dot counts, a float dot and a widened
+    weight (an int8 array of weight size converted to float) are found."""
+    module = """
+  %1 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [1] : (tensor<1x64xi8>, tensor<32x64xi8>) -> tensor<1x32xi32>
+  %2 = stablehlo.convert %w : (tensor<32x64xui8>) -> tensor<32x64xbf16>
+  %3 = stablehlo.dot_general %x, %2, contracting_dims = [1] x [1] : (tensor<1x64xbf16>, tensor<32x64xbf16>) -> tensor<1x32xf32>
+  %4 = stablehlo.convert %r : (tensor<2x64xui8>) -> tensor<2x64xf32>
+"""
+    dots, widened = int8_products(module, weight_size=32 * 64)
+    assert dots == {("i8", "i8", "i32"): 1, ("bf16", "bf16", "f32"): 1}
+    assert widened == ["32x64xui8"]  # the gathered rows [2, 64] are not a weight
+
+
+def int8_products(module: str, weight_size: int) -> tuple[dict, list[str]]:
+    """In a StableHLO module's text: its dot_generals counted by (lhs, rhs, result) element
+    types, and the integer arrays of at least `weight_size` elements converted to floats."""
+    import collections
+    import math
+    import re
+
+    def element(tensor: str) -> str:
+        return tensor.rsplit("x", 1)[-1]
+
+    dots = re.findall(r"stablehlo\.dot_general .*: \(tensor<([^>]*)>, tensor<([^>]*)>\) "
+                      r"-> tensor<([^>]*)>", module)
+    counts = collections.Counter(tuple(map(element, dot)) for dot in dots)
+    converts = re.findall(r"stablehlo\.convert .*: \(tensor<([^>]*)>\) -> tensor<([^>]*)>",
+                          module)
+    widened = [a for a, b in converts if re.fullmatch(r"u?i(4|8)", element(a))
+               and element(b).startswith(("f", "bf"))
+               and math.prod(int(d) for d in a.split("x")[:-1]) >= weight_size]
+    return dict(counts), widened
 
 
 # ------------------------------------------------------------ the 8-device subprocess
@@ -120,6 +160,60 @@ def _decode_on_meshes(directory: Path) -> None:
     print("identical GGUF blocks tp=2")
 
 
+def _exports(config) -> None:
+    """The plain loop (prefill, decode) of int8 and int4 storage for cuda and tpu on 1 and 8
+    devices: every product multiplies int8 weights (s8 x s8 -> s32: per layer wqkv, wo,
+    w_gate_up (gate and up apart on a mesh), w_down; the output head), no dot reads a
+    float weight, and no weight is widened (the only int8-to-float convert is the
+    embedding's gathered rows)."""
+    import jax
+
+    from eaglejax.programs import export
+    from eaglejax.sharding import make_mesh
+
+    smallest = min(config.hidden_size, config.num_heads * config.head_dim) ** 2
+    for weight_dtype in ("int8", "int4"):
+        for mesh in (make_mesh(tp=1, devices=jax.devices()[:1]), make_mesh(tp=8)):
+            programs = export.loop_programs(config, mesh, export.LoopShapes(1, 128, 64),
+                                            specs={}, weight_dtype=weight_dtype)
+            wqkv = programs[0].args[1].target["layers"][0]["wqkv"]  # (loop, weights, ...)
+            assert wqkv.packed.dtype == "uint8" and wqkv.packed.ndim == 6  # split by KV head
+            assert wqkv.packed.sharding.shard_shape(wqkv.packed.shape)[0] == 8 // mesh.size
+            products = 4 + 1 + (mesh.size > 1)  # the layers' (traced once) and the head's
+            for (name, platform), exported in export.export_programs(programs).items():
+                assert exported.nr_devices == mesh.size, (name, platform)
+                dots, widened = int8_products(exported.mlir_module(), smallest)
+                assert dots == {("i8", "i8", "i32"): products}, (name, platform, dots)
+                assert not widened, (name, platform, widened)
+            print(f"{weight_dtype} {mesh.size} devices: exported ok")
+
+
+def _collectives(config) -> None:
+    """tp=8, decode: per layer the float model's 2 all-reduces (test_sharding_export's
+    PER_LAYER) and nothing else; per step the float model's embedding all-reduce and argmax
+    all-gathers, plus one all-reduce (the embedding's rows and their scales come from the
+    vocab-split table apart)."""
+    from eaglejax.programs import export
+    from eaglejax.sharding import make_mesh
+    from test_sharding_export import FIXED, PER_LAYER
+
+    zero = dict.fromkeys(export.COLLECTIVES, 0)
+    for weight_dtype in ("int8", "int4"):
+        counts = export.layer_collectives(config, make_mesh(tp=8), export.LoopShapes(1, 128, 64),
+                                          specs={}, names=("decode",),
+                                          weight_dtype=weight_dtype)["decode"]
+        for where in ("step", "call"):
+            assert counts["per_layer"][where] == {**zero, **PER_LAYER["decode"][where]}, (
+                weight_dtype, counts)
+        fixed = dict(FIXED["decode"], **{"all-reduce": FIXED["decode"]["all-reduce"] + 1})
+        assert counts["fixed"]["step"] == {**zero, **fixed}, (weight_dtype, counts)
+    print("collectives ok")
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
+    from eaglejax.programs.reference import llama31_8b
+
     _decode_on_meshes(Path(sys.argv[1]))
+    _exports(llama31_8b(2))
+    _collectives(llama31_8b(2))

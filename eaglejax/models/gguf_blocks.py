@@ -298,9 +298,13 @@ def product(x: jax.Array, weight: BlockMatrix) -> jax.Array:
     weight = weight.flat()
     p, t = quantized_blocks(x.reshape(-1, x.shape[-1]))
     sums = block_sums(p, weight.tile_values()).astype(jnp.float32)  # [K/32, M, N]
-    scales = weight.scales.transpose(1, 0, 2).reshape(sums.shape[0], 1, -1)  # [K/32, 1, N]
-    y = jnp.sum(sums * scales.astype(jnp.float32) * t.T[:, :, None], axis=0)
-    if weight.block_kind.has_min:
-        mins = weight.mins.transpose(1, 0, 2).reshape(sums.shape[0], -1)  # [K/32, N]
-        y = y + (t * jnp.sum(p, axis=-1, dtype=jnp.int32)) @ mins.astype(jnp.float32)
+
+    def per_block(a: jax.Array) -> jax.Array:  # [N/16, K/32, 16] -> float32 [K/32, 1, N]
+        return a.transpose(1, 0, 2).reshape(sums.shape[0], 1, -1).astype(jnp.float32)
+
+    block = sums * per_block(weight.scales)
+    if weight.block_kind.has_min:  # in the same sum over blocks: one reduction (on a mesh,
+        p_sums = jnp.sum(p, axis=-1, dtype=jnp.int32).T.astype(jnp.float32)  # one all-reduce)
+        block = block + per_block(weight.mins) * p_sums[:, :, None]
+    y = jnp.sum(block * t.T[:, :, None], axis=0)
     return y.reshape(*x.shape[:-1], -1).astype(x.dtype)

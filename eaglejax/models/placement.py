@@ -16,6 +16,7 @@ scale (and minimum) with its values (`TargetPlacement.place_quantized`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -129,17 +130,27 @@ class TargetPlacement:
                        for a in host.tree_flatten()[0]]
             host = host.rebuilt(widened, (kv * self.factor, (width - 2) // self.factor + 2,
                                           *host.shape[2:]))
-        blocks = (*host.shape[:-2], host.shape[-2] // TILE, host.shape[-1] // BLOCK)
+        arrays = host.tree_flatten()[0]
+        return host.rebuilt([on_mesh(a, where) for a, where in
+                             zip(arrays, self.quantized_shardings(path, host))], host.shape)
+
+    def quantized_shardings(self, path: tuple[str | int, ...],
+                            matrix: QuantizedMatrix) -> list[NamedSharding]:
+        """Where each storage array of parameter `path`, a quantized matrix in its `split`
+        form as placed (KV heads widened), goes (`place_quantized`); arrays or shape
+        structs."""
+        blocks = (*matrix.shape[:-2], matrix.shape[-2] // TILE, matrix.shape[-1] // BLOCK)
         spec = tuple(logical_spec(self.axes(path), blocks, self.mesh))
         spec += (None,) * (len(blocks) - len(spec))
 
-        def placed(a: np.ndarray) -> jax.Array:
+        def sharding(a: Any) -> NamedSharding:
             # by rank: packed (*blocks, 16, 4) and block scales (*blocks, 16) extend the
             # blocks' dims, int8 scales (*tiles' rows) end before K; empty minimums
-            dims = spec[:a.ndim] + (None,) * (a.ndim - len(spec)) if a.size else ()
-            return on_mesh(a, NamedSharding(self.mesh, PartitionSpec(*dims)))
+            rank = len(a.shape)
+            dims = spec[:rank] + (None,) * (rank - len(spec)) if math.prod(a.shape) else ()
+            return NamedSharding(self.mesh, PartitionSpec(*dims))
 
-        return host.rebuilt([placed(a) for a in host.tree_flatten()[0]], host.shape)
+        return [sharding(a) for a in matrix.tree_flatten()[0]]
 
     def sharding(self, path: tuple[str | int, ...], shape: tuple[int, ...]) -> NamedSharding:
         """Where parameter `path` of this (placed) shape lives."""

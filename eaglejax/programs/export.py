@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -33,7 +34,8 @@ from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.draft import head
 from eaglejax.draft.config import DraftConfig
 from eaglejax.models import kv_cache
-from eaglejax.models.llama import param_shapes
+from eaglejax.models import gguf_blocks, quantized
+from eaglejax.models.llama import is_param_info, param_info
 from eaglejax.models.placement import TargetPlacement
 from eaglejax.programs import hlo
 from eaglejax.programs.reference import eagle3_head
@@ -54,18 +56,31 @@ def _is_shape(x: Any) -> bool:
     return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
 
-def abstract_params(config: ModelConfig, mesh: Mesh,
-                    dtype: Any = jnp.bfloat16) -> tuple[ModelConfig, Any]:
+def abstract_params(config: ModelConfig, mesh: Mesh, dtype: Any = jnp.bfloat16,
+                    weight_dtype: str | None = None) -> tuple[ModelConfig, Any]:
     """The target as placed on `mesh` (KV heads widened where tp exceeds them) and its
-    parameters as shape structs in their shardings (`TargetPlacement`)."""
+    parameters as shape structs in their shardings (`TargetPlacement`). `weight_dtype`
+    "int8" or "int4" stores the matrices that tile as `Target.with_weight_dtype` does
+    (`models.quantized`, `models.gguf_blocks` Q4_1 blocks), split as
+    `TargetPlacement.place_quantized` splits them."""
     placement = TargetPlacement.plan(config, mesh)
+    quantized_as = {None: None, "int8": quantized.Int8Matrix.abstract,
+                    "int4": functools.partial(gguf_blocks.BlockMatrix.abstract, kind="Q4_1")}
+    if weight_dtype not in quantized_as:
+        raise ValueError(f"weight_dtype must be None, 'int8' or 'int4', got {weight_dtype!r}")
 
-    def leaf(path, shape):
+    def leaf(path, info):
         keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
-        return _abstract(shape, dtype, placement.sharding(keys, shape))
+        if quantized_as[weight_dtype] and info.matrix and quantized.tiles(info.shape):
+            split = jax.eval_shape(lambda m: m.split(), quantized_as[weight_dtype](info.shape))
+            arrays = split.tree_flatten()[0]
+            where = placement.quantized_shardings(keys, split)
+            return split.rebuilt([_abstract(a.shape, a.dtype, s) for a, s in zip(arrays, where)],
+                                 split.shape)
+        return _abstract(info.shape, dtype, placement.sharding(keys, info.shape))
 
-    shapes = param_shapes(placement.config)
-    return placement.config, jax.tree_util.tree_map_with_path(leaf, shapes, is_leaf=_is_shape)
+    infos = param_info(placement.config)
+    return placement.config, jax.tree_util.tree_map_with_path(leaf, infos, is_leaf=is_param_info)
 
 
 def abstract_draft(draft_config: DraftConfig, mesh: Mesh,
@@ -149,13 +164,16 @@ def _on_mesh(state: Any, mesh: Mesh) -> Any:
 def loop_programs(config: ModelConfig, mesh: Mesh, shapes: LoopShapes = LoopShapes(), *,
                   specs: dict[str, SpecConfig] | None = None,
                   draft_config: DraftConfig | None = None, attn_impl: str = "pallas",
-                  dtype: Any = jnp.bfloat16, greedy: bool = True) -> list[Program]:
+                  dtype: Any = jnp.bfloat16, greedy: bool = True,
+                  weight_dtype: str | None = None) -> list[Program]:
     """The plain loop (prefill, decode_loop) and, for each named SpecConfig in `specs`, the
     speculative loop (spec_prefill, spec_loop with an EAGLE-3 head) of `config` placed on
-    `mesh`, as abstract programs. Default specs: chain K=5 and a dynamic tree (8, 6, 60)."""
+    `mesh`, as abstract programs. Default specs: chain K=5 and a dynamic tree (8, 6, 60).
+    `weight_dtype`: the target's matrices quantized (`abstract_params`; the head stays in
+    `dtype`)."""
     if specs is None:
         specs = {"chain5": SpecConfig.chain(5), "tree60": SpecConfig.tree(8, 6, 60)}
-    placed, params = abstract_params(config, mesh, dtype)
+    placed, params = abstract_params(config, mesh, dtype, weight_dtype)
     b = shapes.batch
     inputs = _replicated((jax.ShapeDtypeStruct((b, shapes.prompt_len), jnp.int32),
                           jax.ShapeDtypeStruct((b,), jnp.int32),
