@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -170,7 +169,7 @@ def check_hf_tensors(names_and_shapes: Mapping[str, tuple[int, ...]], config: Mo
                         f"a {config.model_type} model of this config")
 
 
-Placer = Callable[[tuple, np.ndarray], jax.Array]  # (parameter path, host array) -> array
+Placer = Callable[[tuple, Any], Any]  # (parameter path, host array or quantized matrix) -> placed
 # (eaglejax matrix key, its HF tensor names) -> the matrix kept as stored, or None
 Stored = Callable[[str, tuple[str, ...]], Any]
 

@@ -25,7 +25,9 @@ values themselves.
 The values are kept in the kernel's layout: tiles of `TILE` (16) output rows, each 4
 consecutive k of the 16 rows in one 64-byte line, offset by 128 (unsigned, as the
 instruction reads them): packed[N/16, K/4, 16, 4] = q + 128. Matrices whose shape does not
-tile (N % 16 or K % 32 not 0) stay wide.
+tile (N % 16 or K % 32 not 0) stay wide. On a mesh the same bytes take their `split` form,
+the rows in the matrix's logical leading dims, so that they shard by its logical axes with
+their scales (`models.placement.TargetPlacement.place_quantized`).
 """
 
 from __future__ import annotations
