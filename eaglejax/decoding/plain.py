@@ -35,12 +35,15 @@ def prefill_state(params: Params, config: ModelConfig, prompt: jax.Array,
                   prompt_lengths: jax.Array, row_keys: jax.Array, sampling: SamplingParams,
                   max_new_tokens: jax.Array, *, capacity: int, max_tokens: int, greedy: bool,
                   stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto",
-                  prefill_chunk: int = PREFILL_CHUNK) -> DecodeState:
-    """Run the right-padded prompts [B,P] (`prefill_chunk` tokens at a time), fill the cache
-    and record the first new token."""
+                  prefill_chunk: int = PREFILL_CHUNK,
+                  cached: kv_cache.KVCache | None = None) -> DecodeState:
+    """Run the right-padded prompts [B,P] (`prefill_chunk` tokens at a time; after the rows
+    of `cached`, when given: `prefill.prefill_target`), fill the cache and record the first
+    new token."""
     batch = prompt.shape[0]
     cache, logits, _, _ = prefill_target(params, config, prompt, prompt_lengths, capacity,
-                                         attn_impl=attn_impl, chunk=prefill_chunk)
+                                         attn_impl=attn_impl, chunk=prefill_chunk,
+                                         cached=cached)
     out = empty_output(batch, max_tokens)
     first = sample_tokens(logits, sampling, row_step_keys(row_keys, out.counts), greedy)
     out = record(out, first, out.running, stop, max_new_tokens)

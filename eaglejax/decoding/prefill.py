@@ -33,13 +33,24 @@ class Prefilled(NamedTuple):
 def prefill_target(params: Params, config: ModelConfig, prompt: jax.Array,
                    prompt_lengths: jax.Array, capacity: int, tap_layers: tuple[int, ...] = (),
                    attn_impl: AttentionImpl = "auto", chunk: int = PREFILL_CHUNK, *,
-                   heads_axis: str | None = "kv_heads") -> Prefilled:
+                   heads_axis: str | None = "kv_heads",
+                   cached: kv_cache.KVCache | None = None) -> Prefilled:
     """Run right-padded prompts [B,P] into a fresh cache of `capacity` slots (over a mesh,
-    its heads split along `heads_axis`, see `kv_cache.init_cache`).
+    its heads split along `heads_axis`, see `kv_cache.init_cache`), or after the rows of
+    `cached` (a cache of `capacity` slots holding each row's earlier tokens, e.g. a prompt
+    prefix kept by the serving engine's prefix cache): then `prompt` is what follows them,
+    at positions cached.lengths + [0, P), and the lengths returned count both.
 
     A prompt longer than `chunk` runs `chunk` tokens at a time, each block attending to the
     cache written so far plus itself, so memory grows linearly with P."""
     batch, prompt_len = prompt.shape
+    if cached is not None:
+        hidden, taps, cache = forward_chunked(params, config, prompt, cached,
+                                              chunk=min(chunk, prompt_len),
+                                              tap_layers=tap_layers, attn_impl=attn_impl)
+        cache = cache._replace(lengths=cached.lengths + prompt_lengths)
+        last_hidden = hidden[jnp.arange(batch), prompt_lengths - 1]
+        return Prefilled(cache, lm_head(params, last_hidden), hidden, taps)
     cache = kv_cache.init_cache(config.num_layers, batch, capacity, config.num_kv_heads,
                                 config.head_dim, compute_dtype(params), heads_axis)
     if prompt_len <= chunk:

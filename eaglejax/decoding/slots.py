@@ -28,6 +28,7 @@ from eaglejax.decoding.calibration import round_counts
 from eaglejax.decoding.loops import Loop, SpecLoop, Weights
 from eaglejax.decoding.output import Output
 from eaglejax.decoding.plain_segment import plain_steps
+from eaglejax.decoding.prefix_pool import PrefixPool, load_rows
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.stopping import FINISH_LENGTH, StopTable
 from eaglejax.models import kv_cache
@@ -73,6 +74,30 @@ def fill_target(loop: SpecLoop, weights: Weights, state: speculative.SpecState,
     accepted tokens cleared (the slot's last request's are not this one's)."""
     done = fill(loop.target_alone(), weights, _target_part(state), slot, prompt, prompt_length,
                 row_key, sampling, max_new_tokens, stop, greedy=greedy)
+    return state._replace(**done._asdict(), accept_hist=state.accept_hist.at[slot].set(0))
+
+
+@functools.partial(jax.jit, static_argnames=("loop", "greedy"), donate_argnames=("state",))
+def fill_cached(loop: Loop, weights: Weights, state: State, slot: jax.Array,
+                pool: PrefixPool, blocks: jax.Array, cached: jax.Array, rest: jax.Array,
+                rest_length: jax.Array, row_key: jax.Array, sampling: SamplingParams,
+                max_new_tokens: jax.Array, stop: StopTable, *, greedy: bool) -> State:
+    """`fill` of a prompt whose first cached [1] tokens the prefix cache holds in pool
+    `blocks` [n] (in order; n * BLOCK covers the slot's cache, entries past the hit unused):
+    their rows are copied in and only the `rest` [1,R] (right-padded, rest_length [1]
+    tokens) is prefilled, by the target alone (in a speculative batch the row then decodes
+    plainly, as after `fill_target`)."""
+    cached = load_rows(pool, blocks, cached, state.target_cache.capacity)
+    target_loop, part = loop, state
+    if isinstance(state, speculative.SpecState):
+        target_loop, part = loop.target_alone(), _target_part(state)
+    row = plain.prefill_state(weights.target, target_loop.config, rest, rest_length, row_key,
+                              sampling, max_new_tokens, capacity=cached.capacity,
+                              max_tokens=part.out.tokens.shape[1], greedy=greedy, stop=stop,
+                              attn_impl=target_loop.attn_impl, cached=cached)
+    done = _put_rows(part, row._replace(forwards=part.forwards), slot)
+    if part is state:
+        return done
     return state._replace(**done._asdict(), accept_hist=state.accept_hist.at[slot].set(0))
 
 

@@ -29,6 +29,7 @@ from eaglejax.decoding.autotune import PLAIN_WIDTH, AutoPlan
 from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.bundle import Bundle
 from eaglejax.decoding.loops import State
+from eaglejax.decoding.prefix_pool import BLOCK
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculation import AUTO, resolve_speculation
@@ -40,6 +41,7 @@ from eaglejax.decoding.stopping import (
     StopTable,
 )
 from eaglejax.errors import InputError
+from eaglejax.serving.prefix_cache import PrefixCache
 from eaglejax.serving.shape_policy import ShapePolicy
 from eaglejax.target import Target
 
@@ -52,6 +54,11 @@ TARGET_ONLY = -1
 MIN_PROMPT_BUCKET = 16
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit on stop strings
 MAX_STOP_TOKENS = 16  # longer stop sequences end replies on the host side only
+PREFIX_CACHE_TOKENS = 4096  # default positions the prefix cache keeps
+# A row that could speculate (`auto` at one row) takes a prefix-cache hit only from this many
+# cached tokens: a hit is prefilled by the target alone and the row then decodes plainly, and
+# on SmolLM2 (2 cores) 256 tokens of prefill (~0.3 s) outweigh what speculation wins over a reply.
+MIN_HIT_OVER_HEAD = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,15 +119,19 @@ PROFILE_PROMPT = "Explain speculative decoding in two sentences."
 class Engine:
     """Decode queued requests over `num_slots` rows of `capacity` tokens each (prompt plus
     reply). `speculative`: a `SpecConfig`, "auto", or None (with a draft head: "auto" in one
-    process, the device's preset in several). Not thread-safe: one thread submits, cancels
-    and steps."""
+    process, the device's preset in several). `prefix_cache_tokens` positions of earlier
+    prompts and replies are kept for requests that start with them (`serving.prefix_cache`;
+    0: none), in engines that decode plainly or with "auto" on one device. Not thread-safe:
+    one thread submits, cancels and steps."""
 
     def __init__(self, target: Target, draft: "Draft | None" = None, *,
                  speculative: SpecConfig | str | None = None, num_slots: int = 8,
-                 capacity: int = 1024, rounds_per_call: int = 16):
+                 capacity: int = 1024, rounds_per_call: int = 16,
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS):
         validation.integer("num_slots", num_slots, 1)
         validation.integer("capacity", capacity, 2)
         validation.integer("rounds_per_call", rounds_per_call, 1)
+        validation.integer("prefix_cache_tokens", prefix_cache_tokens, 0)
         limit = target.config.max_position_embeddings
         if capacity > limit:
             raise InputError(f"capacity {capacity} exceeds the model's context of {limit} tokens")
@@ -154,6 +165,13 @@ class Engine:
         self._stale = np.zeros(num_slots, bool)  # auto: the slot's head was left behind
         self._plain_steps = np.zeros(num_slots, np.int64)  # auto: target forwards not in
         # the acceptance histogram (plain segments), per slot
+        self.prefix: PrefixCache | None = None
+        fills_target_alone = speculative is None or self.policy is not None
+        if prefix_cache_tokens and fills_target_alone and target.mesh is None \
+                and jax.process_count() == 1:
+            cache = self.state.target_cache
+            self.prefix = PrefixCache(target.config, -(-prefix_cache_tokens // BLOCK),
+                                      cache.k[0].dtype, cache.capacity)
         self.round_splits: list[dict[str, Any]] = []  # `profile_rounds`' results
 
     # ------------------------------------------------------------------ public interface
@@ -282,14 +300,18 @@ class Engine:
             request = Request(("warm-up", n, rows, temperature), [0] * n, 1,
                               SamplingOptions(temperature), ignore_eos=True)
             self.check(request)
-            self._fill(rows - 1, request)
+            self._fill(rows - 1, request, cache=False)
             for mode in self._modes_to_warm(rows):
                 self._advance(np.int32(0), mode)
             self.cancel(request.key)
             if (rows == row_counts[0] and self.policy is not None
                     and self.policy.max_speculative_rows is not None):
-                self._fill(rows - 1, request, target_only=True)  # rows left behind
-                self.cancel(request.key)
+                self._fill(rows - 1, request, target_only=True, cache=False)  # rows left
+                self.cancel(request.key)  # behind
+            if rows == row_counts[0] and self.prefix is not None:  # a prefix-cache hit
+                hit = dataclasses.replace(request, prompt=[0] * min(BLOCK + n, self.capacity - 1))
+                self._fill(rows - 1, hit, hit=[0])  # whose rest fills `n`'s bucket
+                self.cancel(hit.key)
         # Programs run asynchronously: the last warm-up prefills (the longest prompts) would
         # otherwise still be running when the server reports ready, and the first request
         # waited for them (~2 s of its time to first token on a 2-core CPU).
@@ -325,13 +347,15 @@ class Engine:
         return StopTable.rows(rules, max(1, len(self.eos_ids)), MAX_STOP_SEQUENCES,
                               MAX_STOP_TOKENS)
 
-    def _fill(self, slot: int, request: Request, target_only: bool | None = None) -> None:
+    def _fill(self, slot: int, request: Request, target_only: bool | None = None,
+              cache: bool = True, hit: list[int] | None = None) -> None:
         """Prefill `request` into `slot` and record its settings there; with `auto`, the
         target alone where the row will decode plainly to its end (`_target_alone`, or as
-        `target_only` says), since its head would never be used."""
+        `target_only` says), since its head would never be used. With `cache`, a prefix the
+        prefix cache holds is copied in instead of prefilled (the target alone), and the
+        prompt's blocks are kept. `hit`: these pool blocks as the prompt's cached prefix
+        (warming up)."""
         n = len(request.prompt)
-        prompt = np.zeros((1, min(bucket(n, MIN_PROMPT_BUCKET), self.capacity)), np.int32)
-        prompt[0, :n] = request.prompt
         s = request.sampling
         self._temperature[slot], self._top_k[slot], self._top_p[slot] = (
             s.temperature, s.top_k, s.top_p)
@@ -343,19 +367,42 @@ class Engine:
         row = slice(slot, slot + 1)
         sampling = SamplingParams(self._temperature[row], self._top_k[row], self._top_p[row])
         stop = StopTable(*(x[row] for x in self._stop_table))
-        args = self.models.put((np.int32(slot), prompt, np.array([n], np.int32),
-                                jax.random.PRNGKey(np.uint32(s.seed))[None], sampling,
-                                self._max_new[row], stop))
         greedy = bool(s.temperature == 0)
         if target_only is None:
             self._stale[slot] = False  # the slot's last request's, not this one's
             live = self._filled()
             live[slot] = True
             target_only = self.policy is not None and self._target_alone(live)
-        fill = slots.fill_target if target_only and self.spec is not None else slots.fill
+        if hit is not None:
+            cache = False
+        elif cache and self.prefix is not None:
+            could_speculate = self.policy is not None and not target_only
+            hit = self.prefix.match(request.prompt, MIN_HIT_OVER_HEAD if could_speculate else 0)
+        else:
+            hit = []
+        cached = BLOCK * len(hit)
+        prompt = np.zeros((1, min(bucket(n - cached, MIN_PROMPT_BUCKET), self.capacity)),
+                          np.int32)
+        prompt[0, :n - cached] = request.prompt[cached:]
+        row_args = self.models.put((prompt, np.array([n - cached], np.int32),
+                                    jax.random.PRNGKey(np.uint32(s.seed))[None], sampling,
+                                    self._max_new[row], stop))
         if self._suffix:
             self.models = self.models.with_current_history()
-        self.state = self.models.run(fill, self.state, *args, greedy=greedy)
+        slot_arg = self.models.put(np.int32(slot))
+        if hit:
+            target_only = True
+            blocks = np.zeros(-(-self.state.target_cache.capacity // BLOCK), np.int32)
+            blocks[:len(hit)] = hit
+            self.state = self.models.run(
+                slots.fill_cached, self.state, slot_arg, self.prefix.pool,
+                *self.models.put((blocks, np.array([cached], np.int32))), *row_args,
+                greedy=greedy)
+        else:
+            fill = slots.fill_target if target_only and self.spec is not None else slots.fill
+            self.state = self.models.run(fill, self.state, slot_arg, *row_args, greedy=greedy)
+        if cache and self.prefix is not None:
+            self.prefix.save(self.state.target_cache, slot, request.prompt)
         self.slots[slot] = _Live(request)
         self._plain_steps[slot], self._stale[slot] = 0, bool(target_only)
         if self.policy is not None:
@@ -467,8 +514,8 @@ class Engine:
         """Updates for the slots with unreported tokens or a new finish; frees finished slots."""
         out = self.state.out
         hist = getattr(self.state, "accept_hist", None)
-        tokens, counts, finish, hist = self.models.fetch((out.tokens, out.counts, out.finish,
-                                                          hist))
+        tokens, counts, finish, hist, cached = self.models.fetch(
+            (out.tokens, out.counts, out.finish, hist, self.state.target_cache.lengths))
         rounds = hist.sum(axis=1) + self._plain_steps if hist is not None else counts - 1
         updates = []
         for i, live in enumerate(self.slots):
@@ -484,6 +531,9 @@ class Engine:
             live.reported = int(counts[i])
             if ended and self._suffix:  # later requests' suffix drafters search it
                 shared_history().add([tokens[i, :counts[i]]])
+            if ended and self.prefix is not None:  # a chat's next turn starts with it
+                self.prefix.save(self.state.target_cache, i, np.concatenate(
+                    [request.prompt, tokens[i, :counts[i]]])[:cached[i]])
             if ended:
                 self._free(i)
         return updates

@@ -1,0 +1,59 @@
+"""The device half of the serving engine's prefix cache (`serving.prefix_cache`): a pool of
+KV blocks, `BLOCK` consecutive positions of one sequence each (all layers' keys and values),
+copied out of a slot's cache and back into a prefilling row."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from eaglejax.config import ModelConfig
+from eaglejax.models import kv_cache
+
+BLOCK = 32  # positions per block
+
+
+class PrefixPool(NamedTuple):
+    """Cached rows on the device: k, v one [blocks, kv_heads, BLOCK, head_dim] array per
+    layer."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+def empty_pool(config: ModelConfig, blocks: int, dtype: jnp.dtype) -> PrefixPool:
+    shape = (blocks, config.num_kv_heads, BLOCK, config.head_dim)
+    layers = range(config.num_layers)
+    return PrefixPool(tuple(jnp.zeros(shape, dtype) for _ in layers),
+                      tuple(jnp.zeros(shape, dtype) for _ in layers))
+
+
+def load_rows(pool: PrefixPool, blocks: jax.Array, cached: jax.Array, capacity: int
+              ) -> kv_cache.KVCache:
+    """A one-row cache of `capacity` slots (n * BLOCK >= capacity) holding pool `blocks`
+    [n] in order, valid through `cached` [1] rows (the rest hold whatever the blocks do)."""
+    def rows(buffers: jax.Array) -> jax.Array:
+        picked = buffers[blocks]  # [n, kv, BLOCK, D]
+        n, kv, block, dim = picked.shape
+        picked = jnp.swapaxes(picked, 0, 1).reshape(1, kv, n * block, dim)
+        return picked[:, :, :capacity]
+
+    return kv_cache.KVCache(tuple(map(rows, pool.k)), tuple(map(rows, pool.v)),
+                            cached.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def save_blocks(pool: PrefixPool, cache: kv_cache.KVCache, slot: jax.Array,
+                sources: jax.Array, targets: jax.Array) -> PrefixPool:
+    """Copy blocks sources [n] of `slot`'s rows in `cache` into pool blocks targets [n]
+    (targets past the pool: not written)."""
+    def save(buffer: jax.Array, rows: jax.Array) -> jax.Array:
+        row = rows[slot]  # [kv, capacity, D]
+        kv, capacity, dim = row.shape
+        blocks = jnp.swapaxes(row.reshape(kv, capacity // BLOCK, BLOCK, dim), 0, 1)
+        return buffer.at[targets].set(blocks[sources].astype(buffer.dtype), mode="drop")
+
+    return PrefixPool(tuple(map(save, pool.k, cache.k)), tuple(map(save, pool.v, cache.v)))

@@ -1,0 +1,89 @@
+"""Prefix caching in the serving engine (`serving.prefix_cache`): a request whose prompt starts
+with an earlier prompt or conversation prefills only the rest and gets the tokens it gets
+without the cache; the index keeps whole blocks, matches only exact prefixes and evicts the
+least recently used."""
+
+import numpy as np
+import pytest
+
+from eaglejax.decoding.prefix_pool import BLOCK
+from eaglejax.draft.draft import new_eagle3_draft
+from eaglejax.serving.engine import Engine, Request, SamplingOptions
+from eaglejax.serving.prefix_cache import PrefixCache
+
+CAPACITY = 192
+
+
+@pytest.fixture(scope="module")
+def target(target_of):
+    return target_of("llama")
+
+
+def _conversation(target, seed: int) -> tuple[list[int], list[int]]:
+    """A first turn's prompt (70 tokens: two full blocks) and a second turn's new tokens."""
+    rng = np.random.default_rng(seed)
+    vocab = target.config.vocab_size
+    return rng.integers(0, vocab, 70).tolist(), rng.integers(0, vocab, 9).tolist()
+
+
+def _turns(engine: Engine, target, seeds, sampling=SamplingOptions()) -> dict:
+    """Each conversation's first turn, then its second turn (first prompt + reply + new
+    tokens): every final update by key."""
+    firsts = {s: _conversation(target, s) for s in seeds}
+    out = engine.run([Request(("first", s), firsts[s][0], 30, sampling, ignore_eos=True)
+                      for s in seeds])
+    seconds = [Request(("second", s), firsts[s][0] + out[("first", s)].token_ids + firsts[s][1],
+                       12, sampling, ignore_eos=True) for s in seeds]
+    out.update(engine.run(seconds))
+    return out
+
+
+@pytest.mark.parametrize("sampling", [SamplingOptions(), SamplingOptions(0.8, 20, 0.9, 5)],
+                         ids=["greedy", "sampled"])
+def test_a_later_turn_prefills_only_what_is_new_and_decodes_the_same(target, sampling):
+    cached = Engine(target, num_slots=2, capacity=CAPACITY)
+    uncached = Engine(target, num_slots=2, capacity=CAPACITY, prefix_cache_tokens=0)
+    got, want = _turns(cached, target, [0, 1], sampling), _turns(uncached, target, [0, 1],
+                                                                  sampling)
+    assert {k: u.token_ids for k, u in got.items()} == {k: u.token_ids for k, u in want.items()}
+    # Second turns: 70 + 30 + 9 = 109 tokens, of which blocks 0-1 (the first prompt's) and
+    # block 2 (the first reply's, saved when the first turn finished) were cached.
+    assert cached.prefix.hit_tokens == 2 * 3 * BLOCK
+    assert uncached.prefix is None
+
+
+def test_an_auto_engine_takes_only_long_hits_for_a_row_that_could_speculate(target):
+    draft = new_eagle3_draft(target, seed=1, scale=0.05)
+    engine = Engine(target, draft, speculative="auto", num_slots=2, capacity=CAPACITY)
+    got = _turns(engine, target, [2])
+    assert engine.prefix.hit_tokens == 0  # 96 cached tokens < MIN_HIT_OVER_HEAD, one row
+    plain = Engine(target, num_slots=2, capacity=CAPACITY, prefix_cache_tokens=0)
+    assert {k: u.token_ids for k, u in got.items()} == {
+        k: u.token_ids for k, u in _turns(plain, target, [2]).items()}
+    fixed = Engine(target, draft, speculative=eaglejax_chain(), num_slots=2, capacity=CAPACITY)
+    assert fixed.prefix is None  # a fixed shape cannot fill a row with the target alone
+
+
+def eaglejax_chain():
+    from eaglejax import SpecConfig
+    return SpecConfig.chain(2)
+
+
+def test_the_index_keeps_exact_prefixes_and_evicts_the_least_recently_used(target):
+    engine = Engine(target, num_slots=1, capacity=CAPACITY, prefix_cache_tokens=3 * BLOCK)
+    prefix = engine.prefix
+    cache = engine.state.target_cache
+    a, b, c = (list(range(k, k + 2 * BLOCK + 1)) for k in (0, 1000, 2000))
+    prefix.save(cache, 0, a)  # 2 blocks
+    assert prefix.match(a) == prefix.match(a[:2 * BLOCK + 5]) and len(prefix.match(a)) == 2
+    assert prefix.match(a[:2 * BLOCK]) == prefix.match(a)[:1]  # one token must stay to prefill
+    assert prefix.match([a[0] + 1] + a[1:]) == []  # the first block differs: nothing
+    assert len(prefix.match(a[:BLOCK] + b[BLOCK:])) == 1  # the second differs: one block
+    assert prefix.match(a, minimum=3 * BLOCK) == []
+    prefix.save(cache, 0, b)  # the pool holds 3: b's second block evicts a's second block,
+    assert len(prefix.match(b)) == 2 and len(prefix.match(a)) == 1  # used least recently
+    prefix.match(b)
+    prefix.save(cache, 0, c[:BLOCK + 1])  # evicts a's first block, now the oldest
+    assert len(prefix.match(c)) == 1 and len(prefix.match(b)) == 2 and prefix.match(a) == []
+    with pytest.raises(ValueError, match="at least one block"):
+        PrefixCache(target.config, 0, cache.k[0].dtype, cache.capacity)
