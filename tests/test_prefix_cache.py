@@ -6,8 +6,10 @@ least recently used."""
 import numpy as np
 import pytest
 
+from eaglejax import SpecConfig
 from eaglejax.decoding.prefix_pool import BLOCK
 from eaglejax.draft.draft import new_eagle3_draft
+from eaglejax.serving import engine as engine_module
 from eaglejax.serving.engine import Engine, Request, SamplingOptions
 from eaglejax.serving.prefix_cache import PrefixCache
 
@@ -52,21 +54,21 @@ def test_a_later_turn_prefills_only_what_is_new_and_decodes_the_same(target, sam
     assert uncached.prefix is None
 
 
-def test_an_auto_engine_takes_only_long_hits_for_a_row_that_could_speculate(target):
+def test_an_auto_engine_takes_only_long_hits_for_a_row_that_could_speculate(target,
+                                                                             monkeypatch):
     draft = new_eagle3_draft(target, seed=1, scale=0.05)
-    engine = Engine(target, draft, speculative="auto", num_slots=2, capacity=CAPACITY)
-    got = _turns(engine, target, [2])
-    assert engine.prefix.hit_tokens == 0  # 96 cached tokens < MIN_HIT_OVER_HEAD, one row
     plain = Engine(target, num_slots=2, capacity=CAPACITY, prefix_cache_tokens=0)
-    assert {k: u.token_ids for k, u in got.items()} == {
-        k: u.token_ids for k, u in _turns(plain, target, [2]).items()}
-    fixed = Engine(target, draft, speculative=eaglejax_chain(), num_slots=2, capacity=CAPACITY)
+    want = {k: u.token_ids for k, u in _turns(plain, target, [2]).items()}
+    engine = Engine(target, draft, speculative="auto", num_slots=2, capacity=CAPACITY)
+    assert {k: u.token_ids for k, u in _turns(engine, target, [2]).items()} == want
+    assert engine.prefix.hit_tokens == 0  # 96 cached tokens < MIN_HIT_OVER_HEAD, one row
+    monkeypatch.setattr(engine_module, "MIN_HIT_OVER_HEAD", BLOCK)
+    engine = Engine(target, draft, speculative="auto", num_slots=2, capacity=CAPACITY)
+    assert {k: u.token_ids for k, u in _turns(engine, target, [2]).items()} == want
+    assert engine.prefix.hit_tokens == 3 * BLOCK  # copied into a speculative batch's slot
+    fixed = Engine(target, draft, speculative=SpecConfig.chain(2), num_slots=2,
+                   capacity=CAPACITY)
     assert fixed.prefix is None  # a fixed shape cannot fill a row with the target alone
-
-
-def eaglejax_chain():
-    from eaglejax import SpecConfig
-    return SpecConfig.chain(2)
 
 
 def test_the_index_keeps_exact_prefixes_and_evicts_the_least_recently_used(target):
