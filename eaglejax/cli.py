@@ -36,6 +36,7 @@ from eaglejax.loading.hub import ResolvedSource, is_hub_id, resolve_source
 from eaglejax.loading.target_loader import load_target
 from eaglejax.programs import roofline
 from eaglejax.round_split import describe_split
+from eaglejax.serving.prefix_cache import PREFIX_CACHE_TOKENS
 from eaglejax.sharding import make_mesh
 from eaglejax.sharding.distributed import initialize
 from eaglejax.training.pipeline import mt_bench_prompts, prepare_rows
@@ -411,6 +412,10 @@ def _add_serve_args(commands) -> None:
                        help="requests decoded at once (default 8); more wait in a queue")
     serve.add_argument("--capacity", type=int, default=1024,
                        help="tokens a slot holds: prompt plus reply (default 1024)")
+    serve.add_argument("--prefix-cache-tokens", type=int, default=PREFIX_CACHE_TOKENS,
+                       help="positions of earlier prompts and replies kept on the device for "
+                            "requests that start with them (a chat's later turns, a shared "
+                            f"system prompt; default {PREFIX_CACHE_TOKENS}, 0: none)")
     serve.add_argument("--profile-rounds", action="store_true",
                        help="at start-up, measure where each speculative shape's round goes "
                             "(draft, verify, accept + commit, catch-up, other) and show it "
@@ -748,6 +753,7 @@ def _serve(args: argparse.Namespace) -> None:
     validation.integer("--port", args.port, 0, 65535)
     validation.integer("--num-slots", args.num_slots, 1)
     validation.integer("--capacity", args.capacity, 2)
+    validation.integer("--prefix-cache-tokens", args.prefix_cache_tokens, 0)
     _check_draft_flags(args)
     if args.draft not in (None, "random"):
         _check_path("--draft", args.draft, directory=True)
@@ -766,7 +772,8 @@ def _serve(args: argparse.Namespace) -> None:
         args.draft = str(default_head)
     target = load_target(model, dtype=args.dtype, weight_dtype=args.weight_dtype, mesh=mesh)
     engine = Engine(target, _load_draft(args, target), speculative=speculative,
-                    num_slots=args.num_slots, capacity=args.capacity)
+                    num_slots=args.num_slots, capacity=args.capacity,
+                    prefix_cache_tokens=args.prefix_cache_tokens)
     if jax.process_index() > 0:  # a multi-process run: process 0 serves, this one follows
         with compilation_cache.caching_every_program(), contextlib.suppress(KeyboardInterrupt):
             follow(engine)  # until process 0 closes (or Ctrl-C)

@@ -237,6 +237,15 @@ def test_token_id_prompts_and_default_max_tokens(target, client):
     assert reply.usage.completion_tokens == len(expected.token_ids)  # 16: the default
 
 
+def test_a_repeated_prompt_prefix_is_reported_cached(target, client):
+    prompt = list(range(40, 80))  # 40 tokens: one full block of 32 before the last token
+    first, again = (client.completions.create(model=MODEL, prompt=prompt, max_tokens=4,
+                                              temperature=0) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    assert again.choices[0].text == first.choices[0].text
+
+
 def _post(server, path: str, body) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(f"{server.url}{path}", content=content, timeout=30,
@@ -363,6 +372,9 @@ def test_models_health_and_metrics(server, client):
     assert _metric(server, "eaglejax_time_to_first_token_seconds_count") > 0
     assert _metric(server, "eaglejax_acceptance_length_count") > 0
     assert _metric(server, "eaglejax_tokens_per_second") >= 0
+    assert _metric(server, "eaglejax_prefix_cache_hit_tokens_total") >= 32
+    assert _metric(server, "eaglejax_prefix_cache_prompt_tokens_total") > 0
+    assert 0 < _metric(server, "eaglejax_prefix_cache_blocks_used") <= 4096 // 32
 
 
 class _ByteTokenizer:

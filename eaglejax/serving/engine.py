@@ -41,7 +41,7 @@ from eaglejax.decoding.stopping import (
     StopTable,
 )
 from eaglejax.errors import InputError
-from eaglejax.serving.prefix_cache import PrefixCache
+from eaglejax.serving.prefix_cache import PREFIX_CACHE_TOKENS, PrefixCache
 from eaglejax.serving.shape_policy import ShapePolicy
 from eaglejax.target import Target
 
@@ -54,7 +54,6 @@ TARGET_ONLY = -1
 MIN_PROMPT_BUCKET = 16
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit on stop strings
 MAX_STOP_TOKENS = 16  # longer stop sequences end replies on the host side only
-PREFIX_CACHE_TOKENS = 4096  # default positions the prefix cache keeps
 # A row that could speculate (`auto` at one row) takes a prefix-cache hit only from this many
 # cached tokens: a hit is prefilled by the target alone and the row then decodes plainly, and
 # on SmolLM2 (2 cores) 256 tokens of prefill (~0.3 s) outweigh what speculation wins over a reply.
@@ -89,7 +88,8 @@ class Request:
 class Update:
     """A request's tokens new since its previous update; `finish_reason` ("eos", "stop",
     "length") once it ended, else None. `rounds`: target forwards spent on it after the
-    prefill (verification rounds; plain decoding: one per token)."""
+    prefill (verification rounds; plain decoding: one per token). `cached_tokens`: prompt
+    tokens copied from the prefix cache, not prefilled."""
 
     key: Hashable
     token_ids: list[int]
@@ -97,6 +97,7 @@ class Update:
     prompt_tokens: int
     generated: int
     rounds: int
+    cached_tokens: int = 0
 
     @property
     def acceptance_length(self) -> float | None:
@@ -106,10 +107,12 @@ class Update:
 
 @dataclasses.dataclass
 class _Live:
-    """A request in a slot and how many of its tokens were reported."""
+    """A request in a slot, how many of its tokens were reported and how many of its prompt's
+    came from the prefix cache."""
 
     request: Request
     reported: int = 0
+    cached: int = 0
 
 
 # The text `profile_rounds` times by default (chat-rendered), one request of everyday length.
@@ -167,8 +170,8 @@ class Engine:
         # the acceptance histogram (plain segments), per slot
         self.prefix: PrefixCache | None = None
         fills_target_alone = speculative is None or self.policy is not None
-        if prefix_cache_tokens and fills_target_alone and target.mesh is None \
-                and jax.process_count() == 1:
+        if prefix_cache_tokens and fills_target_alone and capacity > BLOCK + 1 \
+                and target.mesh is None and jax.process_count() == 1:
             cache = self.state.target_cache
             self.prefix = PrefixCache(target.config, -(-prefix_cache_tokens // BLOCK),
                                       cache.k[0].dtype, cache.capacity)
@@ -403,7 +406,7 @@ class Engine:
             self.state = self.models.run(fill, self.state, slot_arg, *row_args, greedy=greedy)
         if cache and self.prefix is not None:
             self.prefix.save(self.state.target_cache, slot, request.prompt)
-        self.slots[slot] = _Live(request)
+        self.slots[slot] = _Live(request, cached=cached)
         self._plain_steps[slot], self._stale[slot] = 0, bool(target_only)
         if self.policy is not None:
             self.policy.admit(request.key)
@@ -527,7 +530,8 @@ class Engine:
             request = live.request
             updates.append(Update(request.key, tokens[i, live.reported:counts[i]].tolist(),
                                   FINISH_REASONS[int(finish[i])] if ended else None,
-                                  len(request.prompt), int(counts[i]), int(max(rounds[i], 0))))
+                                  len(request.prompt), int(counts[i]), int(max(rounds[i], 0)),
+                                  live.cached))
             live.reported = int(counts[i])
             if ended and self._suffix:  # later requests' suffix drafters search it
                 shared_history().add([tokens[i, :counts[i]]])

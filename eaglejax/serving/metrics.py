@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from eaglejax.serving.engine import Update
+from eaglejax.serving.prefix_cache import PrefixCache
 from eaglejax.serving.shape_policy import ShapePolicy
 
 RATE_WINDOW_S = 10.0
@@ -23,14 +24,18 @@ class ServingMetrics:
     RATE_WINDOW_S seconds), acceptance length and time to first token per request, and
     requests by outcome; with `auto` (`policy`), target forwards by mode (the shape mix) and
     each mode's measured round cost by active rows; with `round_splits` (the engine's
-    `profile_rounds`), each shape's round phase by phase."""
+    `profile_rounds`), each shape's round phase by phase; with `prefix` (the engine's prefix
+    cache), prompt tokens looked up and found cached, and blocks in use."""
 
     def __init__(self, policy: ShapePolicy | None = None,
-                 round_splits: Sequence[dict[str, Any]] = ()) -> None:
+                 round_splits: Sequence[dict[str, Any]] = (),
+                 prefix: PrefixCache | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         if policy is not None:
             r.register(_ShapeMix(policy))
+        if prefix is not None:
+            r.register(_PrefixCacheUse(prefix))
         if round_splits:
             r.register(_RoundSplits(round_splits))
         self._queued = Gauge("eaglejax_queue_depth", "requests waiting for a slot",
@@ -110,6 +115,27 @@ class _ShapeMix:
         for (mode, rows), seconds in self.policy.round_seconds().items():
             cost.add_metric([mode, str(rows)], seconds)
         yield cost
+
+
+class _PrefixCacheUse:
+    """The prefix cache's counters, read at each scrape."""
+
+    def __init__(self, prefix: PrefixCache):
+        self.prefix = prefix
+
+    def collect(self):
+        prompt = CounterMetricFamily("eaglejax_prefix_cache_prompt_tokens", "prompt tokens of "
+                                     "the requests looked up in the prefix cache")
+        prompt.add_metric([], self.prefix.prompt_tokens)
+        yield prompt
+        hits = CounterMetricFamily("eaglejax_prefix_cache_hit_tokens", "prompt tokens found "
+                                   "in the prefix cache (copied, not prefilled)")
+        hits.add_metric([], self.prefix.hit_tokens)
+        yield hits
+        used = GaugeMetricFamily("eaglejax_prefix_cache_blocks_used", "blocks of the prefix "
+                                 f"cache in use, of {self.prefix.blocks}")
+        used.add_metric([], len(self.prefix.index))
+        yield used
 
 
 class _RoundSplits:

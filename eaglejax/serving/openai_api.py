@@ -228,9 +228,12 @@ def finish_reason(engine_reason: str) -> str:
     return "length" if engine_reason == "length" else "stop"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+          ) -> dict[str, Any]:
+    """OpenAI's usage object (`cached_tokens`: prompt tokens the prefix cache held)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +256,7 @@ class Reply:
             else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def response(self, text: str, finish: str, usage_: dict[str, int],
+    def response(self, text: str, finish: str, usage_: dict[str, Any],
                  extension: dict[str, Any]) -> dict[str, Any]:
         """The whole reply (`stream: false`)."""
         choice: dict[str, Any] = {"index": 0}
@@ -279,7 +282,7 @@ class Reply:
         body = {**self._head(True), "choices": [choice]}
         return body if extension is None else {**body, "eaglejax": extension}
 
-    def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage_: dict[str, Any]) -> dict[str, Any]:
         """The chunk `stream_options.include_usage` adds before the end: no choices."""
         return {**self._head(True), "choices": [], "usage": usage_}
 

@@ -37,6 +37,9 @@ def block_keys(tokens: np.ndarray) -> list[bytes]:
     return keys
 
 
+PREFIX_CACHE_TOKENS = 4096  # positions a serving engine's prefix cache keeps by default
+
+
 class PrefixCache:
     """The host's index of a `PrefixPool` of `blocks` blocks (module docstring)."""
 

@@ -55,8 +55,9 @@ class _Outcome:
     finish: str
     last: engine_api.Update
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.last.prompt_tokens, len(self.final.token_ids))
+    def usage(self) -> dict[str, Any]:
+        return usage(self.last.prompt_tokens, len(self.final.token_ids),
+                     self.last.cached_tokens)
 
 
 class _Service:
@@ -70,7 +71,7 @@ class _Service:
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.speculative = engine.speculation
-        self.metrics = ServingMetrics(engine.policy, engine.round_splits)
+        self.metrics = ServingMetrics(engine.policy, engine.round_splits, engine.prefix)
         self.worker = EngineWorker(engine, on_step=self.metrics.observe_step)
         self.created = int(time.time())
 
