@@ -315,6 +315,8 @@ class Engine:
                 hit = dataclasses.replace(request, prompt=[0] * min(BLOCK + n, self.capacity - 1))
                 self._fill(rows - 1, hit, hit=[0])  # whose rest fills `n`'s bucket
                 self.cancel(hit.key)
+        if self.prefix is not None:
+            self.prefix.warmup(self.state.target_cache)
         # Programs run asynchronously: the last warm-up prefills (the longest prompts) would
         # otherwise still be running when the server reports ready, and the first request
         # waited for them (~2 s of its time to first token on a 2-core CPU).

@@ -88,11 +88,18 @@ class PrefixCache:
             targets.append(block)
         if not sources:
             return
-        width = min(bucket(len(sources), 1), self.capacity // BLOCK)
-        pad = width - len(sources)
+        pad = _width(len(sources), self.capacity // BLOCK) - len(sources)
         self.pool = save_blocks(self.pool, cache, jnp.int32(slot),
                                 jnp.asarray(sources + [0] * pad, jnp.int32),
                                 jnp.asarray(targets + [self.blocks] * pad, jnp.int32))
+
+    def warmup(self, cache: kv_cache.KVCache) -> None:
+        """Compile `save`'s programs (one per width `_width` gives) writing nothing."""
+        most = self.capacity // BLOCK
+        for width in sorted({_width(n, most) for n in range(1, most + 1)}):
+            nowhere = jnp.full((width,), self.blocks, jnp.int32)
+            self.pool = save_blocks(self.pool, cache, jnp.int32(0), jnp.zeros_like(nowhere),
+                                    nowhere)
 
     def _allocate(self, keep: set[int]) -> int | None:
         if self.free:
@@ -102,3 +109,9 @@ class PrefixCache:
                 del self.index[key]
                 return block
         return None
+
+
+def _width(blocks: int, most: int) -> int:
+    """Blocks one `save_blocks` call copies for `blocks` new ones (a power of two, at most
+    `most`): few programs, none copying much more than it needs."""
+    return min(bucket(blocks, 1), most)
