@@ -44,6 +44,7 @@ from eaglejax.training.regenerate import RegenConfig
 from eaglejax.training.trainer import SCHEDULES, TrainConfig, train
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+MAX_WAITING = 256  # `serve`'s requests waiting for a slot before more are refused
 SPECULATION_FLAGS = ("num_draft_tokens", "parallel", "tree", "static_tree", "auto_tree", "lookup")
 
 
@@ -412,6 +413,9 @@ def _add_serve_args(commands) -> None:
                        help="requests decoded at once (default 8); more wait in a queue")
     serve.add_argument("--capacity", type=int, default=1024,
                        help="tokens a slot holds: prompt plus reply (default 1024)")
+    serve.add_argument("--max-waiting", type=int, default=MAX_WAITING,
+                       help="requests that may wait for a slot; more are refused with 429 "
+                            f"and Retry-After (default {MAX_WAITING})")
     serve.add_argument("--prefix-cache-tokens", type=int, default=PREFIX_CACHE_TOKENS,
                        help="positions of earlier prompts and replies kept on the device for "
                             "requests that start with them (a chat's later turns, a shared "
@@ -754,6 +758,7 @@ def _serve(args: argparse.Namespace) -> None:
     validation.integer("--num-slots", args.num_slots, 1)
     validation.integer("--capacity", args.capacity, 2)
     validation.integer("--prefix-cache-tokens", args.prefix_cache_tokens, 0)
+    validation.integer("--max-waiting", args.max_waiting, 0)
     _check_draft_flags(args)
     if args.draft not in (None, "random"):
         _check_path("--draft", args.draft, directory=True)
@@ -773,7 +778,8 @@ def _serve(args: argparse.Namespace) -> None:
     target = load_target(model, dtype=args.dtype, weight_dtype=args.weight_dtype, mesh=mesh)
     engine = Engine(target, _load_draft(args, target), speculative=speculative,
                     num_slots=args.num_slots, capacity=args.capacity,
-                    prefix_cache_tokens=args.prefix_cache_tokens)
+                    prefix_cache_tokens=args.prefix_cache_tokens,
+                    max_waiting=args.max_waiting)
     if jax.process_index() > 0:  # a multi-process run: process 0 serves, this one follows
         with compilation_cache.caching_every_program(), contextlib.suppress(KeyboardInterrupt):
             follow(engine)  # until process 0 closes (or Ctrl-C)

@@ -10,7 +10,7 @@ import eaglejax
 from eaglejax import SpecConfig
 from eaglejax.draft.draft import new_eagle3_draft
 from eaglejax.errors import InputError
-from eaglejax.serving.engine import Engine, Request, SamplingOptions
+from eaglejax.serving.engine import Engine, QueueFull, Request, SamplingOptions
 
 CAPACITY = 96
 
@@ -148,6 +148,24 @@ def test_bad_requests_name_themselves(target, draft):
     spec_engine = Engine(target, draft, speculative=lookup_chain, num_slots=1, capacity=CAPACITY)
     with pytest.raises(InputError, match="request 's': .*a lookup branch with sampling"):
         spec_engine.submit(Request("s", [1], 4, SamplingOptions(1.0)))
+
+
+def test_at_most_max_waiting_requests_wait_for_a_slot(target):
+    engine = Engine(target, num_slots=2, capacity=CAPACITY, max_waiting=1)
+    for key in "abc":  # two will take the free slots, one waits
+        engine.submit(Request(key, [1, 2], 30))
+    assert engine.num_waiting == 1
+    with pytest.raises(QueueFull, match="request 'd': 1 requests already wait for one of 2"):
+        engine.submit(Request("d", [1, 2], 30))
+    engine.step()  # a and b fill the slots; c still waits
+    assert (engine.num_running, engine.num_waiting) == (2, 1)
+    assert engine.kv_tokens() == 2 * (2 + 1)  # each prompt and its first token
+    with pytest.raises(QueueFull):
+        engine.submit(Request("d", [1, 2], 30))
+    engine.cancel("c")
+    engine.submit(Request("d", [1, 2], 30))
+    with pytest.raises(InputError, match="max_waiting must be an integer"):
+        Engine(target, num_slots=1, capacity=CAPACITY, max_waiting=-1)
 
 
 def test_warmup_returns_with_nothing_left_running(target):

@@ -3,6 +3,7 @@ Replies equal offline `generate` (greedy, or the same seed), bad requests get Op
 objects with a 4xx status, and a client that leaves frees its slot."""
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -81,7 +82,13 @@ class _HeldEngine:
 @pytest.fixture(scope="module")
 def server(target):
     """A live server (4 slots of 128 tokens) on a free port; stopped at the end."""
-    engine = _HeldEngine(Engine(target, num_slots=4, capacity=CAPACITY))
+    with _serving(_HeldEngine(Engine(target, num_slots=4, capacity=CAPACITY))) as live:
+        yield live
+
+
+@contextlib.contextmanager
+def _serving(engine):
+    """`engine` served on a free port while the context lasts."""
     app = create_app(engine, model_name=MODEL, default_max_tokens=16)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -372,6 +379,11 @@ def test_models_health_and_metrics(server, client):
     assert _metric(server, "eaglejax_time_to_first_token_seconds_count") > 0
     assert _metric(server, "eaglejax_acceptance_length_count") > 0
     assert _metric(server, "eaglejax_tokens_per_second") >= 0
+    health = httpx.get(f"{server.url}/health", timeout=5).json()
+    assert health["running"] == health["waiting"] == health["kv_tokens_used"] == 0
+    assert health["kv_tokens"] == 4 * CAPACITY and health["max_waiting"] is None
+    assert health["prefix_cache_blocks_used"] == _metric(server,
+                                                         "eaglejax_prefix_cache_blocks_used")
     assert _metric(server, "eaglejax_prefix_cache_hit_tokens_total") >= 32
     assert _metric(server, "eaglejax_prefix_cache_prompt_tokens_total") > 0
     assert 0 < _metric(server, "eaglejax_prefix_cache_blocks_used") <= 4096 // 32
@@ -391,6 +403,37 @@ def _stream_text(stop, ids):
     sent = [stream.push([i]) for i in ids]
     tail, final = stream.finish()
     return sent, tail, final
+
+
+def test_a_request_beyond_the_waiting_limit_gets_429(target, client):
+    """One slot, none may wait: while a reply decodes, the next request is refused with
+    OpenAI's rate-limit error and Retry-After, and served once the slot is free."""
+    engine = _HeldEngine(Engine(target, num_slots=1, capacity=CAPACITY, max_waiting=0))
+    with _serving(engine) as live:
+        busy = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0,
+                             timeout=TIMEOUT_S)
+        engine.hold()
+        try:
+            engine.allow(1)  # the first step fills the slot; the second waits
+            stream = busy.completions.create(model=MODEL, prompt="w5 w6", max_tokens=100,
+                                             temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
+            assert next(iter(stream)).choices[0].finish_reason is None
+            _poll(lambda: _metric(live, "eaglejax_running_rows") == 1, "the slot taken")
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                refused = pool.submit(_post, live, "/v1/completions", COMPLETION)
+                time.sleep(0.2)  # in the engine's inbox, applied after the held step
+                engine.release()
+                response = refused.result(TIMEOUT_S)
+        finally:
+            engine.release()
+        assert response.status_code == 429 and response.headers["Retry-After"] == "1"
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
+        assert "already wait" in error["message"]
+        stream.close()
+        _poll(lambda: _metric(live, "eaglejax_running_rows") == 0, "the slot freed")
+        assert busy.completions.create(model=MODEL, prompt="w5", max_tokens=2).usage
 
 
 def test_text_stream_holds_back_split_characters_and_stop_prefixes():

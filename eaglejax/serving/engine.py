@@ -84,6 +84,10 @@ class Request:
     ignore_eos: bool = False
 
 
+class QueueFull(InputError):
+    """A request arrived while `max_waiting` requests already waited for a slot."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Update:
     """A request's tokens new since its previous update; `finish_reason` ("eos", "stop",
@@ -124,14 +128,19 @@ class Engine:
     reply). `speculative`: a `SpecConfig`, "auto", or None (with a draft head: "auto" in one
     process, the device's preset in several). `prefix_cache_tokens` positions of earlier
     prompts and replies are kept for requests that start with them (`serving.prefix_cache`;
-    0: none), in engines that decode plainly or with "auto" on one device. Not thread-safe:
-    one thread submits, cancels and steps."""
+    0: none), in engines that decode plainly or with "auto" on one device. At most
+    `max_waiting` requests wait for a slot (None: any number); `submit` refuses more with
+    `QueueFull`. Not thread-safe: one thread submits, cancels and steps."""
 
     def __init__(self, target: Target, draft: "Draft | None" = None, *,
                  speculative: SpecConfig | str | None = None, num_slots: int = 8,
                  capacity: int = 1024, rounds_per_call: int = 16,
-                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS):
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
+                 max_waiting: int | None = None):
         validation.integer("num_slots", num_slots, 1)
+        if max_waiting is not None:
+            validation.integer("max_waiting", max_waiting, 0)
+        self.max_waiting = max_waiting
         validation.integer("capacity", capacity, 2)
         validation.integer("rounds_per_call", rounds_per_call, 1)
         validation.integer("prefix_cache_tokens", prefix_cache_tokens, 0)
@@ -199,10 +208,30 @@ class Engine:
             return None
         return "auto" if self.policy is not None else self.spec.describe()
 
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests that the free slots will not take at the next step."""
+        return max(0, len(self.queue) - (self.num_slots - self.num_running))
+
+    def kv_tokens(self) -> int:
+        """Positions the running requests hold in their slots' caches (prompt and reply so
+        far; the host's count)."""
+        return sum(len(s.request.prompt) + s.reported for s in self.slots if s is not None)
+
     def submit(self, request: Request) -> None:
-        """Queue a request after `check`."""
+        """Queue a request after `check` and `refuse_if_full`."""
         self.check(request)
+        self.refuse_if_full(request)
         self.queue.append(request)
+
+    def refuse_if_full(self, request: Request, queued: int | None = None) -> None:
+        """QueueFull if `request` would wait for a slot behind `max_waiting` others, `queued`
+        requests (by default this engine's queue) before it."""
+        waiting = (len(self.queue) if queued is None else queued) - (
+            self.num_slots - self.num_running)
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            raise QueueFull(f"request {request.key!r}: {waiting} requests already wait for "
+                            f"one of {self.num_slots} slots (the server's limit); retry later")
 
     def check(self, request: Request) -> None:
         """InputError (naming the request and the value) unless `request` can run here."""

@@ -85,8 +85,10 @@ class LockstepEngine:
         return self.engine.num_running
 
     def submit(self, request: Request) -> None:
-        """Check `request` now (InputError), queue it at the next step on every process."""
+        """Check `request` now (InputError, QueueFull), queue it at the next step on every
+        process (where the queue then holds no more than it does here)."""
         self.engine.check(request)
+        self.engine.refuse_if_full(request, self.num_queued)
         op = _encode(request)
         if any(o["op"] == "submit" and o["key"] == request.key for o in self._ops):
             raise InputError(f"request {request.key!r}: a live request already has this key")

@@ -26,10 +26,12 @@ class APIError(Exception):
     """An error answered with an OpenAI-style JSON error object and an HTTP status."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error"):
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = \
             status, message, param, code, kind
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,

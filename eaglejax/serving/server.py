@@ -43,6 +43,7 @@ from eaglejax.serving.textstream import FinalText, TextStream
 from eaglejax.serving.worker import EngineWorker, RequestHandle, WorkerClosed
 
 log = logging.getLogger("eaglejax.serving")
+RETRY_AFTER_S = 1  # a refused request's Retry-After (seconds) when too many already wait
 T = TypeVar("T")
 
 
@@ -87,8 +88,17 @@ class _Service:
         return JSONResponse(self.model_card())
 
     async def health(self, request: Request) -> JSONResponse:
+        """Whether the engine runs, and its load: requests running and waiting, the KV
+        positions they hold of all slots', the prefix cache's blocks in use."""
         if self.worker.alive:
-            return JSONResponse({"status": "ok"})
+            engine = self.worker.engine
+            prefix = engine.prefix
+            return JSONResponse({
+                "status": "ok", "running": engine.num_running, "waiting": engine.num_waiting,
+                "max_waiting": engine.max_waiting, "kv_tokens_used": engine.kv_tokens(),
+                "kv_tokens": engine.num_slots * engine.capacity,
+                "prefix_cache_blocks_used": None if prefix is None else len(prefix.index),
+                "prefix_cache_blocks": None if prefix is None else prefix.blocks})
         return JSONResponse({"status": "the engine is not running"}, status_code=503)
 
     async def metrics_page(self, request: Request) -> Response:
@@ -118,6 +128,9 @@ class _Service:
                 reply.id, job.prompt, job.max_tokens, job.sampling, job.stop_sequences,
                 job.ignore_eos))
             await handle.accepted()
+        except engine_api.QueueFull as err:
+            raise APIError(429, str(err), code="queue_full", kind="rate_limit_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except InputError as err:
             raise APIError(400, str(err), code="invalid_value") from None
         except WorkerClosed as err:
@@ -244,7 +257,7 @@ def create_app(engine: engine_api.Engine, *, model_name: str,
 
     async def api_error(request: Request, err: APIError) -> JSONResponse:
         service.metrics.observe_rejected(err.status)
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
         return await api_error(request, APIError(err.status_code, str(err.detail)))
