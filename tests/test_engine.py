@@ -102,6 +102,12 @@ def test_stop_sequences_are_per_request(target):
                       Request("other", prompt, 12, ignore_eos=True)])
     assert got["stopped"].token_ids == free[:5] and got["stopped"].finish_reason == "stop"
     assert got["other"].token_ids == free and got["other"].finish_reason == "length"
+    first = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i])
+    ids = engine.run([Request("ids", prompt, 12, ignore_eos=True,
+                              stop_token_ids=(free[first], target.config.vocab_size - 1))])
+    assert ids["ids"].token_ids == free[:first + 1] and ids["ids"].finish_reason == "eos"
+    with pytest.raises(InputError, match="at most 8 stop token ids"):
+        engine.submit(Request("many", prompt, 4, stop_token_ids=tuple(range(9))))
 
 
 def test_cancel_frees_the_slot(target):

@@ -244,6 +244,20 @@ def test_token_id_prompts_and_default_max_tokens(target, client):
     assert reply.usage.completion_tokens == len(expected.token_ids)  # 16: the default
 
 
+def test_stop_token_ids_end_the_reply_with_that_token(target, client):
+    prompt = [5, 9, 31]
+    whole = eaglejax.generate([prompt], target=target, max_new_tokens=16, ignore_eos=True)[0]
+    stop_at = next(i for i, t in enumerate(whole.token_ids) if i >= 3 and t != 2
+                   and t not in whole.token_ids[:i])  # a first occurrence, not the EOS
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True, "stop_token_ids":
+                                                  [whole.token_ids[stop_at]]})
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == stop_at + 1  # the stop token is kept, as EOS is
+    assert reply.choices[0].text == target.tokenizer.decode(whole.token_ids[:stop_at + 1],
+                                                            skip_special_tokens=True)
+
+
 def test_a_repeated_prompt_prefix_is_reported_cached(target, client):
     prompt = list(range(40, 80))  # 40 tokens: one full block of 32 before the last token
     first, again = (client.completions.create(model=MODEL, prompt=prompt, max_tokens=4,
@@ -274,6 +288,10 @@ LONG = " ".join(["w7"] * 130)
     ("/v1/completions", {**COMPLETION, "temperature": "hot"}, 400, "temperature",
      "invalid_type"),
     ("/v1/completions", {**COMPLETION, "top_p": 0}, 400, "top_p", "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "stop_token_ids": [97]}, 400, "stop_token_ids",
+     "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "stop_token_ids": list(range(5, 14))}, 400,
+     "stop_token_ids", "invalid_value"),
     ("/v1/completions", {**COMPLETION, "top_k": -1}, 400, "top_k", "invalid_value"),
     ("/v1/completions", {**COMPLETION, "seed": 2**32}, 400, "seed", "invalid_value"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),

@@ -54,6 +54,7 @@ TARGET_ONLY = -1
 MIN_PROMPT_BUCKET = 16
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit on stop strings
 MAX_STOP_TOKENS = 16  # longer stop sequences end replies on the host side only
+MAX_STOP_TOKEN_IDS = 8  # a request's own end-of-reply tokens beside the model's EOS
 # A row that could speculate (`auto` at one row) takes a prefix-cache hit only from this many
 # cached tokens: a hit is prefilled by the target alone and the row then decodes plainly, and
 # on SmolLM2 (2 cores) 256 tokens of prefill (~0.3 s) outweigh what speculation wins over a reply.
@@ -74,7 +75,8 @@ class SamplingOptions:
 class Request:
     """A prompt (token ids) to continue for at most `max_new_tokens`. `key` is the caller's
     handle, unique among live requests. `stop_sequences` (token ids, at most 4) end the
-    reply inside the loop; EOS ends it unless `ignore_eos`."""
+    reply inside the loop; EOS ends it unless `ignore_eos`, and so does any of
+    `stop_token_ids` (at most 8, kept in the reply as EOS is; `ignore_eos` leaves them)."""
 
     key: Hashable
     prompt: Sequence[int]
@@ -82,6 +84,7 @@ class Request:
     sampling: SamplingOptions = SamplingOptions()
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class QueueFull(InputError):
@@ -262,6 +265,11 @@ class Engine:
                 raise InputError(f"{name}: an empty stop sequence")
             validation.in_vocabulary(f"{name}: stop sequence", list(seq),
                                      self.target.config.vocab_size)
+        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InputError(f"{name}: at most {MAX_STOP_TOKEN_IDS} stop token ids, got "
+                             f"{len(request.stop_token_ids)}")
+        validation.in_vocabulary(f"{name}: stop token ids", list(request.stop_token_ids),
+                                 self.target.config.vocab_size)
         if any(self._key_of(i) == request.key for i in range(self.num_slots)) or any(
                 q.key == request.key for q in self.queue):
             raise InputError(f"{name}: a live request already has this key")
@@ -378,8 +386,8 @@ class Engine:
         return None if live is None else live.request.key
 
     def _table(self, rules: list[StopCriteria]) -> StopTable:
-        return StopTable.rows(rules, max(1, len(self.eos_ids)), MAX_STOP_SEQUENCES,
-                              MAX_STOP_TOKENS)
+        return StopTable.rows(rules, len(self.eos_ids) + MAX_STOP_TOKEN_IDS,
+                              MAX_STOP_SEQUENCES, MAX_STOP_TOKENS)
 
     def _fill(self, slot: int, request: Request, target_only: bool | None = None,
               cache: bool = True, hit: list[int] | None = None) -> None:
@@ -394,7 +402,8 @@ class Engine:
         self._temperature[slot], self._top_k[slot], self._top_p[slot] = (
             s.temperature, s.top_k, s.top_p)
         self._max_new[slot] = request.max_new_tokens
-        eos = () if request.ignore_eos else self.eos_ids
+        eos = (() if request.ignore_eos else self.eos_ids) + tuple(
+            int(t) for t in request.stop_token_ids)
         self._stops[slot] = StopCriteria(eos, tuple(
             seq for seq in request.stop_sequences if len(seq) <= MAX_STOP_TOKENS))
         self._stop_table = self._table(self._stops)

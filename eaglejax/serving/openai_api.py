@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eaglejax import validation
 from eaglejax.errors import InputError
 from eaglejax.prompting import encode_prompts, stop_criteria
-from eaglejax.serving.engine import SamplingOptions
+from eaglejax.serving.engine import MAX_STOP_TOKEN_IDS, SamplingOptions
 from eaglejax.target import Target
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -55,8 +55,8 @@ class StreamOptions(_Strict):
 
 
 class _Generation(_Strict):
-    """The fields both endpoints take. `top_k` and `ignore_eos` extend OpenAI's API (as
-    vLLM's does); temperature 0 is greedy."""
+    """The fields both endpoints take. `top_k`, `ignore_eos` and `stop_token_ids` extend
+    OpenAI's API (as vLLM's do); temperature 0 is greedy."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1, le=validation.INT32_MAX)
@@ -69,6 +69,7 @@ class _Generation(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] = Field([], max_length=MAX_STOP_TOKEN_IDS)
 
 
 class CompletionRequest(_Generation):
@@ -129,6 +130,7 @@ class Job:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    stop_token_ids: tuple[int, ...] = ()
 
 
 def prepare(body: _Generation, target: Target, *, capacity: int,
@@ -162,9 +164,14 @@ def prepare(body: _Generation, target: Target, *, capacity: int,
                        code="context_length_exceeded")
     seed = secrets.randbelow(validation.SEED_LIMIT) if body.seed is None else body.seed
     options = body.stream_options
+    try:
+        validation.in_vocabulary("stop_token_ids", body.stop_token_ids,
+                                 target.config.vocab_size)
+    except InputError as err:
+        raise APIError(400, str(err), param="stop_token_ids", code="invalid_value") from None
     return Job(prompt, max_tokens, SamplingOptions(body.temperature, body.top_k, body.top_p, seed),
                stop, sequences, body.ignore_eos, body.stream,
-               options is not None and options.include_usage)
+               options is not None and options.include_usage, tuple(body.stop_token_ids))
 
 
 def _stop_strings(value: Any) -> list[str]:

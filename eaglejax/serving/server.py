@@ -126,7 +126,7 @@ class _Service:
         try:
             handle = self.worker.open(engine_api.Request(
                 reply.id, job.prompt, job.max_tokens, job.sampling, job.stop_sequences,
-                job.ignore_eos))
+                job.ignore_eos, job.stop_token_ids))
             await handle.accepted()
         except engine_api.QueueFull as err:
             raise APIError(429, str(err), code="queue_full", kind="rate_limit_error",
