@@ -244,6 +244,33 @@ def test_token_id_prompts_and_default_max_tokens(target, client):
     assert reply.usage.completion_tokens == len(expected.token_ids)  # 16: the default
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_n_choices_are_the_replies_of_consecutive_seeds(target, client, chat):
+    """n=3 sampled: choice i is `generate`'s reply with seed + i, whole and streamed (its
+    chunks interleaved with the other choices'); usage counts the prompt once."""
+    prompt, seed = "w5 w9 w31", 40
+    want = [eaglejax.generate([prompt], target=target, chat=chat, max_new_tokens=10,
+                              temperature=1.0, seed=seed + i)[0] for i in range(3)]
+    common = dict(model=MODEL, max_tokens=10, temperature=1.0, seed=seed, n=3)
+    ask = (lambda **kw: client.chat.completions.create(
+        messages=[{"role": "user", "content": prompt}], **common, **kw)) if chat else (
+        lambda **kw: client.completions.create(prompt=prompt, **common, **kw))
+    whole = ask()
+    texts = [c.message.content if chat else c.text for c in whole.choices]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert texts == [w.text for w in want]
+    assert len(set(texts)) > 1  # different seeds, different samples
+    assert whole.usage.prompt_tokens == want[0].metrics.prompt_tokens
+    assert whole.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    streamed = ["", "", ""]
+    chunks = list(ask(stream=True, stream_options={"include_usage": True}))
+    for chunk in chunks[:-1]:
+        choice = chunk.choices[0]
+        streamed[choice.index] += (choice.delta.content or "") if chat else choice.text
+    assert streamed == texts
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
 def test_stop_token_ids_end_the_reply_with_that_token(target, client):
     prompt = [5, 9, 31]
     whole = eaglejax.generate([prompt], target=target, max_new_tokens=16, ignore_eos=True)[0]
@@ -295,7 +322,8 @@ LONG = " ".join(["w7"] * 130)
     ("/v1/completions", {**COMPLETION, "top_k": -1}, 400, "top_k", "invalid_value"),
     ("/v1/completions", {**COMPLETION, "seed": 2**32}, 400, "seed", "invalid_value"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
-    ("/v1/completions", {**COMPLETION, "n": 2}, 400, "n", "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "n": 0}, 400, "n", "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "n": 17}, 400, "n", "invalid_value"),
     ("/v1/completions", {**COMPLETION, "stop": [""]}, 400, "stop", "invalid_value"),
     ("/v1/completions", {**COMPLETION, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
      "invalid_value"),

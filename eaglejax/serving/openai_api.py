@@ -20,6 +20,7 @@ from eaglejax.serving.engine import MAX_STOP_TOKEN_IDS, SamplingOptions
 from eaglejax.target import Target
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_CHOICES = 16  # `n`: replies to one request
 
 
 class APIError(Exception):
@@ -65,7 +66,7 @@ class _Generation(_Strict):
     top_k: int = Field(0, ge=0, le=validation.INT32_MAX)
     seed: int | None = Field(None, ge=0, lt=validation.SEED_LIMIT)
     stop: Any = None  # a string or a list of strings, checked by `_stop_strings`
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -131,15 +132,18 @@ class Job:
     stream: bool
     include_usage: bool
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+
+    def choice_sampling(self, index: int) -> SamplingOptions:
+        """Choice `index`'s sampling: the request's, its seed + index (mod the seed limit)."""
+        return dataclasses.replace(self.sampling,
+                                   seed=(self.sampling.seed + index) % validation.SEED_LIMIT)
 
 
 def prepare(body: _Generation, target: Target, *, capacity: int,
             default_max_tokens: int) -> Job:
     """Check `body` against the served model (the caller checked its name); prompt tokens
     plus max_tokens must fit `capacity`. APIError 400 naming the field at fault."""
-    if body.n != 1:
-        raise APIError(400, f"n: only n=1 is supported, got {body.n}", param="n",
-                       code="invalid_value")
     stop = _stop_strings(body.stop)
     try:
         sequences = stop_criteria(target, stop, ignore_eos=True).stop_sequences
@@ -171,7 +175,8 @@ def prepare(body: _Generation, target: Target, *, capacity: int,
         raise APIError(400, str(err), param="stop_token_ids", code="invalid_value") from None
     return Job(prompt, max_tokens, SamplingOptions(body.temperature, body.top_k, body.top_p, seed),
                stop, sequences, body.ignore_eos, body.stream,
-               options is not None and options.include_usage, tuple(body.stop_token_ids))
+               options is not None and options.include_usage, tuple(body.stop_token_ids),
+               body.n)
 
 
 def _stop_strings(value: Any) -> list[str]:
@@ -265,23 +270,26 @@ class Reply:
             else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def response(self, text: str, finish: str, usage_: dict[str, Any],
+    def response(self, choices: list[tuple[str, str]], usage_: dict[str, Any],
                  extension: dict[str, Any]) -> dict[str, Any]:
-        """The whole reply (`stream: false`)."""
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice.update(logprobs=None, finish_reason=finish)
-        return {**self._head(False), "choices": [choice], "usage": usage_,
+        """The whole reply (`stream: false`): its choices' (text, finish reason)."""
+        bodies = []
+        for index, (text, finish) in enumerate(choices):
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice.update(logprobs=None, finish_reason=finish)
+            bodies.append(choice)
+        return {**self._head(False), "choices": bodies, "usage": usage_,
                 "eaglejax": extension}
 
     def chunk(self, text: str | None, finish: str | None = None,
-              extension: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A stream chunk: new text, or (chat) None for the opening chunk that carries the
-        role; the last chunk has the finish reason and the extension."""
-        choice: dict[str, Any] = {"index": 0}
+              extension: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+        """A stream chunk of choice `index`: new text, or (chat) None for the opening chunk
+        that carries the role; a choice's last chunk has its finish reason and extension."""
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": ""} if text is None else \
                 {"content": text} if text else {}

@@ -49,16 +49,20 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class _Outcome:
-    """A finished reply: its final text, OpenAI's finish reason and the engine's last
+    """A finished choice: its final text, OpenAI's finish reason and the engine's last
     update (its counts)."""
 
     final: FinalText
     finish: str
     last: engine_api.Update
 
-    def usage(self) -> dict[str, Any]:
-        return usage(self.last.prompt_tokens, len(self.final.token_ids),
-                     self.last.cached_tokens)
+
+def _usage(outcomes: list[_Outcome]) -> dict[str, Any]:
+    """A reply's usage: its prompt once (cached tokens as the first choice found them),
+    every choice's tokens."""
+    first = outcomes[0].last
+    return usage(first.prompt_tokens, sum(len(o.final.token_ids) for o in outcomes),
+                 first.cached_tokens)
 
 
 class _Service:
@@ -123,28 +127,28 @@ class _Service:
         job = prepare(body, self.target, capacity=self.capacity,
                       default_max_tokens=self.default_max_tokens)
         reply = Reply.new(chat=isinstance(body, ChatRequest), model=self.model_name)
+        handles: list[RequestHandle] = []
         try:
-            handle = self.worker.open(engine_api.Request(
-                reply.id, job.prompt, job.max_tokens, job.sampling, job.stop_sequences,
-                job.ignore_eos, job.stop_token_ids))
-            await handle.accepted()
-        except engine_api.QueueFull as err:
-            raise APIError(429, str(err), code="queue_full", kind="rate_limit_error",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except InputError as err:
-            raise APIError(400, str(err), code="invalid_value") from None
-        except WorkerClosed as err:
-            raise APIError(503, str(err), kind="server_error") from None
-        events = self._events(handle, job, started)
+            for index in range(job.n):  # choice i: the request's seed + i
+                handles.append(self.worker.open(engine_api.Request(
+                    reply.id if job.n == 1 else f"{reply.id}-{index}", job.prompt,
+                    job.max_tokens, job.choice_sampling(index), job.stop_sequences,
+                    job.ignore_eos, job.stop_token_ids)))
+                await handles[-1].accepted()
+        except BaseException as err:
+            for handle in handles:
+                handle.cancel()
+            raise _refusal(err) from None
+        events = [self._events(handle, job, started) for handle in handles]
         if job.stream:
             return StreamingResponse(self._stream(reply, job, events),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        outcome = await _unless_disconnected(request, _last(events))
-        if outcome is None:
+        outcomes = await _unless_disconnected(request, asyncio.gather(*map(_last, events)))
+        if outcomes is None:
             return Response(status_code=499)  # the client has gone: nobody reads this
-        return JSONResponse(reply.response(outcome.final.text, outcome.finish,
-                                           outcome.usage(), self._extension(outcome)))
+        return JSONResponse(reply.response([(o.final.text, o.finish) for o in outcomes],
+                                           _usage(outcomes), self._extension(outcomes)))
 
     async def _events(self, handle: RequestHandle, job: Job,
                       started: float) -> AsyncIterator[str | _Outcome]:
@@ -179,29 +183,69 @@ class _Service:
         yield result
 
     async def _stream(self, reply: Reply, job: Job,
-                      events: AsyncIterator[str | _Outcome]) -> AsyncIterator[str]:
-        """The reply as server-sent events in OpenAI's chunk format, ending with [DONE];
-        a failure mid-stream is sent as an error object."""
+                      events: list[AsyncIterator[str | _Outcome]]) -> AsyncIterator[str]:
+        """The reply as server-sent events in OpenAI's chunk format, its choices' chunks
+        as they come, ending with [DONE]; a failure mid-stream is sent as an error object."""
         if reply.chat:
-            yield sse(reply.chunk(None))
+            for index in range(len(events)):
+                yield sse(reply.chunk(None, index=index))
+        outcomes: dict[int, _Outcome] = {}
         try:
-            async for event in events:
+            async for index, event in _merged(events):
                 if isinstance(event, str):
-                    yield sse(reply.chunk(event))
+                    yield sse(reply.chunk(event, index=index))
                     continue
-                yield sse(reply.chunk("", event.finish, self._extension(event)))
-                if job.include_usage:
-                    yield sse(reply.usage_chunk(event.usage()))
+                outcomes[index] = event
+                yield sse(reply.chunk("", event.finish, self._extension([event]), index))
+            if job.include_usage:
+                yield sse(reply.usage_chunk(_usage([outcomes[i] for i in sorted(outcomes)])))
         except Exception as err:
             log.exception("a streamed reply failed")
             yield sse(server_error(err).body())
         yield sse("[DONE]")
 
-    def _extension(self, outcome: _Outcome) -> dict[str, Any]:
-        """The `eaglejax` field: this reply's speculative statistics (acceptance length:
-        tokens per target forward after the first token; rounds: those forwards)."""
-        return {"acceptance_length": outcome.last.acceptance_length,
-                "rounds": outcome.last.rounds, "speculative": self.speculative}
+    def _extension(self, outcomes: list[_Outcome]) -> dict[str, Any]:
+        """The `eaglejax` field: these choices' speculative statistics (acceptance length:
+        tokens per target forward after each first token; rounds: those forwards)."""
+        rounds = sum(o.last.rounds for o in outcomes)
+        after_first = sum(o.last.generated - 1 for o in outcomes)
+        return {"acceptance_length": after_first / rounds if rounds else None,
+                "rounds": rounds, "speculative": self.speculative}
+
+
+def _refusal(err: BaseException) -> BaseException:
+    """The error answering a request the engine refused (or could not take)."""
+    if isinstance(err, engine_api.QueueFull):
+        return APIError(429, str(err), code="queue_full", kind="rate_limit_error",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(err, InputError):
+        return APIError(400, str(err), code="invalid_value")
+    if isinstance(err, WorkerClosed):
+        return APIError(503, str(err), kind="server_error")
+    return err
+
+
+async def _merged(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """(index, item) of every item of `iterators` as they come (each one's in order);
+    closing it closes them all."""
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield index, item
+                pending[asyncio.ensure_future(anext(iterators[index]))] = index
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            await it.aclose()
 
 
 async def _last(events: AsyncIterator[str | _Outcome]) -> _Outcome:
