@@ -61,11 +61,12 @@ def test_an_auto_engine_takes_only_long_hits_for_a_row_that_could_speculate(targ
     want = {k: u.token_ids for k, u in _turns(plain, target, [2]).items()}
     engine = Engine(target, draft, speculative="auto", num_slots=2, capacity=CAPACITY)
     assert {k: u.token_ids for k, u in _turns(engine, target, [2]).items()} == want
-    assert engine.prefix.hit_tokens == 0  # 96 cached tokens < MIN_HIT_OVER_HEAD, one row
-    monkeypatch.setattr(engine_module, "MIN_HIT_OVER_HEAD", BLOCK)
+    assert engine.prefix.hit_tokens == 3 * BLOCK  # copied into a speculative batch's slot
+    monkeypatch.setattr(engine_module, "HIT_PER_REPLY_TOKEN", 10.0)
     engine = Engine(target, draft, speculative="auto", num_slots=2, capacity=CAPACITY)
     assert {k: u.token_ids for k, u in _turns(engine, target, [2]).items()} == want
-    assert engine.prefix.hit_tokens == 3 * BLOCK  # copied into a speculative batch's slot
+    assert engine.prefix.hit_tokens == 0  # 96 cached < 10 x 12 new tokens: one row keeps
+    # its head (decoding plainly after a hit would cost more than the prefill saved)
     fixed = Engine(target, draft, speculative=SpecConfig.chain(2), num_slots=2,
                    capacity=CAPACITY)
     assert fixed.prefix is None  # a fixed shape cannot fill a row with the target alone

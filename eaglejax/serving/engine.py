@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -55,10 +56,11 @@ MIN_PROMPT_BUCKET = 16
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit on stop strings
 MAX_STOP_TOKENS = 16  # longer stop sequences end replies on the host side only
 MAX_STOP_TOKEN_IDS = 8  # a request's own end-of-reply tokens beside the model's EOS
-# A row that could speculate (`auto` at one row) takes a prefix-cache hit only from this many
-# cached tokens: a hit is prefilled by the target alone and the row then decodes plainly, and
-# on SmolLM2 (2 cores) 256 tokens of prefill (~0.3 s) outweigh what speculation wins over a reply.
-MIN_HIT_OVER_HEAD = 256
+# A row that could speculate (`auto` at one row) takes a prefix-cache hit of at least this many
+# cached tokens per token it may generate: the hit's rest is prefilled by the target alone and
+# the row then decodes plainly. On SmolLM2 (2 cores, BENCHMARKS.md) a prompt token's prefill
+# costs 0.85-1.3 ms and speculation at its best (1.10x a 4-5 ms step) saves 0.4-0.5 ms a token.
+HIT_PER_REPLY_TOKEN = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,7 +422,8 @@ class Engine:
             cache = False
         elif cache and self.prefix is not None:
             could_speculate = self.policy is not None and not target_only
-            hit = self.prefix.match(request.prompt, MIN_HIT_OVER_HEAD if could_speculate else 0)
+            hit = self.prefix.match(request.prompt, math.ceil(
+                HIT_PER_REPLY_TOKEN * request.max_new_tokens) if could_speculate else 0)
         else:
             hit = []
         cached = BLOCK * len(hit)
