@@ -10,9 +10,10 @@ compare within one run).
   every request has its first token.
 
     python benchmarks/bench_prefix_cache.py [--model smollm2-135m-instruct] [--chats 8]
-        [--max-new-tokens 128] [--system-tokens 500] [--clients 16] [--json]
+        [--max-new-tokens 128] [--system-tokens 500] [--clients 16] [--draft HEAD] [--json]
 
-Plain decoding (no head), greedy; the model in the storage `auto` picks; 16 slots.
+Plain decoding, or with `--draft` `auto` over that head (as `eaglejax serve` runs a model with
+a shipped head); greedy; the model in the storage `auto` picks; 16 slots.
 """
 
 from __future__ import annotations
@@ -112,13 +113,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--system-tokens", type=int, default=500)
     parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--draft", help="a draft head: engines run `auto` over it")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     target = eaglejax.load_target(args.model, weight_dtype="auto")
     tokenizer = target.tokenizer
-    engines = {"prefix cache": Engine(target, num_slots=SLOTS, capacity=CAPACITY,
+    draft = eaglejax.load_draft(args.draft, target=target) if args.draft else None
+    engines = {"prefix cache": Engine(target, draft, num_slots=SLOTS, capacity=CAPACITY,
                                       prefix_cache_tokens=16 * CAPACITY),
-               "no cache": Engine(target, num_slots=SLOTS, capacity=CAPACITY,
+               "no cache": Engine(target, draft, num_slots=SLOTS, capacity=CAPACITY,
                                   prefix_cache_tokens=0)}
     for engine in engines.values():
         engine.warmup(progress=False)
@@ -127,6 +130,7 @@ def main() -> None:
     median = {name: {turn: float(np.median(v)) for turn, v in t.items()}
               for name, t in times.items()}
     report = {"machine": machine_report(bandwidth=False), "storage": target.storage,
+              "draft": args.draft,
               "chats": {"ttft_s": times, "median_s": median,
                         "second_turn_ratio": median["prefix cache"]["second"]
                         / median["no cache"]["second"]},
