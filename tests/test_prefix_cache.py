@@ -12,6 +12,7 @@ from eaglejax.draft.draft import new_eagle3_draft
 from eaglejax.serving import engine as engine_module
 from eaglejax.serving.engine import Engine, Request, SamplingOptions
 from eaglejax.serving.prefix_cache import PrefixCache
+from tolerances import FORWARD_UNITS, assert_close_scaled
 
 CAPACITY = 192
 
@@ -50,25 +51,57 @@ def test_a_later_turn_prefills_only_what_is_new_and_decodes_the_same(target, sam
     assert {k: u.token_ids for k, u in got.items()} == {k: u.token_ids for k, u in want.items()}
     # Second turns: 70 + 30 + 9 = 109 tokens, of which blocks 0-1 (the first prompt's) and
     # block 2 (the first reply's, saved when the first turn finished) were cached.
-    assert cached.prefix.hit_tokens == 2 * 3 * BLOCK
+    assert cached.prefix.hit_tokens == 2 * (3 * BLOCK - 1)  # each hit's last one prefilled
     assert uncached.prefix is None
 
 
-def test_an_auto_engine_takes_only_long_hits_for_a_row_that_could_speculate(target,
-                                                                             monkeypatch):
+def test_a_hit_restores_the_heads_rows_too(target):
+    """Under `auto` a row that may speculate gets the head's rows of the hit with the
+    target's: after the fill both caches and the head's proposal equal a full prefill's
+    (float noise: the rest ran after copied rows), and the replies equal plain decoding's."""
     draft = new_eagle3_draft(target, seed=1, scale=0.05)
+    cached = Engine(target, draft, speculative="auto", num_slots=2, capacity=CAPACITY)
+    fresh = Engine(target, draft, speculative="auto", num_slots=2, capacity=CAPACITY,
+                   prefix_cache_tokens=0)
+    first, more = _conversation(target, 3)
+    reply = cached.run([Request("a", first, 30, ignore_eos=True)])["a"].token_ids
+    prompt = first + reply + more  # 109 tokens; blocks 0-2 kept with the head's rows
+    for engine in (cached, fresh):
+        engine.submit(Request("b", prompt, 8, ignore_eos=True))
+        engine.step()  # the fill, into slot 0
+    assert cached.prefix.hit_tokens == 3 * BLOCK - 1
+    n = len(prompt)
+    for got, want, what in ((cached.state.target_cache, fresh.state.target_cache, "target"),
+                            (cached.state.drafter.cache, fresh.state.drafter.cache, "head")):
+        assert int(got.lengths[0]) == int(want.lengths[0]) == n, what
+        for k_got, k_want in zip(got.k + got.v, want.k + want.v):
+            assert_close_scaled(k_got[0, :, :n], k_want[0, :, :n], units=FORWARD_UNITS,
+                                depth=target.config.num_layers, what=f"{what} rows")
+    assert_close_scaled(cached.state.drafter.logits[0], fresh.state.drafter.logits[0],
+                        units=FORWARD_UNITS, depth=target.config.num_layers + 1,
+                        what="the head's proposal")
     plain = Engine(target, num_slots=2, capacity=CAPACITY, prefix_cache_tokens=0)
-    want = {k: u.token_ids for k, u in _turns(plain, target, [2]).items()}
-    engine = Engine(target, draft, speculative="auto", num_slots=2, capacity=CAPACITY)
-    assert {k: u.token_ids for k, u in _turns(engine, target, [2]).items()} == want
-    assert engine.prefix.hit_tokens == 3 * BLOCK  # copied into a speculative batch's slot
-    monkeypatch.setattr(engine_module, "HIT_PER_REPLY_TOKEN", 10.0)
-    engine = Engine(target, draft, speculative="auto", num_slots=2, capacity=CAPACITY)
-    assert {k: u.token_ids for k, u in _turns(engine, target, [2]).items()} == want
-    assert engine.prefix.hit_tokens == 0  # 96 cached < 10 x 12 new tokens: one row keeps
-    # its head (decoding plainly after a hit would cost more than the prefill saved)
-    fixed = Engine(target, draft, speculative=SpecConfig.chain(2), num_slots=2,
-                   capacity=CAPACITY)
+    want = plain.run([Request("b", prompt, 8, ignore_eos=True)])["b"].token_ids
+    got = {}
+    for engine in (cached, fresh):
+        while not engine.idle:
+            for update in engine.step():
+                got.setdefault(engine, []).extend(update.token_ids)
+    assert got[cached] == got[fresh] == want[1:]  # the fill step reported the first token
+
+
+def test_without_the_heads_rows_a_row_that_may_speculate_takes_only_long_hits(
+        target, monkeypatch):
+    """A drafter whose rows are not kept (suffix drafting): a hit means decoding plainly,
+    taken only from `HIT_PER_REPLY_TOKEN` cached tokens per token to generate."""
+    for ratio, hits in ((0.5, 3 * BLOCK - 1), (10.0, 0)):  # 96 cached, 12 new tokens
+        monkeypatch.setattr(engine_module, "HIT_PER_REPLY_TOKEN", ratio)
+        engine = Engine(target, speculative="auto",  # suffix drafting
+                        num_slots=2, capacity=CAPACITY)
+        _turns(engine, target, [4])
+        assert engine.prefix.head_pool is None and engine.prefix.hit_tokens == hits
+    fixed = Engine(target, new_eagle3_draft(target, seed=1, scale=0.05),
+                   speculative=SpecConfig.chain(2), num_slots=2, capacity=CAPACITY)
     assert fixed.prefix is None  # a fixed shape cannot fill a row with the target alone
 
 
@@ -89,4 +122,4 @@ def test_the_index_keeps_exact_prefixes_and_evicts_the_least_recently_used(targe
     prefix.save(cache, 0, c[:BLOCK + 1])  # evicts a's first block, now the oldest
     assert len(prefix.match(c)) == 1 and len(prefix.match(b)) == 2 and prefix.match(a) == []
     with pytest.raises(ValueError, match="at least one block"):
-        PrefixCache(target.config, 0, cache.k[0].dtype, cache.capacity)
+        PrefixCache(cache, 0)

@@ -290,7 +290,7 @@ def test_a_repeated_prompt_prefix_is_reported_cached(target, client):
     first, again = (client.completions.create(model=MODEL, prompt=prompt, max_tokens=4,
                                               temperature=0) for _ in range(2))
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    assert again.usage.prompt_tokens_details.cached_tokens == 31  # its last one prefilled
     assert again.choices[0].text == first.choices[0].text
 
 
@@ -430,7 +430,7 @@ def test_models_health_and_metrics(server, client):
     assert health["kv_tokens"] == 4 * CAPACITY and health["max_waiting"] is None
     assert health["prefix_cache_blocks_used"] == _metric(server,
                                                          "eaglejax_prefix_cache_blocks_used")
-    assert _metric(server, "eaglejax_prefix_cache_hit_tokens_total") >= 32
+    assert _metric(server, "eaglejax_prefix_cache_hit_tokens_total") >= 31
     assert _metric(server, "eaglejax_prefix_cache_prompt_tokens_total") > 0
     assert 0 < _metric(server, "eaglejax_prefix_cache_blocks_used") <= 4096 // 32
 

@@ -121,12 +121,13 @@ class SpecLoop:
                       row_keys: jax.Array, sampling: SamplingParams,
                       max_new_tokens: jax.Array, *, capacity: int, max_tokens: int,
                       greedy: bool, stop: StopCriteria | StopTable,
-                      prefill_chunk: int = PREFILL_CHUNK) -> speculative.SpecState:
+                      prefill_chunk: int = PREFILL_CHUNK,
+                      cached: speculative.Cached | None = None) -> speculative.SpecState:
         return speculative.prefill_state(
             weights.target, self.config, weights.draft, self.draft_config, weights.d2t,
             prompt, prompt_lengths, row_keys, sampling, max_new_tokens, capacity=capacity,
             max_tokens=max_tokens, spec=self.spec, greedy=greedy, stop=stop,
-            attn_impl=self.attn_impl, prefill_chunk=prefill_chunk)
+            attn_impl=self.attn_impl, prefill_chunk=prefill_chunk, cached=cached)
 
     def step(self, weights: Weights, sampling: SamplingParams, max_new_tokens: jax.Array, *,
              greedy: bool, stop: StopCriteria | StopTable) -> Step:

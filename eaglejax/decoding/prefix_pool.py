@@ -10,7 +10,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from eaglejax.config import ModelConfig
 from eaglejax.models import kv_cache
 
 BLOCK = 32  # positions per block
@@ -24,11 +23,13 @@ class PrefixPool(NamedTuple):
     v: tuple[jax.Array, ...]
 
 
-def empty_pool(config: ModelConfig, blocks: int, dtype: jnp.dtype) -> PrefixPool:
-    shape = (blocks, config.num_kv_heads, BLOCK, config.head_dim)
-    layers = range(config.num_layers)
-    return PrefixPool(tuple(jnp.zeros(shape, dtype) for _ in layers),
-                      tuple(jnp.zeros(shape, dtype) for _ in layers))
+def empty_pool(cache: kv_cache.KVCache, blocks: int) -> PrefixPool:
+    """A pool of `blocks` blocks for the rows of caches like `cache` (its layers, heads,
+    head dim and dtype)."""
+    _, kv, _, dim = cache.k[0].shape
+    shape = (blocks, kv, BLOCK, dim)
+    return PrefixPool(tuple(jnp.zeros(shape, k.dtype) for k in cache.k),
+                      tuple(jnp.zeros(shape, v.dtype) for v in cache.v))
 
 
 def load_rows(pool: PrefixPool, blocks: jax.Array, cached: jax.Array, capacity: int

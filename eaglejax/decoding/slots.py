@@ -79,15 +79,25 @@ def fill_target(loop: SpecLoop, weights: Weights, state: speculative.SpecState,
 
 @functools.partial(jax.jit, static_argnames=("loop", "greedy"), donate_argnames=("state",))
 def fill_cached(loop: Loop, weights: Weights, state: State, slot: jax.Array,
-                pool: PrefixPool, blocks: jax.Array, cached: jax.Array, rest: jax.Array,
-                rest_length: jax.Array, row_key: jax.Array, sampling: SamplingParams,
-                max_new_tokens: jax.Array, stop: StopTable, *, greedy: bool) -> State:
-    """`fill` of a prompt whose first cached [1] tokens the prefix cache holds in pool
-    `blocks` [n] (in order; n * BLOCK covers the slot's cache, entries past the hit unused):
-    their rows are copied in and only the `rest` [1,R] (right-padded, rest_length [1]
-    tokens) is prefilled, by the target alone (in a speculative batch the row then decodes
+                pool: PrefixPool, head_pool: PrefixPool | None, blocks: jax.Array,
+                cached: jax.Array, rest: jax.Array, rest_length: jax.Array, prompt: jax.Array,
+                row_key: jax.Array, sampling: SamplingParams, max_new_tokens: jax.Array,
+                stop: StopTable, *, greedy: bool) -> State:
+    """`fill` of a `prompt` [1,C] whose first cached [1] positions the prefix cache holds in
+    pool `blocks` [n] (in order; n * BLOCK covers the slot's cache, entries past the hit
+    unused): their rows are copied in and only the `rest` [1,R] (right-padded, rest_length
+    [1] tokens) is prefilled: with the head, whose rows come from `head_pool`'s same blocks,
+    or (`head_pool` None) by the target alone (in a speculative batch the row then decodes
     plainly, as after `fill_target`)."""
-    cached = load_rows(pool, blocks, cached, state.target_cache.capacity)
+    rows = load_rows(pool, blocks, cached, state.target_cache.capacity)
+    if head_pool is not None:
+        head = load_rows(head_pool, blocks, cached, state.drafter.cache.capacity)
+        row = loop.prefill_state(weights, rest, rest_length, row_key, sampling, max_new_tokens,
+                                 capacity=state.target_cache.capacity,
+                                 max_tokens=state.out.tokens.shape[1], greedy=greedy, stop=stop,
+                                 cached=speculative.Cached(rows, head, prompt))
+        return _put_rows(state, row._replace(forwards=state.forwards), slot)
+    cached = rows
     target_loop, part = loop, state
     if isinstance(state, speculative.SpecState):
         target_loop, part = loop.target_alone(), _target_part(state)

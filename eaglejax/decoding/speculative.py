@@ -108,12 +108,15 @@ def prefill_state(params: Params, config: ModelConfig, draft_params: Params | No
                   sampling: SamplingParams, max_new_tokens: jax.Array, *, capacity: int,
                   max_tokens: int, spec: SpecConfig, greedy: bool, stop: StopCriteria | StopTable,
                   attn_impl: AttentionImpl = "auto",
-                  prefill_chunk: int = PREFILL_CHUNK) -> SpecState:
+                  prefill_chunk: int = PREFILL_CHUNK,
+                  cached: Cached | None = None) -> SpecState:
     """Prefill the target and the drafter on right-padded prompts (`prefill_chunk`
-    positions at a time); record the first token."""
+    positions at a time); record the first token. With `cached` (a head's drafter only),
+    `prompt` is what follows the rows it holds (`Cached`)."""
     batch = prompt.shape[0]
     prefilled = prefill_target(params, config, prompt, prompt_lengths, capacity,
-                               tap_layers(draft_config), attn_impl, prefill_chunk)
+                               tap_layers(draft_config), attn_impl, prefill_chunk,
+                               cached=None if cached is None else cached.target)
     output = empty_output(batch, max_tokens)
     first = sample_tokens(prefilled.logits, sampling, row_step_keys(row_keys, output.counts),
                           greedy)
@@ -121,9 +124,14 @@ def prefill_state(params: Params, config: ModelConfig, draft_params: Params | No
     # Each row's tokens x_0..x_n: its prompt, then the first new token.
     tokens = jnp.pad(prompt, ((0, 0), (0, 1))).at[jnp.arange(batch), prompt_lengths].set(first)
     head = bind_head(params, draft_params, draft_config, d2t, attn_impl)
-    drafted = drafter(spec.method).prefill(head, spec, tokens,
-                                           target_features(prefilled, draft_config),
-                                           prompt_lengths, capacity, prefill_chunk)
+    features = target_features(prefilled, draft_config)
+    if cached is None:
+        drafted = drafter(spec.method).prefill(head, spec, tokens, features, prompt_lengths,
+                                               capacity, prefill_chunk)
+    else:
+        drafted = drafter(spec.method).prefill(head, spec, tokens, features, prompt_lengths,
+                                               capacity, prefill_chunk, cached=cached.head)
+        prompt, prompt_lengths = cached.prompt, cached.target.lengths + prompt_lengths
     context = jnp.zeros((batch, capacity if spec.lookup else 0), jnp.int32)
     if spec.lookup:
         context = lookup.write_context(context.at[:, :prompt.shape[1]].set(prompt),
@@ -131,6 +139,16 @@ def prefill_state(params: Params, config: ModelConfig, draft_params: Params | No
     return SpecState(prefilled.cache, first, output, row_keys,
                      jnp.zeros((batch, spec.max_depth + 1), jnp.int32), jnp.int32(0), context,
                      drafted)
+
+
+class Cached(NamedTuple):
+    """What a prefill continues from (the serving engine's prefix cache): the target's and
+    the head's caches holding each row's first positions (the same count in both), and the
+    whole prompts [B,P'] (right-padded) for the context-lookup branch."""
+
+    target: kv_cache.KVCache
+    head: kv_cache.KVCache
+    prompt: jax.Array
 
 
 def round_step(*args, **kwargs) -> Callable[[SpecState], SpecState]:

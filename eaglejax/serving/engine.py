@@ -29,6 +29,8 @@ from eaglejax.decoding import slots
 from eaglejax.decoding.autotune import PLAIN_WIDTH, AutoPlan
 from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.bundle import Bundle
+from eaglejax.decoding.drafters.head_state import HeadState
+from eaglejax.models import kv_cache
 from eaglejax.decoding.loops import State
 from eaglejax.decoding.prefix_pool import BLOCK
 from eaglejax.decoding.sampling import SamplingParams
@@ -56,10 +58,11 @@ MIN_PROMPT_BUCKET = 16
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit on stop strings
 MAX_STOP_TOKENS = 16  # longer stop sequences end replies on the host side only
 MAX_STOP_TOKEN_IDS = 8  # a request's own end-of-reply tokens beside the model's EOS
-# A row that could speculate (`auto` at one row) takes a prefix-cache hit of at least this many
-# cached tokens per token it may generate: the hit's rest is prefilled by the target alone and
-# the row then decodes plainly. On SmolLM2 (2 cores, BENCHMARKS.md) a prompt token's prefill
-# costs 0.85-1.3 ms and speculation at its best (1.10x a 4-5 ms step) saves 0.4-0.5 ms a token.
+# A row that could speculate (`auto` at one row) with a drafter whose rows the prefix cache
+# does not keep (not an EAGLE head) takes a hit of at least this many cached tokens per token it
+# may generate: the rest is then prefilled by the target alone and the row decodes plainly. On
+# SmolLM2 (2 cores, BENCHMARKS.md) a prompt token's prefill costs 0.85-1.3 ms and speculation
+# at its best (1.10x a 4-5 ms step) saves 0.4-0.5 ms a token.
 HIT_PER_REPLY_TOKEN = 0.5
 
 
@@ -186,9 +189,8 @@ class Engine:
         fills_target_alone = speculative is None or self.policy is not None
         if prefix_cache_tokens and fills_target_alone and capacity > BLOCK + 1 \
                 and target.mesh is None and jax.process_count() == 1:
-            cache = self.state.target_cache
-            self.prefix = PrefixCache(target.config, -(-prefix_cache_tokens // BLOCK),
-                                      cache.k[0].dtype, cache.capacity)
+            self.prefix = PrefixCache(self.state.target_cache, -(-prefix_cache_tokens // BLOCK),
+                                      self._head_cache())
         self.round_splits: list[dict[str, Any]] = []  # `profile_rounds`' results
 
     # ------------------------------------------------------------------ public interface
@@ -350,12 +352,13 @@ class Engine:
                     and self.policy.max_speculative_rows is not None):
                 self._fill(rows - 1, request, target_only=True, cache=False)  # rows left
                 self.cancel(request.key)  # behind
-            if rows == row_counts[0] and self.prefix is not None:  # a prefix-cache hit
+            if rows == row_counts[0] and self.prefix is not None:  # prefix-cache hits
                 hit = dataclasses.replace(request, prompt=[0] * min(BLOCK + n, self.capacity - 1))
-                self._fill(rows - 1, hit, hit=[0])  # whose rest fills `n`'s bucket
-                self.cancel(hit.key)
+                for head in {False, self.prefix.head_pool is not None}:  # whose rest fills
+                    self._fill(rows - 1, hit, hit=[0], head=head)  # `n`'s bucket
+                    self.cancel(hit.key)
         if self.prefix is not None:
-            self.prefix.warmup(self.state.target_cache)
+            self.prefix.warmup(self.state.target_cache, self._head_cache())
         # Programs run asynchronously: the last warm-up prefills (the longest prompts) would
         # otherwise still be running when the server reports ready, and the first request
         # waited for them (~2 s of its time to first token on a 2-core CPU).
@@ -392,13 +395,14 @@ class Engine:
                               MAX_STOP_SEQUENCES, MAX_STOP_TOKENS)
 
     def _fill(self, slot: int, request: Request, target_only: bool | None = None,
-              cache: bool = True, hit: list[int] | None = None) -> None:
+              cache: bool = True, hit: list[int] | None = None, head: bool = False) -> None:
         """Prefill `request` into `slot` and record its settings there; with `auto`, the
         target alone where the row will decode plainly to its end (`_target_alone`, or as
         `target_only` says), since its head would never be used. With `cache`, a prefix the
         prefix cache holds is copied in instead of prefilled (the target alone), and the
-        prompt's blocks are kept. `hit`: these pool blocks as the prompt's cached prefix
-        (warming up)."""
+        prompt's blocks are kept; where the row may speculate, the head's rows too where the
+        cache keeps them. `hit`: these pool blocks as the prompt's cached prefix, with the
+        head's rows if `head` (warming up)."""
         n = len(request.prompt)
         s = request.sampling
         self._temperature[slot], self._top_k[slot], self._top_p[slot] = (
@@ -422,11 +426,15 @@ class Engine:
             cache = False
         elif cache and self.prefix is not None:
             could_speculate = self.policy is not None and not target_only
+            head = could_speculate and self.prefix.head_pool is not None
             hit = self.prefix.match(request.prompt, math.ceil(
-                HIT_PER_REPLY_TOKEN * request.max_new_tokens) if could_speculate else 0)
+                HIT_PER_REPLY_TOKEN * request.max_new_tokens) if could_speculate and not head
+                else 0, head=head)
         else:
             hit = []
-        cached = BLOCK * len(hit)
+        # The hit's last position is prefilled again: the head's row there consumes the
+        # token after it (this prompt's, not the cached sequence's) and the target's feature.
+        cached = max(BLOCK * len(hit) - 1, 0)
         prompt = np.zeros((1, min(bucket(n - cached, MIN_PROMPT_BUCKET), self.capacity)),
                           np.int32)
         prompt[0, :n - cached] = request.prompt[cached:]
@@ -437,22 +445,32 @@ class Engine:
             self.models = self.models.with_current_history()
         slot_arg = self.models.put(np.int32(slot))
         if hit:
-            target_only = True
+            target_only = not head
             blocks = np.zeros(-(-self.state.target_cache.capacity // BLOCK), np.int32)
             blocks[:len(hit)] = hit
+            whole = np.zeros((1, self.capacity), np.int32)
+            whole[0, :n] = request.prompt
+            rest_length, key, *settings = row_args[1:]
             self.state = self.models.run(
                 slots.fill_cached, self.state, slot_arg, self.prefix.pool,
-                *self.models.put((blocks, np.array([cached], np.int32))), *row_args,
-                greedy=greedy)
+                self.prefix.head_pool if head else None,
+                *self.models.put((blocks, np.array([cached], np.int32))), row_args[0],
+                rest_length, self.models.put(whole), key, *settings, greedy=greedy)
         else:
             fill = slots.fill_target if target_only and self.spec is not None else slots.fill
             self.state = self.models.run(fill, self.state, slot_arg, *row_args, greedy=greedy)
         if cache and self.prefix is not None:
-            self.prefix.save(self.state.target_cache, slot, request.prompt)
+            self.prefix.save(self.state.target_cache, slot, request.prompt,
+                             None if target_only else self._head_cache())
         self.slots[slot] = _Live(request, cached=cached)
         self._plain_steps[slot], self._stale[slot] = 0, bool(target_only)
         if self.policy is not None:
             self.policy.admit(request.key)
+
+    def _head_cache(self) -> kv_cache.KVCache | None:
+        """The batch's EAGLE-head cache (whose rows the prefix cache keeps), if it has one."""
+        drafter = getattr(self.state, "drafter", None)
+        return drafter.cache if isinstance(drafter, HeadState) else None
 
     def _target_alone(self, live: np.ndarray) -> bool:
         """Whether `auto` runs a step over the `live` slots with the target alone: a row
@@ -560,8 +578,10 @@ class Engine:
         """Updates for the slots with unreported tokens or a new finish; frees finished slots."""
         out = self.state.out
         hist = getattr(self.state, "accept_hist", None)
-        tokens, counts, finish, hist, cached = self.models.fetch(
-            (out.tokens, out.counts, out.finish, hist, self.state.target_cache.lengths))
+        head = self._head_cache()
+        tokens, counts, finish, hist, cached, head_rows = self.models.fetch(
+            (out.tokens, out.counts, out.finish, hist, self.state.target_cache.lengths,
+             None if head is None else head.lengths))
         rounds = hist.sum(axis=1) + self._plain_steps if hist is not None else counts - 1
         updates = []
         for i, live in enumerate(self.slots):
@@ -579,8 +599,11 @@ class Engine:
             if ended and self._suffix:  # later requests' suffix drafters search it
                 shared_history().add([tokens[i, :counts[i]]])
             if ended and self.prefix is not None:  # a chat's next turn starts with it
+                with_head = head is not None and not self._stale[i]
+                rows = min(cached[i], head_rows[i]) if with_head else cached[i]
                 self.prefix.save(self.state.target_cache, i, np.concatenate(
-                    [request.prompt, tokens[i, :counts[i]]])[:cached[i]])
+                    [request.prompt, tokens[i, :counts[i]]])[:rows],
+                    head if with_head else None)
             if ended:
                 self._free(i)
         return updates

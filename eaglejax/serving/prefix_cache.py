@@ -6,10 +6,11 @@ Blocks (`decoding.prefix_pool`) hold 32 consecutive positions of one sequence, a
 keys and values. A block is content-addressed: its key hashes its tokens and its whole prefix
 (the key of the block before it), so a key found holds the rows a prefill of that prefix
 computes (up to the float rounding of a different prefill split). The engine copies a hit's
-blocks into the request's slot and prefills the rest after them (`slots.fill_cached`), and
-after each prefill and at each request's end saves the slot's new full blocks. Blocks are
-evicted least recently used; the copy in a slot owns its rows, so no block is counted per
-request.
+blocks into the request's slot and prefills the rest after them (`slots.fill_cached`; the
+hit's last position again, whose EAGLE-head row reads the token after it), and after each
+prefill and at each request's end saves the slot's new full blocks, with an EAGLE head's rows
+of them where the row kept its head. Blocks are evicted least recently used; the copy in a
+slot owns its rows, so no block is counted per request.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from eaglejax.config import ModelConfig
 from eaglejax.decoding.buckets import bucket
-from eaglejax.decoding.prefix_pool import BLOCK, empty_pool, save_blocks
+from eaglejax.decoding.prefix_pool import BLOCK, PrefixPool, empty_pool, save_blocks
 from eaglejax.models import kv_cache
 
 def block_keys(tokens: np.ndarray) -> list[bytes]:
@@ -41,65 +41,88 @@ PREFIX_CACHE_TOKENS = 4096  # positions a serving engine's prefix cache keeps by
 
 
 class PrefixCache:
-    """The host's index of a `PrefixPool` of `blocks` blocks (module docstring)."""
+    """The host's index of a `PrefixPool` of `blocks` blocks for caches like `cache` (module
+    docstring); with `head_cache`, a second pool keeps a draft head's rows of the same
+    blocks, so that a hit can prefill the head too (where a block's were saved)."""
 
-    def __init__(self, config: ModelConfig, blocks: int, dtype: jnp.dtype, capacity: int):
+    def __init__(self, cache: kv_cache.KVCache, blocks: int,
+                 head_cache: kv_cache.KVCache | None = None):
         if blocks < 1:
             raise ValueError(f"a prefix cache holds at least one block, got {blocks}")
-        if capacity % BLOCK:
-            raise ValueError(f"slot capacity {capacity} is not a multiple of {BLOCK}")
-        self.pool = empty_pool(config, blocks, dtype)
-        self.blocks, self.capacity = blocks, capacity
+        if cache.capacity % BLOCK:
+            raise ValueError(f"slot capacity {cache.capacity} is not a multiple of {BLOCK}")
+        self.pool = empty_pool(cache, blocks)
+        self.head_pool = None if head_cache is None else empty_pool(head_cache, blocks)
+        self.blocks, self.capacity = blocks, cache.capacity
         self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU first
+        self.with_head: set[int] = set()  # blocks whose head rows the head pool holds
         self.free = list(range(blocks))[::-1]
-        self.hit_tokens = 0  # prompt tokens found cached, over all requests
+        self.hit_tokens = 0  # prompt tokens copied from the cache, over all requests
         self.prompt_tokens = 0  # prompt tokens of all requests looked up
 
-    def match(self, prompt: Sequence[int], minimum: int = 0) -> list[int]:
+    def match(self, prompt: Sequence[int], minimum: int = 0, head: bool = False) -> list[int]:
         """Pool blocks holding the longest cached prefix of `prompt` that leaves at least one
-        token to prefill, in order (marked recently used); none where it is shorter than
-        `minimum` tokens."""
+        token to prefill, in order (marked recently used); with `head`, of blocks whose head
+        rows are kept too; none where it is shorter than `minimum` tokens."""
         keys = block_keys(np.asarray(prompt)[:len(prompt) - 1])
-        found = list(itertools.takewhile(lambda block: block is not None,
-                                         map(self.index.get, keys)))
+        found = list(itertools.takewhile(
+            lambda block: block is not None and (not head or block in self.with_head),
+            map(self.index.get, keys)))
         self.prompt_tokens += len(prompt)
         if BLOCK * len(found) < max(minimum, 1):
             return []
         for key in keys[:len(found)]:
             self.index.move_to_end(key)
-        self.hit_tokens += BLOCK * len(found)
+        self.hit_tokens += BLOCK * len(found) - 1  # the last found is prefilled again
         return found
 
-    def save(self, cache: kv_cache.KVCache, slot: int, tokens: Sequence[int]) -> None:
-        """Keep the full blocks of `tokens` (whose rows `slot` of `cache` holds) that are
-        not kept yet, evicting the least recently used blocks of other prefixes."""
-        sources, targets, mine = [], [], set()
+    def save(self, cache: kv_cache.KVCache, slot: int, tokens: Sequence[int],
+             head_cache: kv_cache.KVCache | None = None) -> None:
+        """Keep the full blocks of `tokens` (whose rows `slot` of `cache`, and of
+        `head_cache` when given, holds) that are not kept yet, evicting the least recently
+        used blocks of other prefixes; with `head_cache`, also the head rows of kept blocks
+        that lack them."""
+        new, heads, mine = [], [], set()  # (index in tokens, pool block) to write
         for i, key in enumerate(block_keys(np.asarray(tokens))):
-            if key in self.index:
+            block = self.index.get(key)
+            if block is not None:
                 self.index.move_to_end(key)
-                mine.add(self.index[key])
-                continue
-            block = self._allocate(mine)
-            if block is None:  # the pool holds less than this sequence
-                break
-            self.index[key] = block
+            else:
+                block = self._allocate(mine)
+                if block is None:  # the pool holds less than this sequence
+                    break
+                self.index[key] = block
+                self.with_head.discard(block)
+                new.append((i, block))
             mine.add(block)
-            sources.append(i)
-            targets.append(block)
-        if not sources:
-            return
-        pad = _width(len(sources), self.capacity // BLOCK) - len(sources)
-        self.pool = save_blocks(self.pool, cache, jnp.int32(slot),
-                                jnp.asarray(sources + [0] * pad, jnp.int32),
-                                jnp.asarray(targets + [self.blocks] * pad, jnp.int32))
+            if head_cache is not None and block not in self.with_head:
+                self.with_head.add(block)
+                heads.append((i, block))
+        self.pool = self._copy(self.pool, cache, slot, new)
+        if heads:
+            self.head_pool = self._copy(self.head_pool, head_cache, slot, heads)
 
-    def warmup(self, cache: kv_cache.KVCache) -> None:
+    def warmup(self, cache: kv_cache.KVCache, head_cache: kv_cache.KVCache | None = None
+               ) -> None:
         """Compile `save`'s programs (one per width `_width` gives) writing nothing."""
         most = self.capacity // BLOCK
         for width in sorted({_width(n, most) for n in range(1, most + 1)}):
-            nowhere = jnp.full((width,), self.blocks, jnp.int32)
-            self.pool = save_blocks(self.pool, cache, jnp.int32(0), jnp.zeros_like(nowhere),
-                                    nowhere)
+            nowhere = [(0, self.blocks)] * width
+            self.pool = self._copy(self.pool, cache, 0, nowhere)
+            if head_cache is not None:
+                self.head_pool = self._copy(self.head_pool, head_cache, 0, nowhere)
+
+    def _copy(self, pool: PrefixPool, cache: kv_cache.KVCache, slot: int,
+              blocks: list[tuple[int, int]]) -> PrefixPool:
+        """`pool` with blocks (index in the slot's rows, pool block; a pool block past the
+        pool: not written) copied from `slot` of `cache`."""
+        if not blocks:
+            return pool
+        blocks = blocks + [(0, self.blocks)] * (_width(len(blocks), self.capacity // BLOCK)
+                                                 - len(blocks))
+        sources, targets = zip(*blocks)
+        return save_blocks(pool, cache, jnp.int32(slot), jnp.asarray(sources, jnp.int32),
+                           jnp.asarray(targets, jnp.int32))
 
     def _allocate(self, keep: set[int]) -> int | None:
         if self.free:

@@ -34,6 +34,7 @@ from eaglejax.decoding.drafters.head_state import HeadState
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.tree import Tree
 from eaglejax.draft.config import DraftConfig
+from eaglejax.models.kv_cache import KVCache
 from eaglejax.draft.head import draft_forward, head_logits
 from eaglejax.errors import InputError
 from eaglejax.models import kv_cache
@@ -114,10 +115,11 @@ class HeadDrafter:
     drafts_with = "head"
 
     def prefill(self, head: Head, spec: "SpecConfig", tokens: jax.Array, features: jax.Array,
-                prompt_lengths: jax.Array, capacity: int, chunk: int) -> HeadState:
+                prompt_lengths: jax.Array, capacity: int, chunk: int,
+                cached: KVCache | None = None) -> HeadState:
         # Draft position t consumes token t+1: the tokens from x_1.
         return head_state.prefill(head, spec, tokens[:, 1:], features, prompt_lengths,
-                                  capacity, chunk)
+                                  capacity, chunk, cached)
 
     def draft(self, head: Head, state: HeadState, token: jax.Array, spec: "SpecConfig",
               greedy: bool, sampling: SamplingParams, keys: jax.Array, vocab: int

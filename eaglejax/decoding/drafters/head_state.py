@@ -92,24 +92,30 @@ def _mask_slot_logits(head: "Head", cache: kv_cache.KVCache, count: int) -> jax.
 
 
 def prefill(head: "Head", spec: "SpecConfig", tokens: jax.Array, features: jax.Array,
-            prompt_lengths: jax.Array, capacity: int, chunk: int) -> HeadState:
+            prompt_lengths: jax.Array, capacity: int, chunk: int,
+            cached: kv_cache.KVCache | None = None) -> HeadState:
     """The head over the whole shifted prompt `tokens` [B,P] (the prompt from its second
     token, then the first new token) with the target's prefill `features`, into a fresh
-    cache of `capacity` rows, `chunk` positions at a time when longer: its state at each
-    row's last position."""
+    cache of `capacity` rows (or after the rows of `cached`, a cache of that capacity),
+    `chunk` positions at a time when longer: its state at each row's last position."""
     batch, prompt_len = tokens.shape
-    d = head.config.decoder
-    cache = kv_cache.init_cache(d.num_layers, batch, capacity, d.num_kv_heads, d.head_dim,
-                                compute_dtype(head.target_params), heads_axis=None)
-    if prompt_len <= chunk:  # attention among the new rows only
+    if cached is not None:
+        hidden, cache = draft_forward_chunked(head.params, head.config, head.target_params,
+                                              tokens, features, cached,
+                                              chunk=min(chunk, prompt_len),
+                                              attn_impl=head.attn_impl)
+        cache = cache._replace(lengths=cached.lengths + prompt_lengths)
+    elif prompt_len <= chunk:  # attention among the new rows only
         positions = jnp.broadcast_to(jnp.arange(prompt_len)[None], (batch, prompt_len))
         out = draft_forward(head.params, head.config, head.target_params, tokens, features,
                             positions, attn_impl=head.attn_impl)
-        cache = kv_cache.append(cache, out.k_new, out.v_new, prompt_lengths)
+        cache = kv_cache.append(_empty_cache(head, batch, capacity), out.k_new, out.v_new,
+                                prompt_lengths)
         hidden = out.hidden
     else:
         hidden, cache = draft_forward_chunked(head.params, head.config, head.target_params,
-                                              tokens, features, cache, chunk=chunk,
+                                              tokens, features,
+                                              _empty_cache(head, batch, capacity), chunk=chunk,
                                               attn_impl=head.attn_impl)
         cache = cache._replace(lengths=prompt_lengths)
     hidden = hidden[jnp.arange(batch), prompt_lengths - 1]
@@ -120,6 +126,13 @@ def prefill(head: "Head", spec: "SpecConfig", tokens: jax.Array, features: jax.A
             slots = _mask_slot_logits(head, cache, spec.draft_depth - 1)
             logits = jnp.concatenate([logits, slots], axis=1)
     return HeadState(cache, logits, hidden)
+
+
+def _empty_cache(head: "Head", batch: int, capacity: int) -> kv_cache.KVCache:
+    """A fresh head cache (every device holds all its heads)."""
+    d = head.config.decoder
+    return kv_cache.init_cache(d.num_layers, batch, capacity, d.num_kv_heads, d.head_dim,
+                               compute_dtype(head.target_params), heads_axis=None)
 
 
 def advance(head: "Head", spec: "SpecConfig", state: HeadState, tokens: jax.Array,
