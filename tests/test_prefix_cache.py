@@ -123,3 +123,20 @@ def test_the_index_keeps_exact_prefixes_and_evicts_the_least_recently_used(targe
     assert len(prefix.match(c)) == 1 and len(prefix.match(b)) == 2 and prefix.match(a) == []
     with pytest.raises(ValueError, match="at least one block"):
         PrefixCache(cache, 0)
+
+
+def test_warmup_compiles_every_hit_a_request_can_make(target):
+    """No request waits for a compilation: after `warmup`, hits of every rest length run
+    programs it compiled (the fill after copied rows, the pool's saves)."""
+    from eaglejax.decoding import prefix_pool, slots
+
+    engine = Engine(target, num_slots=1, capacity=64)
+    engine.warmup(progress=False)
+    compiled = slots.fill_cached._cache_size(), prefix_pool.save_blocks._cache_size()
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, target.config.vocab_size, 40).tolist()
+    engine.run([Request("first", base, 2)])  # keeps base's block
+    for extra in (1, 20):  # rests of 10 and 29 tokens: both prompt buckets a hit can fill
+        engine.run([Request(("warm", extra), base + rng.integers(0, 97, extra).tolist(), 2)])
+    assert engine.prefix.hit_tokens == 2 * (BLOCK - 1)
+    assert (slots.fill_cached._cache_size(), prefix_pool.save_blocks._cache_size()) == compiled

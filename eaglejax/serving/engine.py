@@ -353,7 +353,8 @@ class Engine:
                 self._fill(rows - 1, request, target_only=True, cache=False)  # rows left
                 self.cancel(request.key)  # behind
             if rows == row_counts[0] and self.prefix is not None:  # prefix-cache hits
-                hit = dataclasses.replace(request, prompt=[0] * min(BLOCK + n, self.capacity - 1))
+                hit = dataclasses.replace(request, prompt=[0] * min(BLOCK - 1 + n,
+                                                                    self.capacity - 1))
                 for head in {False, self.prefix.head_pool is not None}:  # whose rest fills
                     self._fill(rows - 1, hit, hit=[0], head=head)  # `n`'s bucket
                     self.cancel(hit.key)
