@@ -30,7 +30,6 @@ from eaglejax.decoding.autotune import PLAIN_WIDTH, AutoPlan
 from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.bundle import Bundle
 from eaglejax.decoding.drafters.head_state import HeadState
-from eaglejax.models import kv_cache
 from eaglejax.decoding.loops import State
 from eaglejax.decoding.prefix_pool import BLOCK
 from eaglejax.decoding.sampling import SamplingParams
@@ -44,6 +43,7 @@ from eaglejax.decoding.stopping import (
     StopTable,
 )
 from eaglejax.errors import InputError
+from eaglejax.models import kv_cache
 from eaglejax.serving.prefix_cache import PREFIX_CACHE_TOKENS, PrefixCache
 from eaglejax.serving.shape_policy import ShapePolicy
 from eaglejax.target import Target
@@ -146,12 +146,12 @@ class Engine:
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
                  max_waiting: int | None = None):
         validation.integer("num_slots", num_slots, 1)
-        if max_waiting is not None:
-            validation.integer("max_waiting", max_waiting, 0)
-        self.max_waiting = max_waiting
         validation.integer("capacity", capacity, 2)
         validation.integer("rounds_per_call", rounds_per_call, 1)
         validation.integer("prefix_cache_tokens", prefix_cache_tokens, 0)
+        if max_waiting is not None:
+            validation.integer("max_waiting", max_waiting, 0)
+        self.max_waiting = max_waiting
         limit = target.config.max_position_embeddings
         if capacity > limit:
             raise InputError(f"capacity {capacity} exceeds the model's context of {limit} tokens")
@@ -400,10 +400,10 @@ class Engine:
         """Prefill `request` into `slot` and record its settings there; with `auto`, the
         target alone where the row will decode plainly to its end (`_target_alone`, or as
         `target_only` says), since its head would never be used. With `cache`, a prefix the
-        prefix cache holds is copied in instead of prefilled (the target alone), and the
-        prompt's blocks are kept; where the row may speculate, the head's rows too where the
-        cache keeps them. `hit`: these pool blocks as the prompt's cached prefix, with the
-        head's rows if `head` (warming up)."""
+        prefix cache holds is copied in instead of prefilled (`_prefix_hit`), and the prompt's
+        blocks are kept (with the head's rows where the row keeps its head). `hit`: these
+        pool blocks as the prompt's cached prefix, with the head's rows if `head` (warming
+        up)."""
         n = len(request.prompt)
         s = request.sampling
         self._temperature[slot], self._top_k[slot], self._top_p[slot] = (
@@ -425,14 +425,8 @@ class Engine:
             target_only = self.policy is not None and self._target_alone(live)
         if hit is not None:
             cache = False
-        elif cache and self.prefix is not None:
-            could_speculate = self.policy is not None and not target_only
-            head = could_speculate and self.prefix.head_pool is not None
-            hit = self.prefix.match(request.prompt, math.ceil(
-                HIT_PER_REPLY_TOKEN * request.max_new_tokens) if could_speculate and not head
-                else 0, head=head)
         else:
-            hit = []
+            hit, head = self._prefix_hit(request, target_only) if cache else ([], False)
         # The hit's last position is prefilled again: the head's row there consumes the
         # token after it (this prompt's, not the cached sequence's) and the target's feature.
         cached = max(BLOCK * len(hit) - 1, 0)
@@ -447,16 +441,7 @@ class Engine:
         slot_arg = self.models.put(np.int32(slot))
         if hit:
             target_only = not head
-            blocks = np.zeros(-(-self.state.target_cache.capacity // BLOCK), np.int32)
-            blocks[:len(hit)] = hit
-            whole = np.zeros((1, self.capacity), np.int32)
-            whole[0, :n] = request.prompt
-            rest_length, key, *settings = row_args[1:]
-            self.state = self.models.run(
-                slots.fill_cached, self.state, slot_arg, self.prefix.pool,
-                self.prefix.head_pool if head else None,
-                *self.models.put((blocks, np.array([cached], np.int32))), row_args[0],
-                rest_length, self.models.put(whole), key, *settings, greedy=greedy)
+            self._fill_after(slot_arg, request, hit, head, cached, row_args, greedy)
         else:
             fill = slots.fill_target if target_only and self.spec is not None else slots.fill
             self.state = self.models.run(fill, self.state, slot_arg, *row_args, greedy=greedy)
@@ -467,6 +452,32 @@ class Engine:
         self._plain_steps[slot], self._stale[slot] = 0, bool(target_only)
         if self.policy is not None:
             self.policy.admit(request.key)
+
+    def _prefix_hit(self, request: Request, target_only: bool) -> tuple[list[int], bool]:
+        """The prefix cache's blocks for `request`'s prompt, and whether they bring the head's
+        rows (for a row that may speculate, where the cache keeps them)."""
+        if self.prefix is None:
+            return [], False
+        could_speculate = self.policy is not None and not target_only
+        head = could_speculate and self.prefix.head_pool is not None
+        minimum = math.ceil(HIT_PER_REPLY_TOKEN * request.max_new_tokens) \
+            if could_speculate and not head else 0
+        return self.prefix.match(request.prompt, minimum, head=head), head
+
+    def _fill_after(self, slot: jax.Array, request: Request, hit: list[int], head: bool,
+                    cached: int, row_args: tuple, greedy: bool) -> None:
+        """`slots.fill_cached`: `request`'s first `cached` positions copied from pool blocks
+        `hit` (with the head's rows if `head`), the rest (`row_args`, `_fill`'s) prefilled."""
+        blocks = np.zeros(-(-self.state.target_cache.capacity // BLOCK), np.int32)
+        blocks[:len(hit)] = hit
+        whole = np.zeros((1, self.capacity), np.int32)
+        whole[0, :len(request.prompt)] = request.prompt
+        rest, rest_length, *settings = row_args
+        self.state = self.models.run(
+            slots.fill_cached, self.state, slot, self.prefix.pool,
+            self.prefix.head_pool if head else None,
+            *self.models.put((blocks, np.array([cached], np.int32))), rest, rest_length,
+            self.models.put(whole), *settings, greedy=greedy)
 
     def _head_cache(self) -> kv_cache.KVCache | None:
         """The batch's EAGLE-head cache (whose rows the prefix cache keeps), if it has one."""
