@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple, Protocol, Union
+from typing import Any, Callable, NamedTuple, Protocol, Union
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import FINISH_LENGTH, StopCriteria, StopTable
 from eaglejax.draft.config import DraftConfig
+from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import Params
 
@@ -65,7 +66,7 @@ class Loop(Protocol):
                       row_keys: jax.Array, sampling: SamplingParams,
                       max_new_tokens: jax.Array, *, capacity: int, max_tokens: int,
                       greedy: bool, stop: StopCriteria | StopTable,
-                      prefill_chunk: int = PREFILL_CHUNK) -> State: ...
+                      prefill_chunk: int = PREFILL_CHUNK, cached: Any = None) -> State: ...
 
     def step(self, weights: Weights, sampling: SamplingParams, max_new_tokens: jax.Array, *,
              greedy: bool, stop: StopCriteria | StopTable) -> Step: ...
@@ -86,11 +87,12 @@ class PlainLoop:
                       row_keys: jax.Array, sampling: SamplingParams,
                       max_new_tokens: jax.Array, *, capacity: int, max_tokens: int,
                       greedy: bool, stop: StopCriteria | StopTable,
-                      prefill_chunk: int = PREFILL_CHUNK) -> plain.DecodeState:
+                      prefill_chunk: int = PREFILL_CHUNK,
+                      cached: kv_cache.KVCache | None = None) -> plain.DecodeState:
         return plain.prefill_state(
             weights.target, self.config, prompt, prompt_lengths, row_keys, sampling,
             max_new_tokens, capacity=capacity, max_tokens=max_tokens, greedy=greedy,
-            stop=stop, attn_impl=self.attn_impl, prefill_chunk=prefill_chunk)
+            stop=stop, attn_impl=self.attn_impl, prefill_chunk=prefill_chunk, cached=cached)
 
     def step(self, weights: Weights, sampling: SamplingParams, max_new_tokens: jax.Array, *,
              greedy: bool, stop: StopCriteria | StopTable) -> Step:

@@ -17,7 +17,7 @@ or its neighbours.
 from __future__ import annotations
 
 import functools
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +53,29 @@ def fill(loop: Loop, weights: Weights, state: State, slot: jax.Array, prompt: ja
          max_new_tokens: jax.Array, stop: StopTable, *, greedy: bool) -> State:
     """Prefill one right-padded prompt [1,P] (its settings: [1] arrays) into `slot`, with
     its first token (a speculative loop prefills the head too)."""
+    return _prefilled(loop, weights, state, slot, prompt, prompt_length, row_key, sampling,
+                      max_new_tokens, stop, greedy)
+
+
+def _prefilled(loop: Loop, weights: Weights, state: State, slot: jax.Array, prompt: jax.Array,
+               prompt_length: jax.Array, row_key: jax.Array, sampling: SamplingParams,
+               max_new_tokens: jax.Array, stop: StopTable, greedy: bool,
+               cached: Any = None) -> State:
+    """`fill`'s work inside a program; with `cached`, after the rows it holds (the loop's
+    `prefill_state` takes it)."""
     row = loop.prefill_state(weights, prompt, prompt_length, row_key, sampling, max_new_tokens,
                              capacity=state.target_cache.capacity,
-                             max_tokens=state.out.tokens.shape[1], greedy=greedy, stop=stop)
+                             max_tokens=state.out.tokens.shape[1], greedy=greedy, stop=stop,
+                             cached=cached)
     return _put_rows(state, row._replace(forwards=state.forwards), slot)
+
+
+def _with_target_row(state: speculative.SpecState, done: plain.DecodeState,
+                     slot: jax.Array) -> speculative.SpecState:
+    """A speculative batch whose target part is `done` (a row filled by the target alone):
+    the slot's head rows left as they are, its rounds by accepted tokens cleared (the slot's
+    last request's are not this one's)."""
+    return state._replace(**done._asdict(), accept_hist=state.accept_hist.at[slot].set(0))
 
 
 def _target_part(state: speculative.SpecState) -> plain.DecodeState:
@@ -70,11 +89,10 @@ def fill_target(loop: SpecLoop, weights: Weights, state: speculative.SpecState,
                 sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable, *,
                 greedy: bool) -> speculative.SpecState:
     """`fill` into a speculative batch: the target alone, for a row that decodes plainly to
-    its end (`advance_target`); the slot's head rows are left as they are, its rounds by
-    accepted tokens cleared (the slot's last request's are not this one's)."""
-    done = fill(loop.target_alone(), weights, _target_part(state), slot, prompt, prompt_length,
-                row_key, sampling, max_new_tokens, stop, greedy=greedy)
-    return state._replace(**done._asdict(), accept_hist=state.accept_hist.at[slot].set(0))
+    its end (`advance_target`; `_with_target_row`)."""
+    done = _prefilled(loop.target_alone(), weights, _target_part(state), slot, prompt,
+                      prompt_length, row_key, sampling, max_new_tokens, stop, greedy)
+    return _with_target_row(state, done, slot)
 
 
 @functools.partial(jax.jit, static_argnames=("loop", "greedy"), donate_argnames=("state",))
@@ -90,25 +108,16 @@ def fill_cached(loop: Loop, weights: Weights, state: State, slot: jax.Array,
     or (`head_pool` None) by the target alone (in a speculative batch the row then decodes
     plainly, as after `fill_target`)."""
     rows = load_rows(pool, blocks, cached, state.target_cache.capacity)
+    settings = (rest, rest_length, row_key, sampling, max_new_tokens, stop, greedy)
     if head_pool is not None:
         head = load_rows(head_pool, blocks, cached, state.drafter.cache.capacity)
-        row = loop.prefill_state(weights, rest, rest_length, row_key, sampling, max_new_tokens,
-                                 capacity=state.target_cache.capacity,
-                                 max_tokens=state.out.tokens.shape[1], greedy=greedy, stop=stop,
-                                 cached=speculative.Cached(rows, head, prompt))
-        return _put_rows(state, row._replace(forwards=state.forwards), slot)
-    cached = rows
-    target_loop, part = loop, state
+        return _prefilled(loop, weights, state, slot, *settings,
+                          cached=speculative.Cached(rows, head, prompt))
     if isinstance(state, speculative.SpecState):
-        target_loop, part = loop.target_alone(), _target_part(state)
-    row = plain.prefill_state(weights.target, target_loop.config, rest, rest_length, row_key,
-                              sampling, max_new_tokens, capacity=cached.capacity,
-                              max_tokens=part.out.tokens.shape[1], greedy=greedy, stop=stop,
-                              attn_impl=target_loop.attn_impl, cached=cached)
-    done = _put_rows(part, row._replace(forwards=part.forwards), slot)
-    if part is state:
-        return done
-    return state._replace(**done._asdict(), accept_hist=state.accept_hist.at[slot].set(0))
+        done = _prefilled(loop.target_alone(), weights, _target_part(state), slot, *settings,
+                          cached=rows)
+        return _with_target_row(state, done, slot)
+    return _prefilled(loop, weights, state, slot, *settings, cached=rows)
 
 
 def _first_rows(state: State, rows: int) -> State:
