@@ -22,6 +22,7 @@ from eaglejax.bench import (
     profile_rounds,
 )
 from eaglejax.datasets import interleave_categories, mt_bench_questions
+from eaglejax.decoding.output import MAX_TOP_LOGPROBS
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.draft import load_draft, load_draft_model
 from eaglejax.draft.draft import new_eagle3_draft
@@ -416,6 +417,10 @@ def _add_serve_args(commands) -> None:
     serve.add_argument("--max-waiting", type=int, default=MAX_WAITING,
                        help="requests that may wait for a slot; more are refused with 429 "
                             f"and Retry-After (default {MAX_WAITING})")
+    serve.add_argument("--max-logprobs", type=int, default=MAX_TOP_LOGPROBS,
+                       help="most likely tokens a request may ask log-probabilities of "
+                            f"(`logprobs`, `top_logprobs`; default {MAX_TOP_LOGPROBS}; -1: "
+                            "no request may ask, and replies keep none)")
     serve.add_argument("--prefix-cache-tokens", type=int, default=PREFIX_CACHE_TOKENS,
                        help="positions of earlier prompts and replies kept on the device for "
                             "requests that start with them (a chat's later turns, a shared "
@@ -759,6 +764,7 @@ def _serve(args: argparse.Namespace) -> None:
     validation.integer("--capacity", args.capacity, 2)
     validation.integer("--prefix-cache-tokens", args.prefix_cache_tokens, 0)
     validation.integer("--max-waiting", args.max_waiting, 0)
+    validation.integer("--max-logprobs", args.max_logprobs, -1, MAX_TOP_LOGPROBS)
     _check_draft_flags(args)
     if args.draft not in (None, "random"):
         _check_path("--draft", args.draft, directory=True)
@@ -779,7 +785,8 @@ def _serve(args: argparse.Namespace) -> None:
     engine = Engine(target, _load_draft(args, target), speculative=speculative,
                     num_slots=args.num_slots, capacity=args.capacity,
                     prefix_cache_tokens=args.prefix_cache_tokens,
-                    max_waiting=args.max_waiting)
+                    max_waiting=args.max_waiting,
+                    max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs)
     if jax.process_index() > 0:  # a multi-process run: process 0 serves, this one follows
         with compilation_cache.caching_every_program(), contextlib.suppress(KeyboardInterrupt):
             follow(engine)  # until process 0 closes (or Ctrl-C)

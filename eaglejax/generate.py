@@ -16,6 +16,7 @@ from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculation import AUTO, check_speculation, resolve_speculation
 from eaglejax.decoding.suffix_history import shared_history
+from eaglejax.decoding.token_logprobs import TokenLogprob, check_count, row_logprobs
 from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP
 from eaglejax.draft.draft import Draft
 from eaglejax.errors import InputError
@@ -94,12 +95,14 @@ def acceptance_metrics(hist: np.ndarray) -> dict[str, object]:
 
 @dataclasses.dataclass
 class Generation:
-    """One prompt's result. `finish_reason` is "eos", "stop" (a stop string) or "length"."""
+    """One prompt's result. `finish_reason` is "eos", "stop" (a stop string) or "length";
+    `logprobs` (when asked for) one entry per token of `token_ids`."""
 
     text: str | None
     token_ids: list[int]
     finish_reason: str
     metrics: GenerationMetrics
+    logprobs: list[TokenLogprob] | None = None
 
 
 @functools.lru_cache(maxsize=2)
@@ -124,7 +127,8 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | Sequence[int] = 0, chat: bool = True,
              stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
-             speculative: SpecConfig | str | None = None) -> list[Generation]:
+             speculative: SpecConfig | str | None = None,
+             logprobs: int | None = None) -> list[Generation]:
     """Generate continuations of `prompts` (strings, rendered with the chat template when
     `chat`, or token-id lists or integer arrays used as given) in one compiled batch.
 
@@ -142,9 +146,12 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     `eaglejax.decoding.autotune`) or None (the preset for this device and batch size,
     `SpecConfig.preset`). A `SpecConfig` whose method drafts without a head (a registered
     plug-in, `eaglejax.decoding.drafters`) needs no `draft`. Greedy output is identical to
-    plain decoding.
+    plain decoding. With `logprobs` (0 to 20), each `Generation.logprobs` holds every
+    token's log-probability under the target model and that many most likely tokens'
+    (`TokenLogprob`; the same with and without speculation).
     """
     check_speculation(draft, speculative)
+    logprobs = check_count("logprobs", logprobs)
     source = _target_source(target, draft)
     max_new_tokens = validation.integer("max_new_tokens", max_new_tokens, 1)
     sampling = SamplingParams.make(temperature, top_k, top_p)
@@ -171,15 +178,16 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     shape, plain_step_s = None, None
     if speculative == AUTO:
         adaptive = adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens,
-                                   criteria)
+                                   criteria, logprobs=logprobs)
         run, shape = adaptive.run, describe_mix(adaptive.forwards_by_mode)
         plain_step_s = adaptive.plain_step_s
     else:
         shape = None if speculative is None else speculative.describe()
         run = decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria,
-                     speculative)
-    tokens, counts, finish, forwards = fetch(
-        (run.state.out.tokens, run.state.out.counts, run.state.out.finish, run.state.forwards))
+                     speculative, logprobs=logprobs)
+    tokens, counts, finish, forwards, kept = fetch(
+        (run.state.out.tokens, run.state.out.counts, run.state.out.finish, run.state.forwards,
+         run.state.out.logprobs))
     hist = None if speculative is None else fetch(run.state.accept_hist)
 
     results = []
@@ -200,7 +208,9 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
             target_forwards=int(forwards) + 1, batch_size=batch,
             speculative=shape, plain_step_s=plain_step_s,
             **(acceptance_metrics(hist[i]) if hist is not None else {}))
-        results.append(Generation(text, ids, reason, metrics))
+        entries = None if kept is None else row_logprobs(
+            tokens[i], kept.chosen[i], kept.top_ids[i], kept.top[i], 0, len(ids), logprobs)
+        results.append(Generation(text, ids, reason, metrics, entries))
     if (speculative == AUTO and draft is None) or getattr(speculative, "method", "") == "suffix":
         shared_history().add(r.token_ids for r in results)  # later suffix drafters search them
     return results

@@ -86,22 +86,25 @@ def _ran_before(fn, args: tuple, static: dict) -> bool:
 
 def adaptive_decode(target: Target, draft: "Draft", encoded: list[list[int]],
                     seeds: list[int], sampling: SamplingParams, max_new_tokens: int,
-                    criteria: StopCriteria, policy: AutoPolicy | None = None) -> AdaptiveRun:
+                    criteria: StopCriteria, policy: AutoPolicy | None = None,
+                    logprobs: int | None = None) -> AdaptiveRun:
     """Prefill and decode validated token-id prompts in one batch, switching modes between
     segments as `policy` chooses (by default the device's plan, starting from what earlier
-    calls learnt; see the module docstring); what it learnt is kept for the next call."""
+    calls learnt; see the module docstring); what it learnt is kept for the next call (not
+    from a call keeping `logprobs`, whose steps cost more)."""
     batch = len(encoded)
     if policy is None:
         plan = AutoPlan.for_target(target, draft)
         policy = AutoPolicy(plan, recall(target, draft, batch, plan))
     run = _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria,
-                           policy)
-    remember(target, draft, batch, policy.plan, policy.knowledge)
+                           policy, logprobs)
+    if logprobs is None:
+        remember(target, draft, batch, policy.plan, policy.knowledge)
     return run
 
 
 def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, criteria,
-                     policy) -> AdaptiveRun:
+                     policy, logprobs) -> AdaptiveRun:
     plan = policy.plan
     greedy = bool(sampling.temperature == 0)
     probe = Bundle.of(target, draft, plan.probe)
@@ -111,7 +114,7 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
     sampling, max_new = inputs.sampling, inputs.max_new
     prefilled = probe.compile_then_run(loops.prefill, *inputs, capacity=capacity,
                                        max_tokens=bucket(max_new_tokens, 16), greedy=greedy,
-                                       stop=criteria)
+                                       stop=criteria, logprobs=logprobs)
     state, compile_s, prefill_s = prefilled
 
     def segment(mode: int, state, until: jax.Array):

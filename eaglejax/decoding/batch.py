@@ -88,8 +88,10 @@ def batch_inputs(models: Bundle, encoded: list[list[int]], seeds: list[int],
 
 def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seeds: list[int],
            sampling: SamplingParams, max_new_tokens: int, criteria: StopCriteria,
-           spec: SpecConfig | None, calibration_sizes: tuple[int, ...] = ()) -> DecodeRun:
-    """Prefill and decode validated token-id prompts in one compiled batch; with
+           spec: SpecConfig | None, calibration_sizes: tuple[int, ...] = (),
+           logprobs: int | None = None) -> DecodeRun:
+    """Prefill and decode validated token-id prompts in one compiled batch (outputs keeping
+    `logprobs` most likely tokens' log-probabilities, if not None); with
     `calibration_sizes`, greedily with `spec`'s largest tree, counting what each smaller
     size would have accepted (`decoding.calibration`)."""
     models = Bundle.of(target, draft if spec is not None else None, spec)
@@ -102,7 +104,7 @@ def decode(target: Target, draft: "Draft | None", encoded: list[list[int]], seed
     inputs = batch_inputs(models, encoded, seeds, sampling, max_new_tokens)
     prefilled = models.compile_then_run(
         loops.prefill, *inputs, capacity=capacity, max_tokens=bucket(max_new_tokens, 16),
-        greedy=greedy, stop=criteria)
+        greedy=greedy, stop=criteria, logprobs=logprobs)
     loop_args = (prefilled.result, inputs.sampling, inputs.max_new)
     if calibration_sizes:
         decoded = models.compile_then_run(calibration_loop, *loop_args,

@@ -6,8 +6,9 @@ parameters and, when speculating, the draft head's and its draft-to-target id ma
 pytree). Plain and speculative loops answer the same calls:
 
 - `prefill_state(weights, prompt, prompt_lengths, row_keys, sampling, max_new_tokens, *,
-  capacity, max_tokens, greedy, stop)`: the state after right-padded prompts, each row's
-  first new token recorded;
+  capacity, max_tokens, greedy, stop, logprobs=None)`: the state after right-padded
+  prompts, each row's first new token recorded (`logprobs`: the output also keeps the
+  target's log-probabilities of each token and of that many most likely ones);
 - `step(weights, sampling, max_new_tokens, *, greedy, stop)`: state -> state, one target
   forward (a plain step, or a speculative round: draft, verify, accept, catch up), traced
   inside a caller's loop;
@@ -66,7 +67,8 @@ class Loop(Protocol):
                       row_keys: jax.Array, sampling: SamplingParams,
                       max_new_tokens: jax.Array, *, capacity: int, max_tokens: int,
                       greedy: bool, stop: StopCriteria | StopTable,
-                      prefill_chunk: int = PREFILL_CHUNK, cached: Any = None) -> State: ...
+                      prefill_chunk: int = PREFILL_CHUNK, cached: Any = None,
+                      logprobs: int | None = None) -> State: ...
 
     def step(self, weights: Weights, sampling: SamplingParams, max_new_tokens: jax.Array, *,
              greedy: bool, stop: StopCriteria | StopTable) -> Step: ...
@@ -88,11 +90,13 @@ class PlainLoop:
                       max_new_tokens: jax.Array, *, capacity: int, max_tokens: int,
                       greedy: bool, stop: StopCriteria | StopTable,
                       prefill_chunk: int = PREFILL_CHUNK,
-                      cached: kv_cache.KVCache | None = None) -> plain.DecodeState:
+                      cached: kv_cache.KVCache | None = None,
+                      logprobs: int | None = None) -> plain.DecodeState:
         return plain.prefill_state(
             weights.target, self.config, prompt, prompt_lengths, row_keys, sampling,
             max_new_tokens, capacity=capacity, max_tokens=max_tokens, greedy=greedy,
-            stop=stop, attn_impl=self.attn_impl, prefill_chunk=prefill_chunk, cached=cached)
+            stop=stop, attn_impl=self.attn_impl, prefill_chunk=prefill_chunk, cached=cached,
+            logprobs=logprobs)
 
     def step(self, weights: Weights, sampling: SamplingParams, max_new_tokens: jax.Array, *,
              greedy: bool, stop: StopCriteria | StopTable) -> Step:
@@ -124,12 +128,14 @@ class SpecLoop:
                       max_new_tokens: jax.Array, *, capacity: int, max_tokens: int,
                       greedy: bool, stop: StopCriteria | StopTable,
                       prefill_chunk: int = PREFILL_CHUNK,
-                      cached: speculative.Cached | None = None) -> speculative.SpecState:
+                      cached: speculative.Cached | None = None,
+                      logprobs: int | None = None) -> speculative.SpecState:
         return speculative.prefill_state(
             weights.target, self.config, weights.draft, self.draft_config, weights.d2t,
             prompt, prompt_lengths, row_keys, sampling, max_new_tokens, capacity=capacity,
             max_tokens=max_tokens, spec=self.spec, greedy=greedy, stop=stop,
-            attn_impl=self.attn_impl, prefill_chunk=prefill_chunk, cached=cached)
+            attn_impl=self.attn_impl, prefill_chunk=prefill_chunk, cached=cached,
+            logprobs=logprobs)
 
     def step(self, weights: Weights, sampling: SamplingParams, max_new_tokens: jax.Array, *,
              greedy: bool, stop: StopCriteria | StopTable) -> Step:
@@ -165,16 +171,18 @@ def goes_on(state: State, until: jax.Array | None) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("loop", "capacity", "max_tokens", "greedy",
-                                             "stop", "prefill_chunk"))
+                                             "stop", "prefill_chunk", "logprobs"))
 def prefill(loop: Loop, weights: Weights, prompt: jax.Array, prompt_lengths: jax.Array,
             row_keys: jax.Array, sampling: SamplingParams, max_new_tokens: jax.Array, *,
             capacity: int, max_tokens: int, greedy: bool, stop: StopCriteria,
-            prefill_chunk: int = PREFILL_CHUNK) -> State:
+            prefill_chunk: int = PREFILL_CHUNK, logprobs: int | None = None) -> State:
     """`loop.prefill_state`, compiled: right-padded prompts [B,P] (`prefill_chunk` tokens at
-    a time) into caches of `capacity` rows, outputs of `max_tokens`, first tokens recorded."""
+    a time) into caches of `capacity` rows, outputs of `max_tokens` (keeping `logprobs`
+    most likely tokens' log-probabilities, if not None), first tokens recorded."""
     return loop.prefill_state(weights, prompt, prompt_lengths, row_keys, sampling,
                               max_new_tokens, capacity=capacity, max_tokens=max_tokens,
-                              greedy=greedy, stop=stop, prefill_chunk=prefill_chunk)
+                              greedy=greedy, stop=stop, prefill_chunk=prefill_chunk,
+                              logprobs=logprobs)
 
 
 @functools.partial(jax.jit, static_argnames=("loop", "greedy", "stop"),
@@ -189,7 +197,7 @@ def decode_loop(loop: Loop, weights: Weights, state: State, sampling: SamplingPa
 
 
 def empty_state(loop: Loop, weights: Weights, rows: int, *, capacity: int, max_tokens: int,
-                stop: StopTable) -> State:
+                stop: StopTable, logprobs: int | None = None) -> State:
     """A batch of `rows` free slots (every row finished, every value zero), shaped as
     `loop`'s prefill of `rows` prompts (traced abstractly, never run)."""
     prompt = jnp.zeros((rows, 1), jnp.int32)  # the state's shapes do not depend on it
@@ -197,7 +205,8 @@ def empty_state(loop: Loop, weights: Weights, rows: int, *, capacity: int, max_t
     sampling = SamplingParams(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows))
     shapes = jax.eval_shape(lambda w: loop.prefill_state(
         w, prompt, jnp.ones((rows,), jnp.int32), keys, sampling, jnp.ones((rows,), jnp.int32),
-        capacity=capacity, max_tokens=max_tokens, greedy=True, stop=stop), weights)
+        capacity=capacity, max_tokens=max_tokens, greedy=True, stop=stop, logprobs=logprobs),
+        weights)
     state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     finish = jnp.full((rows,), FINISH_LENGTH, jnp.int32)
     return state._replace(out=state.out._replace(finish=finish))

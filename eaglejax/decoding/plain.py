@@ -36,17 +36,19 @@ def prefill_state(params: Params, config: ModelConfig, prompt: jax.Array,
                   max_new_tokens: jax.Array, *, capacity: int, max_tokens: int, greedy: bool,
                   stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto",
                   prefill_chunk: int = PREFILL_CHUNK,
-                  cached: kv_cache.KVCache | None = None) -> DecodeState:
+                  cached: kv_cache.KVCache | None = None,
+                  logprobs: int | None = None) -> DecodeState:
     """Run the right-padded prompts [B,P] (`prefill_chunk` tokens at a time; after the rows
     of `cached`, when given: `prefill.prefill_target`), fill the cache and record the first
-    new token."""
+    new token (an output keeping `logprobs` most likely tokens' log-probabilities, if not
+    None: `output.empty_output`)."""
     batch = prompt.shape[0]
     cache, logits, _, _ = prefill_target(params, config, prompt, prompt_lengths, capacity,
                                          attn_impl=attn_impl, chunk=prefill_chunk,
                                          cached=cached)
-    out = empty_output(batch, max_tokens)
+    out = empty_output(batch, max_tokens, logprobs)
     first = sample_tokens(logits, sampling, row_step_keys(row_keys, out.counts), greedy)
-    out = record(out, first, out.running, stop, max_new_tokens)
+    out = record(out, first, out.running, stop, max_new_tokens, logits)
     return DecodeState(cache, first, out, row_keys, jnp.int32(0))
 
 
@@ -59,8 +61,8 @@ def decode_step(params: Params, config: ModelConfig, s: DecodeState, sampling: S
     out = forward(params, config, s.last_token[:, None], cache.lengths[:, None], cache,
                   attn_impl=attn_impl)
     cache = out.cache._replace(lengths=cache.lengths + running.astype(jnp.int32))
-    token = sample_tokens(lm_head(params, out.hidden[:, 0]), sampling,
-                          row_step_keys(s.row_keys, s.out.counts), greedy)
+    logits = lm_head(params, out.hidden[:, 0])
+    token = sample_tokens(logits, sampling, row_step_keys(s.row_keys, s.out.counts), greedy)
     return DecodeState(cache, jnp.where(running, token, s.last_token),
-                       record(s.out, token, running, stop, max_new_tokens), s.row_keys,
+                       record(s.out, token, running, stop, max_new_tokens, logits), s.row_keys,
                        s.forwards + 1)

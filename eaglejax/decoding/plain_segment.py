@@ -57,12 +57,13 @@ def plain_steps(loop: SpecLoop, weights: Weights, state: SpecState, sampling: Sa
         running = out.running
         verified = forward(params, config, last[:, None], cache.lengths[:, None], cache,
                            tap_layers=taps, attn_impl=attn_impl)
-        token = sample_tokens(lm_head(params, verified.hidden[:, 0]), sampling,
-                              row_step_keys(state.row_keys, out.counts), greedy)
+        logits = lm_head(params, verified.hidden[:, 0])
+        token = sample_tokens(logits, sampling, row_step_keys(state.row_keys, out.counts),
+                              greedy)
         cache = verified.cache._replace(lengths=cache.lengths + running.astype(jnp.int32))
         feats = feats.at[:, i].set(target_features(verified, draft_config)[:, 0])
         return (i + 1, cache, jnp.where(running, token, last),
-                record(out, token, running, stop, max_new_tokens), tokens.at[:, i].set(token),
+                record(out, token, running, stop, max_new_tokens, logits), tokens.at[:, i].set(token),
                 feats, steps + running.astype(jnp.int32))
 
     carry = (jnp.int32(0), state.target_cache, state.last_token, state.out,

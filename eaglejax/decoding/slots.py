@@ -63,10 +63,11 @@ def _prefilled(loop: Loop, weights: Weights, state: State, slot: jax.Array, prom
                cached: Any = None) -> State:
     """`fill`'s work inside a program; with `cached`, after the rows it holds (the loop's
     `prefill_state` takes it)."""
+    kept = state.out.logprobs
     row = loop.prefill_state(weights, prompt, prompt_length, row_key, sampling, max_new_tokens,
                              capacity=state.target_cache.capacity,
                              max_tokens=state.out.tokens.shape[1], greedy=greedy, stop=stop,
-                             cached=cached)
+                             cached=cached, logprobs=None if kept is None else kept.width)
     return _put_rows(state, row._replace(forwards=state.forwards), slot)
 
 
@@ -195,6 +196,16 @@ def advance(loop: Loop, weights: Weights, state: State, sampling: SamplingParams
     sampling, max_new_tokens, stop = _first_settings(rows, sampling, max_new_tokens, stop)
     step = loop.step(weights, sampling, max_new_tokens, greedy=greedy, stop=stop)
     return _until_a_row_ends(step, state, max_rounds, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))
+def want_logprobs(loop: Loop, weights: Weights, state: State, slot: jax.Array,
+                  wanted: jax.Array) -> State:
+    """Whether `slot`'s row computes log-probabilities (in a batch whose output keeps them;
+    a fill leaves its row computing them)."""
+    kept = state.out.logprobs
+    return state._replace(out=state.out._replace(
+        logprobs=kept._replace(wanted=kept.wanted.at[slot].set(wanted))))
 
 
 @functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))

@@ -109,18 +109,19 @@ def prefill_state(params: Params, config: ModelConfig, draft_params: Params | No
                   max_tokens: int, spec: SpecConfig, greedy: bool, stop: StopCriteria | StopTable,
                   attn_impl: AttentionImpl = "auto",
                   prefill_chunk: int = PREFILL_CHUNK,
-                  cached: Cached | None = None) -> SpecState:
+                  cached: Cached | None = None, logprobs: int | None = None) -> SpecState:
     """Prefill the target and the drafter on right-padded prompts (`prefill_chunk`
-    positions at a time); record the first token. With `cached` (a head's drafter only),
-    `prompt` is what follows the rows it holds (`Cached`)."""
+    positions at a time); record the first token (an output keeping `logprobs` most likely
+    tokens' log-probabilities, if not None). With `cached` (a head's drafter only), `prompt`
+    is what follows the rows it holds (`Cached`)."""
     batch = prompt.shape[0]
     prefilled = prefill_target(params, config, prompt, prompt_lengths, capacity,
                                tap_layers(draft_config), attn_impl, prefill_chunk,
                                cached=None if cached is None else cached.target)
-    output = empty_output(batch, max_tokens)
+    output = empty_output(batch, max_tokens, logprobs)
     first = sample_tokens(prefilled.logits, sampling, row_step_keys(row_keys, output.counts),
                           greedy)
-    output = record(output, first, output.running, stop, max_new_tokens)
+    output = record(output, first, output.running, stop, max_new_tokens, prefilled.logits)
     # Each row's tokens x_0..x_n: its prompt, then the first new token.
     tokens = jnp.pad(prompt, ((0, 0), (0, 1))).at[jnp.arange(batch), prompt_lengths].set(first)
     head = bind_head(params, draft_params, draft_config, d2t, attn_impl)
@@ -208,8 +209,12 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params | N
         emitted = jnp.where(jnp.arange(depth + 1)[None, :] < n_accepted[:, None],
                             jnp.roll(path_tokens, -1, axis=1), bonus[:, None])
         out = s.out
+        # Emitted token j was drawn from the target's distribution at path node j.
+        at_path = None if out.logprobs is None else jnp.take_along_axis(
+            logits, path[:, :, None], axis=1)
         for j in range(depth + 1):
-            out = record(out, emitted[:, j], j <= n_accepted, stop, max_new_tokens)
+            out = record(out, emitted[:, j], j <= n_accepted, stop, max_new_tokens,
+                         None if at_path is None else at_path[:, j])
         advance = jnp.where(running, n_accepted + 1, 0)
         features = target_features(verified, draft_config)
         target_cache = verified.cache

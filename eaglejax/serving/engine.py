@@ -36,6 +36,7 @@ from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculation import AUTO, resolve_speculation
 from eaglejax.decoding.suffix_history import shared_history
+from eaglejax.decoding.token_logprobs import TokenLogprob, check_count, row_logprobs
 from eaglejax.decoding.stopping import (
     FINISH_NONE,
     FINISH_REASONS,
@@ -81,7 +82,9 @@ class Request:
     """A prompt (token ids) to continue for at most `max_new_tokens`. `key` is the caller's
     handle, unique among live requests. `stop_sequences` (token ids, at most 4) end the
     reply inside the loop; EOS ends it unless `ignore_eos`, and so does any of
-    `stop_token_ids` (at most 8, kept in the reply as EOS is; `ignore_eos` leaves them)."""
+    `stop_token_ids` (at most 8, kept in the reply as EOS is; `ignore_eos` leaves them).
+    `logprobs` (None: none): each token's log-probability under the target and that many
+    most likely tokens' (at most the engine's `max_logprobs`)."""
 
     key: Hashable
     prompt: Sequence[int]
@@ -90,6 +93,7 @@ class Request:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
 
 class QueueFull(InputError):
@@ -101,7 +105,8 @@ class Update:
     """A request's tokens new since its previous update; `finish_reason` ("eos", "stop",
     "length") once it ended, else None. `rounds`: target forwards spent on it after the
     prefill (verification rounds; plain decoding: one per token). `cached_tokens`: prompt
-    tokens copied from the prefix cache, not prefilled."""
+    tokens copied from the prefix cache, not prefilled. `logprobs`: one entry per new token
+    (for a request that asked for them)."""
 
     key: Hashable
     token_ids: list[int]
@@ -110,6 +115,7 @@ class Update:
     generated: int
     rounds: int
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def acceptance_length(self) -> float | None:
@@ -138,13 +144,16 @@ class Engine:
     prompts and replies are kept for requests that start with them (`serving.prefix_cache`;
     0: none), in engines that decode plainly or with "auto" on one device. At most
     `max_waiting` requests wait for a slot (None: any number); `submit` refuses more with
-    `QueueFull`. Not thread-safe: one thread submits, cancels and steps."""
+    `QueueFull`. With `max_logprobs` (0 to 20; None: no request may ask) a request may ask
+    for its tokens' log-probabilities and up to that many most likely tokens' (the batch's
+    output keeps them; the work is done only while a running request asked). Not
+    thread-safe: one thread submits, cancels and steps."""
 
     def __init__(self, target: Target, draft: "Draft | None" = None, *,
                  speculative: SpecConfig | str | None = None, num_slots: int = 8,
                  capacity: int = 1024, rounds_per_call: int = 16,
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
-                 max_waiting: int | None = None):
+                 max_waiting: int | None = None, max_logprobs: int | None = None):
         validation.integer("num_slots", num_slots, 1)
         validation.integer("capacity", capacity, 2)
         validation.integer("rounds_per_call", rounds_per_call, 1)
@@ -152,6 +161,7 @@ class Engine:
         if max_waiting is not None:
             validation.integer("max_waiting", max_waiting, 0)
         self.max_waiting = max_waiting
+        self.max_logprobs = check_count("max_logprobs", max_logprobs)
         limit = target.config.max_position_embeddings
         if capacity > limit:
             raise InputError(f"capacity {capacity} exceeds the model's context of {limit} tokens")
@@ -274,6 +284,11 @@ class Engine:
                              f"{len(request.stop_token_ids)}")
         validation.in_vocabulary(f"{name}: stop token ids", list(request.stop_token_ids),
                                  self.target.config.vocab_size)
+        if request.logprobs is not None:
+            if self.max_logprobs is None:
+                raise InputError(f"{name}: logprobs: this engine keeps no log-probabilities "
+                                 f"(start it with max_logprobs)")
+            validation.integer(f"{name}: logprobs", request.logprobs, 0, self.max_logprobs)
         if any(self._key_of(i) == request.key for i in range(self.num_slots)) or any(
                 q.key == request.key for q in self.queue):
             raise InputError(f"{name}: a live request already has this key")
@@ -380,7 +395,8 @@ class Engine:
         """A batch of free slots (all finished), shaped as a prefill of `num_slots` rows."""
         return self.models.empty_state(self.num_slots, capacity=self._cache_capacity,
                                        max_tokens=self.capacity,
-                                       stop=self._table([StopCriteria()] * self.num_slots))
+                                       stop=self._table([StopCriteria()] * self.num_slots),
+                                       logprobs=self.max_logprobs)
 
     @property
     def _cache_capacity(self) -> int:
@@ -445,6 +461,9 @@ class Engine:
         else:
             fill = slots.fill_target if target_only and self.spec is not None else slots.fill
             self.state = self.models.run(fill, self.state, slot_arg, *row_args, greedy=greedy)
+        if self.max_logprobs is not None:  # a fill leaves its row computing them
+            self.state = self.models.run(slots.want_logprobs, self.state, slot_arg,
+                                         self.models.put(np.bool_(request.logprobs is not None)))
         if cache and self.prefix is not None:
             self.prefix.save(self.state.target_cache, slot, request.prompt,
                              None if target_only else self._head_cache())
@@ -591,9 +610,10 @@ class Engine:
         out = self.state.out
         hist = getattr(self.state, "accept_hist", None)
         head = self._head_cache()
-        tokens, counts, finish, hist, cached, head_rows = self.models.fetch(
+        asked = any(s is not None and s.request.logprobs is not None for s in self.slots)
+        tokens, counts, finish, hist, cached, head_rows, kept = self.models.fetch(
             (out.tokens, out.counts, out.finish, hist, self.state.target_cache.lengths,
-             None if head is None else head.lengths))
+             None if head is None else head.lengths, out.logprobs if asked else None))
         rounds = hist.sum(axis=1) + self._plain_steps if hist is not None else counts - 1
         updates = []
         for i, live in enumerate(self.slots):
@@ -603,10 +623,13 @@ class Engine:
             if counts[i] == live.reported and not ended:
                 continue
             request = live.request
+            entries = None if request.logprobs is None else row_logprobs(
+                tokens[i], kept.chosen[i], kept.top_ids[i], kept.top[i], live.reported,
+                int(counts[i]), request.logprobs)
             updates.append(Update(request.key, tokens[i, live.reported:counts[i]].tolist(),
                                   FINISH_REASONS[int(finish[i])] if ended else None,
                                   len(request.prompt), int(counts[i]), int(max(rounds[i], 0)),
-                                  live.cached))
+                                  live.cached, entries))
             live.reported = int(counts[i])
             if ended and self._suffix:  # later requests' suffix drafters search it
                 shared_history().add([tokens[i, :counts[i]]])
@@ -622,15 +645,18 @@ class Engine:
 
     def run(self, requests: Sequence[Request] = ()) -> dict[Hashable, Update]:
         """Submit `requests`, decode until idle, and return each request's final update
-        with all its tokens."""
+        with all its tokens (and log-probabilities)."""
         for request in requests:
             self.submit(request)
         tokens: dict[Hashable, list[int]] = collections.defaultdict(list)
+        logprobs: dict[Hashable, list[TokenLogprob]] = collections.defaultdict(list)
         finished = {}
         while not self.idle:
             for update in self.step():
                 tokens[update.key].extend(update.token_ids)
+                logprobs[update.key].extend(update.logprobs or [])
                 if update.finish_reason is not None:
-                    finished[update.key] = dataclasses.replace(update,
-                                                               token_ids=tokens[update.key])
+                    finished[update.key] = dataclasses.replace(
+                        update, token_ids=tokens[update.key],
+                        logprobs=None if update.logprobs is None else logprobs[update.key])
         return finished

@@ -33,14 +33,15 @@ def _encode(request: Request) -> dict[str, Any]:
             "sampling": dataclasses.asdict(request.sampling),
             "stop_sequences": [list(seq) for seq in request.stop_sequences],
             "ignore_eos": request.ignore_eos,
-            "stop_token_ids": [int(t) for t in request.stop_token_ids]}
+            "stop_token_ids": [int(t) for t in request.stop_token_ids],
+            "logprobs": request.logprobs}
 
 
 def _decode(op: dict[str, Any]) -> Request:
     return Request(op["key"], op["prompt"], op["max_new_tokens"],
                    SamplingOptions(**op["sampling"]),
                    tuple(tuple(seq) for seq in op["stop_sequences"]), op["ignore_eos"],
-                   tuple(op["stop_token_ids"]))
+                   tuple(op["stop_token_ids"]), op["logprobs"])
 
 
 def _apply(engine: Engine, ops: list[dict[str, Any]], progress: bool = False
