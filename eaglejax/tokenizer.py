@@ -7,8 +7,10 @@ the ``tokenizer.ggml.*`` metadata of a GGUF file. ``save`` writes the Hugging Fa
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -93,6 +95,15 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + extra)
             extra += 1
     return dict(zip(visible, map(chr, chars)))
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    """The inverse of `_bytes_to_unicode`."""
+    return {c: b for b, c in _bytes_to_unicode().items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -472,6 +483,24 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """Vocabulary string of ``token_id`` (byte-level spelling; None when absent)."""
         return self._backend.id_to_token(int(token_id))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for (a token may hold part of a UTF-8 character):
+        a byte-level vocabulary's spelling mapped back to bytes, a ``<0xNN>`` byte token's
+        byte, an added token's text, else the token decoded alone."""
+        piece = self.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if int(token_id) in self._backend.get_added_tokens_decoder():
+            return piece.encode()
+        byte = _BYTE_TOKEN.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        if type(self._backend.decoder).__name__ == "ByteLevel":
+            table = _unicode_to_bytes()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS as the model does."""

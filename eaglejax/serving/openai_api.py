@@ -14,6 +14,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from eaglejax import validation
+from eaglejax.decoding.output import MAX_TOP_LOGPROBS
 from eaglejax.errors import InputError
 from eaglejax.prompting import encode_prompts, stop_criteria
 from eaglejax.serving.engine import MAX_STOP_TOKEN_IDS, SamplingOptions
@@ -75,6 +76,7 @@ class _Generation(_Strict):
 
 class CompletionRequest(_Generation):
     prompt: Any  # a string or a list of token ids, checked by `_completion_prompt`
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class ChatMessage(_Strict):
@@ -85,6 +87,8 @@ class ChatMessage(_Strict):
 class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=validation.INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 def _param(loc: tuple[str | int, ...]) -> str | None:
@@ -133,6 +137,7 @@ class Job:
     include_usage: bool
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
+    logprobs: int | None = None  # most likely tokens per token (None: no log-probabilities)
 
     def choice_sampling(self, index: int) -> SamplingOptions:
         """Choice `index`'s sampling: the request's, its seed + index (mod the seed limit)."""
@@ -140,11 +145,13 @@ class Job:
                                    seed=(self.sampling.seed + index) % validation.SEED_LIMIT)
 
 
-def prepare(body: _Generation, target: Target, *, capacity: int,
-            default_max_tokens: int) -> Job:
+def prepare(body: _Generation, target: Target, *, capacity: int, default_max_tokens: int,
+            max_logprobs: int | None = None) -> Job:
     """Check `body` against the served model (the caller checked its name); prompt tokens
-    plus max_tokens must fit `capacity`. APIError 400 naming the field at fault."""
+    plus max_tokens must fit `capacity`, log-probabilities asked for `max_logprobs` (None:
+    none may be). APIError 400 naming the field at fault."""
     stop = _stop_strings(body.stop)
+    logprobs = _logprobs(body, max_logprobs)
     try:
         sequences = stop_criteria(target, stop, ignore_eos=True).stop_sequences
     except InputError as err:
@@ -176,7 +183,29 @@ def prepare(body: _Generation, target: Target, *, capacity: int,
     return Job(prompt, max_tokens, SamplingOptions(body.temperature, body.top_k, body.top_p, seed),
                stop, sequences, body.ignore_eos, body.stream,
                options is not None and options.include_usage, tuple(body.stop_token_ids),
-               body.n)
+               body.n, logprobs)
+
+
+def _logprobs(body: _Generation, max_logprobs: int | None) -> int | None:
+    """Most likely tokens to report per generated token (None: no log-probabilities): a
+    chat's `top_logprobs` (with `logprobs: true`), a completion's `logprobs`."""
+    if isinstance(body, ChatRequest):
+        param = "top_logprobs"
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: set logprobs to true to use top_logprobs",
+                           param=param, code="invalid_value")
+        count = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        param, count = "logprobs", body.logprobs
+    if count is None:
+        return None
+    if max_logprobs is None:
+        raise APIError(400, "logprobs: this server reports no log-probabilities (started with "
+                            "--max-logprobs -1)", param="logprobs", code="invalid_value")
+    if count > max_logprobs:
+        raise APIError(400, f"{param}: at most {max_logprobs} most likely tokens (the server's "
+                            f"--max-logprobs), got {count}", param=param, code="invalid_value")
+    return count
 
 
 def _stop_strings(value: Any) -> list[str]:
@@ -270,32 +299,35 @@ class Reply:
             else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def response(self, choices: list[tuple[str, str]], usage_: dict[str, Any],
-                 extension: dict[str, Any]) -> dict[str, Any]:
-        """The whole reply (`stream: false`): its choices' (text, finish reason)."""
+    def response(self, choices: list[tuple[str, str, dict[str, Any] | None]],
+                 usage_: dict[str, Any], extension: dict[str, Any]) -> dict[str, Any]:
+        """The whole reply (`stream: false`): its choices' (text, finish reason, logprobs
+        object or None)."""
         bodies = []
-        for index, (text, finish) in enumerate(choices):
+        for index, (text, finish, logprobs) in enumerate(choices):
             choice: dict[str, Any] = {"index": index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            choice.update(logprobs=None, finish_reason=finish)
+            choice.update(logprobs=logprobs, finish_reason=finish)
             bodies.append(choice)
         return {**self._head(False), "choices": bodies, "usage": usage_,
                 "eaglejax": extension}
 
     def chunk(self, text: str | None, finish: str | None = None,
-              extension: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
-        """A stream chunk of choice `index`: new text, or (chat) None for the opening chunk
-        that carries the role; a choice's last chunk has its finish reason and extension."""
+              extension: dict[str, Any] | None = None, index: int = 0,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A stream chunk of choice `index`: new text (with its tokens' `logprobs` object,
+        if asked), or (chat) None for the opening chunk that carries the role; a choice's
+        last chunk has its finish reason and extension."""
         choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": ""} if text is None else \
                 {"content": text} if text else {}
         else:
             choice["text"] = text or ""
-        choice.update(logprobs=None, finish_reason=finish)
+        choice.update(logprobs=logprobs, finish_reason=finish)
         body = {**self._head(True), "choices": [choice]}
         return body if extension is None else {**body, "eaglejax": extension}
 

@@ -23,8 +23,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from eaglejax.decoding.token_logprobs import TokenLogprob
 from eaglejax.errors import ConfigError, InputError
 from eaglejax.serving import engine as engine_api
+from eaglejax.serving.logprobs_api import LogprobsFormat
 from eaglejax.serving.metrics import ServingMetrics
 from eaglejax.serving.openai_api import (
     APIError,
@@ -48,13 +50,25 @@ T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
+class _Piece:
+    """A choice's new text as it streams, and the log-probabilities (if asked) of the
+    tokens that arrived since the previous piece."""
+
+    text: str
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclasses.dataclass(frozen=True)
 class _Outcome:
-    """A finished choice: its final text, OpenAI's finish reason and the engine's last
-    update (its counts)."""
+    """A finished choice: its final text, OpenAI's finish reason, the engine's last
+    update (its counts), and (if asked) the log-probabilities of the final text's tokens,
+    those not yet streamed in `unsent`."""
 
     final: FinalText
     finish: str
     last: engine_api.Update
+    logprobs: list[TokenLogprob] | None = None
+    unsent: list[TokenLogprob] | None = None
 
 
 def _usage(outcomes: list[_Outcome]) -> dict[str, Any]:
@@ -76,6 +90,7 @@ class _Service:
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.speculative = engine.speculation
+        self.max_logprobs = engine.max_logprobs
         self.metrics = ServingMetrics(engine.policy, engine.round_splits, engine.prefix)
         self.worker = EngineWorker(engine, on_step=self.metrics.observe_step)
         self.created = int(time.time())
@@ -125,7 +140,7 @@ class _Service:
         started = time.perf_counter()
         self._check_model(body.model)
         job = prepare(body, self.target, capacity=self.capacity,
-                      default_max_tokens=self.default_max_tokens)
+                      default_max_tokens=self.default_max_tokens, max_logprobs=self.max_logprobs)
         reply = Reply.new(chat=isinstance(body, ChatRequest), model=self.model_name)
         handles: list[RequestHandle] = []
         try:
@@ -133,7 +148,7 @@ class _Service:
                 handles.append(self.worker.open(engine_api.Request(
                     reply.id if job.n == 1 else f"{reply.id}-{index}", job.prompt,
                     job.max_tokens, job.choice_sampling(index), job.stop_sequences,
-                    job.ignore_eos, job.stop_token_ids)))
+                    job.ignore_eos, job.stop_token_ids, job.logprobs)))
                 await handles[-1].accepted()
         except BaseException as err:
             for handle in handles:
@@ -147,31 +162,44 @@ class _Service:
         outcomes = await _unless_disconnected(request, asyncio.gather(*map(_last, events)))
         if outcomes is None:
             return Response(status_code=499)  # the client has gone: nobody reads this
-        return JSONResponse(reply.response([(o.final.text, o.finish) for o in outcomes],
-                                           _usage(outcomes), self._extension(outcomes)))
+        logprobs = LogprobsFormat(self.target.tokenizer, reply.chat)
+        return JSONResponse(reply.response(
+            [(o.final.text, o.finish, None if o.logprobs is None else
+              logprobs.body(o.logprobs)[0]) for o in outcomes],
+            _usage(outcomes), self._extension(outcomes)))
 
     async def _events(self, handle: RequestHandle, job: Job,
-                      started: float) -> AsyncIterator[str | _Outcome]:
-        """The reply's new text as it comes, then its `_Outcome`. Leaving early (the
-        client disconnected) frees the request's slot."""
+                      started: float) -> AsyncIterator[_Piece | _Outcome]:
+        """The reply's new text as it comes (each piece with the log-probabilities, if
+        asked, of the tokens that came with it or were held back before it), then its
+        `_Outcome`. Leaving early (the client disconnected) frees the request's slot."""
         text = TextStream(self.target, job.stop)
         last, outcome = None, "cancelled"
+        asked = job.logprobs is not None
+        logprobs: list[TokenLogprob] = []
+        sent = 0  # entries of `logprobs` streamed
         try:
             async for update in handle.updates():
                 if last is None:
                     self.metrics.observe_first_token(time.perf_counter() - started)
                 last = update
+                logprobs.extend(update.logprobs or [])
                 delta = text.push(update.token_ids)
                 if delta:
-                    yield delta
+                    yield _Piece(delta, logprobs[sent:] if asked else None)
+                    sent = len(logprobs)
                 if text.stop_seen:  # a stop string the engine's token sequences missed
                     handle.cancel()
                     break
             tail, final = text.finish()
+            del logprobs[len(final.token_ids):]  # past a stop string: not the reply's
             if tail:
-                yield tail
+                yield _Piece(tail, logprobs[sent:] if asked else None)
+                sent = len(logprobs)
             result = _Outcome(final, "stop" if final.stopped else
-                              finish_reason(last.finish_reason), last)
+                              finish_reason(last.finish_reason), last,
+                              logprobs if asked else None,
+                              logprobs[sent:] if asked else None)
             outcome = result.finish
         except Exception:
             outcome = "error"
@@ -183,20 +211,31 @@ class _Service:
         yield result
 
     async def _stream(self, reply: Reply, job: Job,
-                      events: list[AsyncIterator[str | _Outcome]]) -> AsyncIterator[str]:
+                      events: list[AsyncIterator[_Piece | _Outcome]]) -> AsyncIterator[str]:
         """The reply as server-sent events in OpenAI's chunk format, its choices' chunks
         as they come, ending with [DONE]; a failure mid-stream is sent as an error object."""
         if reply.chat:
             for index in range(len(events)):
                 yield sse(reply.chunk(None, index=index))
         outcomes: dict[int, _Outcome] = {}
+        logprobs = LogprobsFormat(self.target.tokenizer, reply.chat)
+        offsets = [0] * len(events)  # a completion's text offset of each choice's next token
+
+        def entries(index: int, items: list[TokenLogprob] | None) -> dict[str, Any] | None:
+            if items is None:
+                return None
+            body, offsets[index] = logprobs.body(items, offsets[index])
+            return body
+
         try:
             async for index, event in _merged(events):
-                if isinstance(event, str):
-                    yield sse(reply.chunk(event, index=index))
+                if isinstance(event, _Piece):
+                    yield sse(reply.chunk(event.text, index=index,
+                                          logprobs=entries(index, event.logprobs)))
                     continue
                 outcomes[index] = event
-                yield sse(reply.chunk("", event.finish, self._extension([event]), index))
+                yield sse(reply.chunk("", event.finish, self._extension([event]), index,
+                                      entries(index, event.unsent)))
             if job.include_usage:
                 yield sse(reply.usage_chunk(_usage([outcomes[i] for i in sorted(outcomes)])))
         except Exception as err:
@@ -248,7 +287,7 @@ async def _merged(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int,
             await it.aclose()
 
 
-async def _last(events: AsyncIterator[str | _Outcome]) -> _Outcome:
+async def _last(events: AsyncIterator[_Piece | _Outcome]) -> _Outcome:
     async for event in events:
         if isinstance(event, _Outcome):
             return event
