@@ -17,6 +17,7 @@ import time
 import types
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import tokenizers
@@ -30,6 +31,7 @@ from eaglejax.serving.engine import Engine
 from eaglejax.serving.server import create_app
 from eaglejax.serving.textstream import TextStream
 from eaglejax.tokenizer import Tokenizer
+from tolerances import FORWARD_UNITS, assert_close_scaled
 
 MODEL = "tiny-llama"
 CAPACITY = 128
@@ -37,6 +39,7 @@ TEMPLATE = ("{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}"
             "{% if add_generation_prompt %}assistant{% endif %}")
 STOP = ["w80", "w47 w47", "w29 w29", "2 w7"]  # "2 w7" is not on token boundaries
 TIMEOUT_S = 120.0
+MAX_LOGPROBS = 5  # the test server's
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +85,8 @@ class _HeldEngine:
 @pytest.fixture(scope="module")
 def server(target):
     """A live server (4 slots of 128 tokens) on a free port; stopped at the end."""
-    with _serving(_HeldEngine(Engine(target, num_slots=4, capacity=CAPACITY))) as live:
+    engine = Engine(target, num_slots=4, capacity=CAPACITY, max_logprobs=MAX_LOGPROBS)
+    with _serving(_HeldEngine(engine)) as live:
         yield live
 
 
@@ -346,6 +350,15 @@ LONG = " ".join(["w7"] * 130)
      "max_tokens", "context_length_exceeded"),
     ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": 1}}, 400,
      "stream_options.include_usage", "invalid_type"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs",
+     "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, 400,
+     "top_logprobs", "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "logprobs": MAX_LOGPROBS + 1}, 400, "logprobs",
+     "invalid_value"),
+    ("/v1/completions", {**COMPLETION, "logprobs": True}, 400, "logprobs", "invalid_type"),
     ("/v1/embeddings", COMPLETION, 404, None, None),
 ])
 def test_bad_request_gets_an_error_object(server, path, body, status, param, code):
@@ -368,6 +381,57 @@ def test_the_openai_client_raises_on_error_objects(client):
     assert err.value.param == "temperature"
     reply = client.completions.create(model=MODEL, prompt="w5", max_tokens=2)
     assert reply.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_equal_offline_generate(target, client, chat, stream):
+    """Each token's log-probability and its 3 most likely alternatives, as `generate` gives
+    them, in OpenAI's chat and completion shapes, whole and streamed (the chunks' entries
+    concatenated), through a stop string (entries for the tokens the reply counts)."""
+    prompt, top = "w5 w9 w31 w60 w7", 3
+    want = eaglejax.generate([prompt], target=target, chat=chat, max_new_tokens=20,
+                             stop=STOP, logprobs=top)[0]
+    common = dict(model=MODEL, max_tokens=20, temperature=0, stop=STOP, stream=stream)
+    if chat:
+        reply = client.chat.completions.create(
+            messages=[{"role": "user", "content": prompt}], logprobs=True, top_logprobs=top,
+            **common)
+    else:
+        reply = client.completions.create(prompt=prompt, logprobs=top, **common)
+    choices = [c.choices[0] for c in reply if c.choices] if stream else reply.choices
+    got = [c.logprobs for c in choices if c.logprobs is not None]
+    text = lambda i: target.tokenizer.token_bytes(i).decode()  # noqa: E731
+    if chat:
+        entries = [e for part in got for e in part.content]
+        tokens = [e.token for e in entries]
+        values = [e.logprob for e in entries]
+        tops = [[(t.token, t.logprob) for t in e.top_logprobs] for e in entries]
+        assert [e.bytes for e in entries] == [list(text(i).encode()) for i in want.token_ids]
+    else:
+        tokens = [t for part in got for t in part.tokens]
+        values = [v for part in got for v in part.token_logprobs]
+        tops = [list(d.items()) for part in got for d in part.top_logprobs]
+        offsets = [o for part in got for o in part.text_offset]
+        assert offsets == list(np.cumsum([0] + [len(t) for t in tokens[:-1]]))
+    assert tokens == [text(i) for i in want.token_ids]
+    assert [[t for t, _ in row] for row in tops] == \
+        [[text(i) for i, _ in e.top] for e in want.logprobs]
+    scale = max(abs(e.logprob) for e in want.logprobs)
+    assert_close_scaled(values + [v for row in tops for _, v in row],
+                        [e.logprob for e in want.logprobs] + [v for e in want.logprobs
+                                                             for _, v in e.top],
+                        units=FORWARD_UNITS, depth=target.config.num_layers, scale=scale,
+                        what="the server's log-probabilities against generate's")
+
+
+def test_replies_carry_no_logprobs_unless_asked(client):
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                   "content": "w5"}],
+                                           max_tokens=3, temperature=0)
+    assert reply.choices[0].logprobs is None
+    reply = client.completions.create(model=MODEL, prompt="w5", max_tokens=3, stream=True)
+    assert all(c.choices[0].logprobs is None for c in reply)
 
 
 def _check_dropped_request_frees_its_slot(server, send, drop) -> None:
