@@ -417,6 +417,11 @@ def _add_serve_args(commands) -> None:
     serve.add_argument("--max-waiting", type=int, default=MAX_WAITING,
                        help="requests that may wait for a slot; more are refused with 429 "
                             f"and Retry-After (default {MAX_WAITING})")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds a request may take, waiting for a slot and decoding "
+                            "(default: no limit; a request's own `timeout` may be shorter): "
+                            "past it a running reply ends with what it has (finish reason "
+                            "length, `eaglejax.timed_out`), a waiting one gets 503")
     serve.add_argument("--max-logprobs", type=int, default=MAX_TOP_LOGPROBS,
                        help="most likely tokens a request may ask log-probabilities of "
                             f"(`logprobs`, `top_logprobs`; default {MAX_TOP_LOGPROBS}; -1: "
@@ -765,6 +770,8 @@ def _serve(args: argparse.Namespace) -> None:
     validation.integer("--prefix-cache-tokens", args.prefix_cache_tokens, 0)
     validation.integer("--max-waiting", args.max_waiting, 0)
     validation.integer("--max-logprobs", args.max_logprobs, -1, MAX_TOP_LOGPROBS)
+    if args.request_timeout is not None:
+        validation.real("--request-timeout", args.request_timeout, 0.0, low_open=True)
     _check_draft_flags(args)
     if args.draft not in (None, "random"):
         _check_path("--draft", args.draft, directory=True)
@@ -803,7 +810,8 @@ def _serve(args: argparse.Namespace) -> None:
     try:
         run_server(engine, host=args.host, port=args.port,
                    model_name=args.served_model_name or _served_name(model),
-                   default_max_tokens=args.max_new_tokens)
+                   default_max_tokens=args.max_new_tokens,
+                   request_timeout=args.request_timeout)
     finally:
         if isinstance(engine, LockstepEngine):
             engine.close()

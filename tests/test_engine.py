@@ -180,3 +180,31 @@ def test_warmup_returns_with_nothing_left_running(target):
     engine = Engine(target, None, num_slots=2, capacity=64)
     engine.warmup(progress=False)
     assert all(leaf.is_ready() for leaf in jax.tree.leaves(engine.state))
+
+
+def test_requests_past_their_deadline_end_queued_or_running(target):
+    """On the clock `step` is given: a waiting request past its deadline ends with no token,
+    a running one with the tokens it had (what it gets alone, cut), and its slot goes to
+    the next request."""
+    prompt = [5, 9, 31, 60, 7]
+    want, _ = _alone(target, Request("w", prompt, 40))
+    engine = Engine(target, num_slots=1, capacity=CAPACITY, rounds_per_call=2)
+    engine.submit(Request("running", prompt, 40, deadline=10.0))
+    engine.submit(Request("waiting", prompt, 40, deadline=5.0))
+    engine.submit(Request("after", prompt, 3))
+    got: dict[str, list[int]] = {}
+    ended = {}
+    for now in (0.0, 1.0, 2.0, 6.0, 7.0, 11.0):
+        for update in engine.step(now):
+            got.setdefault(update.key, []).extend(update.token_ids)
+            if update.finish_reason is not None:
+                ended[update.key] = (now, update.finish_reason, update.generated)
+    assert ended["waiting"] == (6.0, "timeout", 0) and got["waiting"] == []
+    now, reason, generated = ended["running"]
+    assert (now, reason) == (11.0, "timeout") and 1 < generated < 40
+    assert got["running"] == want[:generated]
+    while not engine.idle:
+        for update in engine.step(12.0):
+            got.setdefault(update.key, []).extend(update.token_ids)
+            ended[update.key] = update.finish_reason
+    assert ended["after"] == "length" and got["after"] == want[:3]

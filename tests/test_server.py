@@ -67,6 +67,7 @@ class _HeldEngine:
         return getattr(self._engine, name)
 
     def hold(self) -> None:
+        self._permits = threading.Semaphore(0)  # none left from an earlier release
         self._held = True
 
     def allow(self, steps: int = 1) -> None:
@@ -195,7 +196,8 @@ def _check_equals_offline(target, case: Case, reply) -> None:
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     # plain decoding: one target forward per token after the first
     assert extension == {"acceptance_length": 1.0 if extension["rounds"] else None,
-                         "rounds": extension["rounds"], "speculative": None}
+                         "rounds": extension["rounds"], "speculative": None,
+                         "timed_out": False}
     assert extension["rounds"] >= usage.completion_tokens - 1
 
 
@@ -454,6 +456,45 @@ def _check_dropped_request_frees_its_slot(server, send, drop) -> None:
     _poll(lambda: _metric(server, "eaglejax_running_rows") == 0, "the slot to be freed")
     assert _metric(server, "eaglejax_generated_tokens_total") - tokens_before < 100
     assert _metric(server, "eaglejax_queue_depth") == 0
+
+
+def test_timeout_cuts_a_running_reply_and_refuses_a_waiting_one(target, server, client):
+    """A request's `timeout`: running past it, the reply ends with the tokens it has (a
+    prefix of `generate`'s, finish reason "length", `timed_out`); waiting past it for a
+    slot, 503 `deadline_exceeded` (an error event when streamed)."""
+    body = {"model": MODEL, "prompt": "w5 w6 w7", "max_tokens": 100, "temperature": 0,
+            "ignore_eos": True, "timeout": 0.5}
+    want = eaglejax.generate(["w5 w6 w7"], target=target, chat=False, max_new_tokens=100,
+                             ignore_eos=True)[0]
+    _post(server, "/v1/completions", {**body, "timeout": None})  # its programs compiled
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        server.engine.hold()
+        try:
+            server.engine.allow(2)  # the prefill, one call of 16 steps: then held
+            running = pool.submit(_post, server, "/v1/completions", body)
+            _poll(lambda: _metric(server, "eaglejax_running_rows") == 1, "the request's slot")
+            time.sleep(0.6)
+        finally:
+            server.engine.release()
+        reply = running.result(TIMEOUT_S).json()
+        server.engine.hold()
+        try:
+            waiting = pool.submit(_post, server, "/v1/completions", {**body, "timeout": 0.2})
+            streamed = pool.submit(lambda: httpx.post(
+                f"{server.url}/v1/completions", json={**body, "timeout": 0.2, "stream": True},
+                timeout=30).text)
+            _poll(lambda: server.engine.num_queued >= 1, "a request queued")  # the other
+            time.sleep(0.3)  # waits in the engine thread's inbox: both past their timeout
+        finally:
+            server.engine.release()
+        refused, events = waiting.result(TIMEOUT_S), streamed.result(TIMEOUT_S)
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "length" and reply["eaglejax"]["timed_out"]
+    n = reply["usage"]["completion_tokens"]
+    assert 1 < n < 100 and choice["text"] == target.tokenizer.decode(want.token_ids[:n])
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "deadline_exceeded"
+    assert '"code": "deadline_exceeded"' in events and events.endswith("data: [DONE]\n\n")
+    assert _metric(server, "eaglejax_requests_total", outcome="timeout") >= 2
 
 
 def test_dropped_stream_frees_its_slot(server, client):

@@ -84,7 +84,9 @@ class Request:
     reply inside the loop; EOS ends it unless `ignore_eos`, and so does any of
     `stop_token_ids` (at most 8, kept in the reply as EOS is; `ignore_eos` leaves them).
     `logprobs` (None: none): each token's log-probability under the target and that many
-    most likely tokens' (at most the engine's `max_logprobs`)."""
+    most likely tokens' (at most the engine's `max_logprobs`). `deadline` (None: none): a
+    `time.monotonic()` time (the clock `step` is given) after which the request ends,
+    queued or running, with finish reason "timeout" and the tokens it has."""
 
     key: Hashable
     prompt: Sequence[int]
@@ -94,6 +96,7 @@ class Request:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    deadline: float | None = None
 
 
 class QueueFull(InputError):
@@ -103,7 +106,7 @@ class QueueFull(InputError):
 @dataclasses.dataclass(frozen=True)
 class Update:
     """A request's tokens new since its previous update; `finish_reason` ("eos", "stop",
-    "length") once it ended, else None. `rounds`: target forwards spent on it after the
+    "length", "timeout": its deadline passed) once it ended, else None. `rounds`: target forwards spent on it after the
     prefill (verification rounds; plain decoding: one per token). `cached_tokens`: prompt
     tokens copied from the prefix cache, not prefilled. `logprobs`: one entry per new token
     (for a request that asked for them)."""
@@ -125,12 +128,13 @@ class Update:
 
 @dataclasses.dataclass
 class _Live:
-    """A request in a slot, how many of its tokens were reported and how many of its prompt's
-    came from the prefix cache."""
+    """A request in a slot, how many of its tokens were reported (after how many target
+    forwards) and how many of its prompt's came from the prefix cache."""
 
     request: Request
     reported: int = 0
     cached: int = 0
+    rounds: int = 0
 
 
 # The text `profile_rounds` times by default (chat-rendered), one request of everyday length.
@@ -306,20 +310,37 @@ class Engine:
                 self._free(i)
                 return
 
-    def step(self) -> list[Update]:
+    def step(self, now: float | None = None) -> list[Update]:
         """Fill free slots from the queue (then report the new requests' first tokens), or
         else run at most `rounds_per_call` rounds (fewer when a row finishes); report every
-        request that gained tokens or finished."""
+        request that gained tokens or finished. Requests whose deadline is past `now`
+        (default: `time.monotonic()`) end first, queued or running."""
+        expired = self._expire(time.monotonic() if now is None else now)
         filled_now = False
         for i in range(self.num_slots):
             if self.slots[i] is None and self.queue:
                 self._fill(i, self.queue.popleft())
                 filled_now = True
         if self.idle:
-            return []
+            return expired
         if not filled_now and np.any(self._filled() & (self._finish() == FINISH_NONE)):
             self._advance(self.rounds_per_call)
-        return self._collect()  # after a fill: the first tokens at once, before advancing
+        return expired + self._collect()  # after a fill: the first tokens at once
+
+    def _expire(self, now: float) -> list[Update]:
+        """End the requests whose deadline is past `now`: queued ones with no token, running
+        ones with the tokens reported so far (their slots freed)."""
+        late = lambda r: r.deadline is not None and r.deadline <= now  # noqa: E731
+        updates = [Update(r.key, [], "timeout", len(r.prompt), 0, 0)
+                   for r in self.queue if late(r)]
+        self.queue = collections.deque(r for r in self.queue if not late(r))
+        for i, live in enumerate(self.slots):
+            if live is not None and late(live.request):
+                updates.append(Update(live.request.key, [], "timeout", len(live.request.prompt),
+                                      live.reported, live.rounds, live.cached,
+                                      None if live.request.logprobs is None else []))
+                self.cancel(live.request.key)
+        return updates
 
     def profile_rounds(self, prompt: str | list[int] = PROFILE_PROMPT, *, rounds: int = 16,
                        repeats: int = 3) -> list[dict[str, Any]]:
@@ -630,7 +651,7 @@ class Engine:
                                   FINISH_REASONS[int(finish[i])] if ended else None,
                                   len(request.prompt), int(counts[i]), int(max(rounds[i], 0)),
                                   live.cached, entries))
-            live.reported = int(counts[i])
+            live.reported, live.rounds = int(counts[i]), int(max(rounds[i], 0))
             if ended and self._suffix:  # later requests' suffix drafters search it
                 shared_history().add([tokens[i, :counts[i]]])
             if ended and self.prefix is not None:  # a chat's next turn starts with it

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Hashable
 from typing import Any
 
@@ -34,14 +35,14 @@ def _encode(request: Request) -> dict[str, Any]:
             "stop_sequences": [list(seq) for seq in request.stop_sequences],
             "ignore_eos": request.ignore_eos,
             "stop_token_ids": [int(t) for t in request.stop_token_ids],
-            "logprobs": request.logprobs}
+            "logprobs": request.logprobs, "deadline": request.deadline}
 
 
 def _decode(op: dict[str, Any]) -> Request:
     return Request(op["key"], op["prompt"], op["max_new_tokens"],
                    SamplingOptions(**op["sampling"]),
                    tuple(tuple(seq) for seq in op["stop_sequences"]), op["ignore_eos"],
-                   tuple(op["stop_token_ids"]), op["logprobs"])
+                   tuple(op["stop_token_ids"]), op["logprobs"], op["deadline"])
 
 
 def _apply(engine: Engine, ops: list[dict[str, Any]], progress: bool = False
@@ -57,7 +58,7 @@ def _apply(engine: Engine, ops: list[dict[str, Any]], progress: bool = False
         elif kind == "warmup":
             engine.warmup(progress=progress)
         elif kind == "step":
-            updates = engine.step()
+            updates = engine.step(op["now"])  # process 0's clock: the same requests end
         elif kind == "stop":
             return None
     return updates
@@ -100,8 +101,9 @@ class LockstepEngine:
     def cancel(self, key: Hashable) -> None:
         self._ops.append({"op": "cancel", "key": key})
 
-    def step(self) -> list[Update]:
-        ops, self._ops = self._ops + [{"op": "step"}], []
+    def step(self, now: float | None = None) -> list[Update]:
+        now = time.monotonic() if now is None else now
+        ops, self._ops = self._ops + [{"op": "step", "now": now}], []
         self._send(ops)
         return _apply(self.engine, ops)
 

@@ -22,6 +22,7 @@ from eaglejax.target import Target
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_CHOICES = 16  # `n`: replies to one request
+MAX_TIMEOUT_S = 86400.0  # a request's `timeout`: at most a day
 
 
 class APIError(Exception):
@@ -58,7 +59,8 @@ class StreamOptions(_Strict):
 
 class _Generation(_Strict):
     """The fields both endpoints take. `top_k`, `ignore_eos` and `stop_token_ids` extend
-    OpenAI's API (as vLLM's do); temperature 0 is greedy."""
+    OpenAI's API (as vLLM's do), and `timeout` (seconds the request may take, waiting for
+    a slot and decoding); temperature 0 is greedy."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1, le=validation.INT32_MAX)
@@ -72,6 +74,7 @@ class _Generation(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field([], max_length=MAX_STOP_TOKEN_IDS)
+    timeout: float | None = Field(None, gt=0.0, le=MAX_TIMEOUT_S)
 
 
 class CompletionRequest(_Generation):
@@ -138,6 +141,7 @@ class Job:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     logprobs: int | None = None  # most likely tokens per token (None: no log-probabilities)
+    timeout: float | None = None  # seconds the request may take (None: no limit)
 
     def choice_sampling(self, index: int) -> SamplingOptions:
         """Choice `index`'s sampling: the request's, its seed + index (mod the seed limit)."""
@@ -146,10 +150,11 @@ class Job:
 
 
 def prepare(body: _Generation, target: Target, *, capacity: int, default_max_tokens: int,
-            max_logprobs: int | None = None) -> Job:
+            max_logprobs: int | None = None, request_timeout: float | None = None) -> Job:
     """Check `body` against the served model (the caller checked its name); prompt tokens
     plus max_tokens must fit `capacity`, log-probabilities asked for `max_logprobs` (None:
-    none may be). APIError 400 naming the field at fault."""
+    none may be); the request's time limit is its `timeout`, at most `request_timeout`.
+    APIError 400 naming the field at fault."""
     stop = _stop_strings(body.stop)
     logprobs = _logprobs(body, max_logprobs)
     try:
@@ -183,7 +188,8 @@ def prepare(body: _Generation, target: Target, *, capacity: int, default_max_tok
     return Job(prompt, max_tokens, SamplingOptions(body.temperature, body.top_k, body.top_p, seed),
                stop, sequences, body.ignore_eos, body.stream,
                options is not None and options.include_usage, tuple(body.stop_token_ids),
-               body.n, logprobs)
+               body.n, logprobs, min((t for t in (body.timeout, request_timeout)
+                                      if t is not None), default=None))
 
 
 def _logprobs(body: _Generation, max_logprobs: int | None) -> int | None:
@@ -267,8 +273,9 @@ def _message_text(index: int, content: Any) -> str:
 
 
 def finish_reason(engine_reason: str) -> str:
-    """OpenAI's finish reason for the engine's ("eos" and a stop string both are "stop")."""
-    return "length" if engine_reason == "length" else "stop"
+    """OpenAI's finish reason for the engine's ("eos" and a stop string both are "stop"; a
+    reply cut by its timeout, as by its length limit, is "length")."""
+    return "length" if engine_reason in ("length", "timeout") else "stop"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0

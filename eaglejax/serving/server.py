@@ -82,13 +82,15 @@ def _usage(outcomes: list[_Outcome]) -> dict[str, Any]:
 class _Service:
     """The routes' state: the engine's thread, the served model's name and the metrics."""
 
-    def __init__(self, engine: engine_api.Engine, model_name: str, default_max_tokens: int):
+    def __init__(self, engine: engine_api.Engine, model_name: str, default_max_tokens: int,
+                 request_timeout: float | None):
         if engine.target.tokenizer is None:
             raise ConfigError(f"{engine.target.source}: serving text needs a tokenizer")
         self.target = engine.target
         self.capacity = engine.capacity
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
+        self.request_timeout = request_timeout
         self.speculative = engine.speculation
         self.max_logprobs = engine.max_logprobs
         self.metrics = ServingMetrics(engine.policy, engine.round_splits, engine.prefix)
@@ -140,7 +142,9 @@ class _Service:
         started = time.perf_counter()
         self._check_model(body.model)
         job = prepare(body, self.target, capacity=self.capacity,
-                      default_max_tokens=self.default_max_tokens, max_logprobs=self.max_logprobs)
+                      default_max_tokens=self.default_max_tokens, max_logprobs=self.max_logprobs,
+                      request_timeout=self.request_timeout)
+        deadline = None if job.timeout is None else time.monotonic() + job.timeout
         reply = Reply.new(chat=isinstance(body, ChatRequest), model=self.model_name)
         handles: list[RequestHandle] = []
         try:
@@ -148,7 +152,7 @@ class _Service:
                 handles.append(self.worker.open(engine_api.Request(
                     reply.id if job.n == 1 else f"{reply.id}-{index}", job.prompt,
                     job.max_tokens, job.choice_sampling(index), job.stop_sequences,
-                    job.ignore_eos, job.stop_token_ids, job.logprobs)))
+                    job.ignore_eos, job.stop_token_ids, job.logprobs, deadline)))
                 await handles[-1].accepted()
         except BaseException as err:
             for handle in handles:
@@ -183,6 +187,11 @@ class _Service:
                 if last is None:
                     self.metrics.observe_first_token(time.perf_counter() - started)
                 last = update
+                if update.finish_reason == "timeout" and not update.generated:
+                    outcome = "timeout"
+                    raise APIError(503, f"the request waited {job.timeout:g} s (its timeout) "
+                                        f"and got no slot; retry later", code="deadline_exceeded",
+                                   kind="server_error")
                 logprobs.extend(update.logprobs or [])
                 delta = text.push(update.token_ids)
                 if delta:
@@ -200,7 +209,9 @@ class _Service:
                               finish_reason(last.finish_reason), last,
                               logprobs if asked else None,
                               logprobs[sent:] if asked else None)
-            outcome = result.finish
+            outcome = "timeout" if last.finish_reason == "timeout" else result.finish
+        except APIError:
+            raise  # the request's own end (its outcome set)
         except Exception:
             outcome = "error"
             raise
@@ -238,6 +249,8 @@ class _Service:
                                       entries(index, event.unsent)))
             if job.include_usage:
                 yield sse(reply.usage_chunk(_usage([outcomes[i] for i in sorted(outcomes)])))
+        except APIError as err:  # the request's own end (a deadline passed)
+            yield sse(err.body())
         except Exception as err:
             log.exception("a streamed reply failed")
             yield sse(server_error(err).body())
@@ -245,11 +258,13 @@ class _Service:
 
     def _extension(self, outcomes: list[_Outcome]) -> dict[str, Any]:
         """The `eaglejax` field: these choices' speculative statistics (acceptance length:
-        tokens per target forward after each first token; rounds: those forwards)."""
+        tokens per target forward after each first token; rounds: those forwards), and
+        whether a choice was cut by the request's timeout (its finish reason: "length")."""
         rounds = sum(o.last.rounds for o in outcomes)
         after_first = sum(o.last.generated - 1 for o in outcomes)
         return {"acceptance_length": after_first / rounds if rounds else None,
-                "rounds": rounds, "speculative": self.speculative}
+                "rounds": rounds, "speculative": self.speculative,
+                "timed_out": any(o.last.finish_reason == "timeout" for o in outcomes)}
 
 
 def _refusal(err: BaseException) -> BaseException:
@@ -315,12 +330,14 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
     return None if task.cancelled() else task.result()
 
 
-def create_app(engine: engine_api.Engine, *, model_name: str,
-               default_max_tokens: int = 128) -> FastAPI:
+def create_app(engine: engine_api.Engine, *, model_name: str, default_max_tokens: int = 128,
+               request_timeout: float | None = None) -> FastAPI:
     """The HTTP app serving `engine` as `model_name`; requests without max_tokens get
-    `default_max_tokens` (at most what the context leaves). The app's lifespan runs the
-    engine's thread: call the engine from no other thread meanwhile."""
-    service = _Service(engine, model_name, default_max_tokens)
+    `default_max_tokens` (at most what the context leaves); a request may take at most
+    `request_timeout` seconds (None: no limit; its own `timeout` may be shorter), waiting and
+    decoding. The app's lifespan runs the engine's thread: call the engine from no other
+    thread meanwhile."""
+    service = _Service(engine, model_name, default_max_tokens, request_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -355,7 +372,9 @@ def create_app(engine: engine_api.Engine, *, model_name: str,
 
 
 def run_server(engine: engine_api.Engine, *, host: str, port: int, model_name: str,
-               default_max_tokens: int = 128, log_level: str = "info") -> None:
+               default_max_tokens: int = 128, request_timeout: float | None = None,
+               log_level: str = "info") -> None:
     """Serve `engine` on host:port until interrupted (Ctrl-C, SIGTERM)."""
-    app = create_app(engine, model_name=model_name, default_max_tokens=default_max_tokens)
+    app = create_app(engine, model_name=model_name, default_max_tokens=default_max_tokens,
+                     request_timeout=request_timeout)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
