@@ -21,6 +21,7 @@ import numpy as np
 import openai
 import pytest
 import tokenizers
+import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,6 +32,7 @@ from eaglejax.serving.engine import Engine
 from eaglejax.serving.server import create_app
 from eaglejax.serving.textstream import TextStream
 from eaglejax.tokenizer import Tokenizer
+from hf_oracle import hf_logits
 from tolerances import FORWARD_UNITS, assert_close_scaled
 
 MODEL = "tiny-llama"
@@ -361,6 +363,9 @@ LONG = " ".join(["w7"] * 130)
     ("/v1/completions", {**COMPLETION, "logprobs": MAX_LOGPROBS + 1}, 400, "logprobs",
      "invalid_value"),
     ("/v1/completions", {**COMPLETION, "logprobs": True}, 400, "logprobs", "invalid_type"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "echo": True}, 400, "echo", "unknown_parameter"),
     ("/v1/embeddings", COMPLETION, 404, None, None),
 ])
 def test_bad_request_gets_an_error_object(server, path, body, status, param, code):
@@ -425,6 +430,36 @@ def test_logprobs_equal_offline_generate(target, client, chat, stream):
                                                              for _, v in e.top],
                         units=FORWARD_UNITS, depth=target.config.num_layers, scale=scale,
                         what="the server's log-probabilities against generate's")
+
+
+def test_echo_scores_the_prompt(target, hf_family, client):
+    """`echo` with `logprobs`: each prompt token's log-probability after those before it
+    (transformers' log-softmax; the first: null) and its 2 most likely tokens, then the
+    reply's; `max_tokens` 0 scores the prompt alone (what evaluation harnesses send)."""
+    prompt = "w5 w9 w31 w60 w7 w12"
+    ids = target.tokenizer.encode(prompt)
+    logits = torch.as_tensor(hf_logits(hf_family("llama")[1], np.array([ids]))[0]).double()
+    oracle = torch.log_softmax(logits, -1).numpy()
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                       logprobs=2)
+    choice = scored.choices[0]
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.tokens == prompt.split() and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(d) == 2 for d in lp.top_logprobs[1:])
+    assert_close_scaled(lp.token_logprobs[1:], oracle[np.arange(len(ids) - 1), ids[1:]],
+                        units=FORWARD_UNITS, depth=target.config.num_layers,
+                        what="prompt log-probabilities")
+    want = eaglejax.generate([prompt], target=target, chat=False, max_new_tokens=4,
+                             ignore_eos=True)[0]
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True,
+                                       logprobs=1, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = [c.choices[0] for c in stream]
+    assert "".join(c.text for c in chunks) == prompt + want.text
+    values = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert len(values) == len(ids) + 4 and values[0] is None
+    assert values[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
 
 
 def test_replies_carry_no_logprobs_unless_asked(client):

@@ -32,8 +32,8 @@ class LogprobsFormat:
             tokens.append(self._text(e.token_id))
             offset += len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": [_value(e.logprob) for e in entries],
-                "top_logprobs": [{self._text(t): _value(v) for t, v in e.top}
-                                 for e in entries],
+                "top_logprobs": [None if e.top is None else
+                                 {self._text(t): _value(v) for t, v in e.top} for e in entries],
                 "text_offset": offsets}, offset
 
     def _chat_entry(self, entry: TokenLogprob) -> dict[str, Any]:
@@ -49,5 +49,5 @@ class LogprobsFormat:
         return self._tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def _value(logprob: float) -> float:
-    return max(logprob, LOWEST_LOGPROB)
+def _value(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, LOWEST_LOGPROB)

@@ -63,7 +63,7 @@ class _Generation(_Strict):
     a slot and decoding); temperature 0 is greedy."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1, le=validation.INT32_MAX)
+    max_tokens: int | None = Field(None, ge=0, le=validation.INT32_MAX)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=validation.INT32_MAX)
@@ -80,6 +80,7 @@ class _Generation(_Strict):
 class CompletionRequest(_Generation):
     prompt: Any  # a string or a list of token ids, checked by `_completion_prompt`
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
 
 
 class ChatMessage(_Strict):
@@ -142,6 +143,7 @@ class Job:
     n: int = 1
     logprobs: int | None = None  # most likely tokens per token (None: no log-probabilities)
     timeout: float | None = None  # seconds the request may take (None: no limit)
+    echo: bool = False  # the reply starts with the prompt (a completion's `echo`)
 
     def choice_sampling(self, index: int) -> SamplingOptions:
         """Choice `index`'s sampling: the request's, its seed + index (mod the seed limit)."""
@@ -167,6 +169,10 @@ def prepare(body: _Generation, target: Target, *, capacity: int, default_max_tok
     else:
         prompt, where, limit = _completion_prompt(body.prompt, target), "prompt", "max_tokens"
     max_tokens = getattr(body, limit)
+    echo = isinstance(body, CompletionRequest) and body.echo
+    if max_tokens == 0 and not echo:
+        raise APIError(400, f"{limit}: 0 tokens is a reply only with echo (a completion that "
+                            f"scores its prompt)", param=limit, code="invalid_value")
     room = capacity - len(prompt)
     if max_tokens is None and room >= 1:
         max_tokens = min(default_max_tokens, room)
@@ -189,7 +195,7 @@ def prepare(body: _Generation, target: Target, *, capacity: int, default_max_tok
                stop, sequences, body.ignore_eos, body.stream,
                options is not None and options.include_usage, tuple(body.stop_token_ids),
                body.n, logprobs, min((t for t in (body.timeout, request_timeout)
-                                      if t is not None), default=None))
+                                      if t is not None), default=None), echo)
 
 
 def _logprobs(body: _Generation, max_logprobs: int | None) -> int | None:

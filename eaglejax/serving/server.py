@@ -18,12 +18,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+import jax
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from eaglejax.decoding.token_logprobs import TokenLogprob
+from eaglejax.decoding.token_logprobs import TokenLogprob, prompt_logprobs
 from eaglejax.errors import ConfigError, InputError
 from eaglejax.serving import engine as engine_api
 from eaglejax.serving.logprobs_api import LogprobsFormat
@@ -146,9 +147,10 @@ class _Service:
                       request_timeout=self.request_timeout)
         deadline = None if job.timeout is None else time.monotonic() + job.timeout
         reply = Reply.new(chat=isinstance(body, ChatRequest), model=self.model_name)
+        echo = await self._echo(job)
         handles: list[RequestHandle] = []
         try:
-            for index in range(job.n):  # choice i: the request's seed + i
+            for index in range(job.n if job.max_tokens else 0):  # choice i: seed + i
                 handles.append(self.worker.open(engine_api.Request(
                     reply.id if job.n == 1 else f"{reply.id}-{index}", job.prompt,
                     job.max_tokens, job.choice_sampling(index), job.stop_sequences,
@@ -158,7 +160,8 @@ class _Service:
             for handle in handles:
                 handle.cancel()
             raise _refusal(err) from None
-        events = [self._events(handle, job, started) for handle in handles]
+        events = [self._events(handle, job, started, echo) for handle in handles] or \
+            [self._echo_only(job, echo) for _ in range(job.n)]  # max_tokens 0
         if job.stream:
             return StreamingResponse(self._stream(reply, job, events),
                                      media_type="text/event-stream",
@@ -167,16 +170,43 @@ class _Service:
         if outcomes is None:
             return Response(status_code=499)  # the client has gone: nobody reads this
         logprobs = LogprobsFormat(self.target.tokenizer, reply.chat)
+        prefix = echo or _Piece("", [])
         return JSONResponse(reply.response(
-            [(o.final.text, o.finish, None if o.logprobs is None else
-              logprobs.body(o.logprobs)[0]) for o in outcomes],
+            [(prefix.text + o.final.text, o.finish, None if o.logprobs is None else
+              logprobs.body((prefix.logprobs or []) + o.logprobs)[0]) for o in outcomes],
             _usage(outcomes), self._extension(outcomes)))
 
-    async def _events(self, handle: RequestHandle, job: Job,
-                      started: float) -> AsyncIterator[_Piece | _Outcome]:
-        """The reply's new text as it comes (each piece with the log-probabilities, if
-        asked, of the tokens that came with it or were held back before it), then its
-        `_Outcome`. Leaving early (the client disconnected) frees the request's slot."""
+    async def _echo(self, job: Job) -> _Piece | None:
+        """A completion's prompt as its reply's first piece (`echo`): its text, and with
+        `logprobs` each prompt token's after those before it (one forward over the prompt,
+        on a worker thread)."""
+        if not job.echo:
+            return None
+        entries = None
+        if job.logprobs is not None:
+            if jax.process_count() > 1:
+                raise APIError(400, "echo with logprobs: a multi-process server does not score "
+                                    "prompts", param="echo", code="invalid_value")
+            entries = await asyncio.to_thread(prompt_logprobs, self.target, job.prompt,
+                                              job.logprobs)
+        return _Piece(self.target.tokenizer.decode(job.prompt), entries)
+
+    async def _echo_only(self, job: Job, echo: _Piece) -> AsyncIterator[_Piece | _Outcome]:
+        """A choice of `max_tokens` 0 (with `echo`): the prompt, and no token."""
+        yield echo
+        asked = job.logprobs is not None
+        yield _Outcome(FinalText("", [], False), "length",
+                       engine_api.Update(None, [], "length", len(job.prompt), 0, 0),
+                       [] if asked else None, [] if asked else None)
+
+    async def _events(self, handle: RequestHandle, job: Job, started: float,
+                      echo: _Piece | None = None) -> AsyncIterator[_Piece | _Outcome]:
+        """The reply's new text as it comes (after the `echo` piece, if any; each piece with
+        the log-probabilities, if asked, of the tokens that came with it or were held back
+        before it), then its `_Outcome`. Leaving early (the client disconnected) frees the
+        request's slot."""
+        if echo is not None:
+            yield echo
         text = TextStream(self.target, job.stop)
         last, outcome = None, "cancelled"
         asked = job.logprobs is not None
