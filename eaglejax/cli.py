@@ -313,6 +313,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="print each token's log-probability under the model and its N most "
+                          f"likely alternatives (0 to {MAX_TOP_LOGPROBS}; with --json: a "
+                          "`logprobs` list per prompt)")
     gen.add_argument("--no-draft", action="store_true",
                      help="decode plainly even where eaglejax ships a head for --model (by "
                           "default a built-in model with a shipped head speculates with it "
@@ -537,19 +541,26 @@ def _generate(args: argparse.Namespace) -> None:
                        speculative=speculative,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=args.chat,
-                       stop=args.stop, ignore_eos=args.ignore_eos)
+                       stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
     if not _is_first_process():
         return  # every process holds the results; process 0 prints them
     if args.json:
         print(json.dumps([{"text": r.text, "token_ids": r.token_ids,
                            "finish_reason": r.finish_reason,
                            "metrics": {**dataclasses.asdict(r.metrics),
-                                       "speedup_over_plain": r.metrics.speedup_over_plain}} for r in results], indent=2))
+                                       "speedup_over_plain": r.metrics.speedup_over_plain},
+                           **({} if r.logprobs is None else {"logprobs": [
+                               dataclasses.asdict(e) for e in r.logprobs]})}
+                          for r in results], indent=2))
         return
     for r in results:
         if len(results) > 1:
             print("-" * 40)
         print(r.text)
+        for e in r.logprobs or []:
+            alternatives = "  ".join(f"{target.tokenizer.decode([t])!r} {v:.3f}" for t, v in e.top)
+            print(f"  {target.tokenizer.decode([e.token_id])!r:>16} {e.logprob:8.3f}   "
+                  f"{alternatives}")
         m = r.metrics
         al = f", {target.storage} weights"
         al += f", {m.speculative}" if m.speculative else ""

@@ -97,10 +97,13 @@ def test_cli_generate_json(tmp_path):
            "EAGLEJAX_AUTOTUNE_CACHE": "1"}
     command = [sys.executable, "-m", "eaglejax.cli", "generate", "Name a color.",
                "--max-new-tokens", "8", "--json"]
-    proc = subprocess.run(command + ["--no-draft"], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(command + ["--no-draft", "--logprobs", "2"], capture_output=True,
+                          text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr
     (result,) = json.loads(proc.stdout)
+    assert [e["token_id"] for e in result["logprobs"]] == result["token_ids"]
+    assert all(len(e["top"]) == 2 and e["top"][0][0] == e["token_id"]  # greedy: the argmax
+               and e["logprob"] == e["top"][0][1] <= 0 for e in result["logprobs"])
     assert result["finish_reason"] in ("eos", "length")
     assert 1 <= len(result["token_ids"]) <= 8
     assert result["metrics"]["prompt_tokens"] > 5
