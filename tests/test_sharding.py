@@ -79,16 +79,18 @@ def test_cli_refuses_bad_mesh_flags(flags, match, capsys, monkeypatch):
 @pytest.mark.slow
 def test_meshes_decode_like_one_device(tmp_path):
     """tp=2, dp=2, tp=2 x dp=2 and tp=4 over 2 KV heads (widened), plus 3 KV heads on tp=2
-    (attention replicated): plain, chain, dynamic and static trees, greedy and sampled."""
+    (attention replicated): plain, chain, dynamic and static trees, greedy and sampled; the
+    serving engine's prefix cache on a mesh."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     env = dict(os.environ, XLA_FLAGS=flags,
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(HERE / "test_sharding.py"), str(tmp_path)],
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # 4 shapes on tp=2 x dp=2 and 2 on each other mesh, sampled, the checkpoint and
-    # Target.on_mesh, replicated attention, a draft model, DFlash, the Pallas kernel
-    assert proc.stdout.count("identical") == 10 + 1 + 2 + 1 + 1 + 1 + 1, proc.stdout
+    # 4 shapes on tp=2 x dp=2 and 2 on each other mesh, the engine's prefix cache, sampled,
+    # the checkpoint and Target.on_mesh, replicated attention, a draft model, DFlash, the
+    # Pallas kernel
+    assert proc.stdout.count("identical") == 10 + 1 + 1 + 2 + 1 + 1 + 1 + 1, proc.stdout
 
 
 # ------------------------------------------------------------ the 8-device subprocess
@@ -154,6 +156,22 @@ def _run_meshes(directory: Path) -> None:
             if (tp, dp) == (2, 2) or spec in (None, shapes[2]):
                 assert run(target, spec) == want, (tp, dp, spec)
                 print("identical", tp, dp, spec and spec.describe())
+
+    # the serving engine on tp=2 x dp=2 keeps its prefix cache there (KV heads split as the
+    # slots'): a chat's next turn copies the blocks of the first, with the tokens it gets alone
+    from eaglejax.serving.engine import Engine, Request
+
+    mesh = eaglejax.make_mesh(tp=2, dp=2, devices=jax.devices()[:4])
+    engine = Engine(eaglejax.load_target(directory / "kv2", mesh=mesh), num_slots=2,
+                    capacity=128, prefix_cache_tokens=256)
+    first = [(5 * i + 3) % VOCAB for i in range(40)]
+    turn = engine.run([Request("first", first, 12, ignore_eos=True)])["first"]
+    again = first + turn.token_ids + _prompts(6, 1)[0]
+    got = engine.run([Request("again", again, 12, ignore_eos=True)])["again"]
+    assert got.cached_tokens >= 31 and engine.prefix.pool.k[0].sharding.spec[1] == "tp"
+    want = eaglejax.generate([again], target=one, max_new_tokens=12, ignore_eos=True)
+    assert got.token_ids == want[0].token_ids
+    print("identical prefix-cache hit on tp=2 dp=2", got.cached_tokens)
 
     # sampled: the same seeds give the same tokens (plain, chain, tree)
     mesh = eaglejax.make_mesh(tp=2, dp=2, devices=jax.devices()[:4])

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from eaglejax.models import kv_cache
 
@@ -25,11 +26,20 @@ class PrefixPool(NamedTuple):
 
 def empty_pool(cache: kv_cache.KVCache, blocks: int) -> PrefixPool:
     """A pool of `blocks` blocks for the rows of caches like `cache` (its layers, heads,
-    head dim and dtype)."""
+    head dim and dtype). A cache on a mesh gets a pool on it: KV heads split as the
+    cache's, blocks whole on every device (a slot on any data-parallel shard reads any)."""
     _, kv, _, dim = cache.k[0].shape
     shape = (blocks, kv, BLOCK, dim)
-    return PrefixPool(tuple(jnp.zeros(shape, k.dtype) for k in cache.k),
-                      tuple(jnp.zeros(shape, v.dtype) for v in cache.v))
+
+    def zeros(like: jax.Array) -> jax.Array:
+        sharding = like.sharding
+        if not isinstance(sharding, NamedSharding):
+            return jnp.zeros(shape, like.dtype)
+        spec = PartitionSpec(None, *tuple(sharding.spec)[1:])
+        return jax.jit(lambda: jnp.zeros(shape, like.dtype),
+                       out_shardings=NamedSharding(sharding.mesh, spec))()
+
+    return PrefixPool(tuple(map(zeros, cache.k)), tuple(map(zeros, cache.v)))
 
 
 def load_rows(pool: PrefixPool, blocks: jax.Array, cached: jax.Array, capacity: int

@@ -146,7 +146,8 @@ class Engine:
     reply). `speculative`: a `SpecConfig`, "auto", or None (with a draft head: "auto" in one
     process, the device's preset in several). `prefix_cache_tokens` positions of earlier
     prompts and replies are kept for requests that start with them (`serving.prefix_cache`;
-    0: none), in engines that decode plainly or with "auto" on one device. At most
+    0: none), in engines that decode plainly or with "auto" in one process (on a mesh
+    too). At most
     `max_waiting` requests wait for a slot (None: any number); `submit` refuses more with
     `QueueFull`. With `max_logprobs` (0 to 20; None: no request may ask) a request may ask
     for its tokens' log-probabilities and up to that many most likely tokens' (the batch's
@@ -202,7 +203,7 @@ class Engine:
         self.prefix: PrefixCache | None = None
         fills_target_alone = speculative is None or self.policy is not None
         if prefix_cache_tokens and fills_target_alone and capacity > BLOCK + 1 \
-                and target.mesh is None and jax.process_count() == 1:
+                and jax.process_count() == 1:
             self.prefix = PrefixCache(self.state.target_cache, -(-prefix_cache_tokens // BLOCK),
                                       self._head_cache())
         self.round_splits: list[dict[str, Any]] = []  # `profile_rounds`' results
