@@ -49,7 +49,7 @@ def row_logprobs(tokens: np.ndarray, chosen: np.ndarray, top_ids: np.ndarray, to
 def prompt_logprobs(target: "Target", prompt: list[int], count: int) -> list[TokenLogprob]:
     """Each prompt token's log-probability after the tokens before it and the `count` most
     likely tokens there (the first token's: None), from one forward over the prompt (padded
-    to a multiple of 16 positions, so prompts of nearby lengths share a program)."""
+    to a power of two positions, at least 16, so prompts of nearby lengths share a program)."""
     padded = np.zeros((1, bucket(len(prompt), 16)), np.int32)
     padded[0, :len(prompt)] = prompt
     chosen, top, top_ids = jax.device_get(_scored(target.logits(padded)[0], padded[0],
