@@ -87,10 +87,11 @@ def test_meshes_decode_like_one_device(tmp_path):
     proc = subprocess.run([sys.executable, str(HERE / "test_sharding.py"), str(tmp_path)],
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # 4 shapes on tp=2 x dp=2 and 2 on each other mesh, the engine's prefix cache, sampled,
+    # 4 shapes on tp=2 x dp=2 and 2 on each other mesh, the engine's prefix cache and
+    # log-probabilities, sampled,
     # the checkpoint and Target.on_mesh, replicated attention, a draft model, DFlash, the
     # Pallas kernel
-    assert proc.stdout.count("identical") == 10 + 1 + 1 + 2 + 1 + 1 + 1 + 1, proc.stdout
+    assert proc.stdout.count("identical") == 10 + 2 + 1 + 2 + 1 + 1 + 1 + 1, proc.stdout
 
 
 # ------------------------------------------------------------ the 8-device subprocess
@@ -172,6 +173,16 @@ def _run_meshes(directory: Path) -> None:
     want = eaglejax.generate([again], target=one, max_new_tokens=12, ignore_eos=True)
     assert got.token_ids == want[0].token_ids
     print("identical prefix-cache hit on tp=2 dp=2", got.cached_tokens)
+    # log-probabilities over the vocabulary split on tp: those of one device
+    from tolerances import FORWARD_UNITS, assert_close_scaled
+
+    kept = [eaglejax.generate(prompts, target=t, max_new_tokens=6, ignore_eos=True,
+                              logprobs=3) for t in (engine.target, one)]
+    alternatives = [[[t for t, _ in e.top] for g in out for e in g.logprobs] for out in kept]
+    assert alternatives[0] == alternatives[1]
+    assert_close_scaled(*[[e.logprob for g in out for e in g.logprobs] for out in kept],
+                        units=FORWARD_UNITS, depth=3, what="log-probabilities on tp=2 dp=2")
+    print("identical logprobs on tp=2 dp=2")
 
     # sampled: the same seeds give the same tokens (plain, chain, tree)
     mesh = eaglejax.make_mesh(tp=2, dp=2, devices=jax.devices()[:4])
