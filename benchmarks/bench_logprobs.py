@@ -17,10 +17,10 @@ import time
 import numpy as np
 
 import eaglejax
-from eaglejax.datasets import interleave_categories, mt_bench_questions
 from eaglejax.decoding.output import MAX_TOP_LOGPROBS
 from eaglejax.hardware import machine_report
 from eaglejax.serving.engine import Engine, Request
+from eaglejax.training.pipeline import mt_bench_prompts
 
 # name -> (the engine's max_logprobs, what each request asks)
 VARIANTS = {"keeps none": (None, None), "keeps 20, none asked": (MAX_TOP_LOGPROBS, None),
@@ -54,10 +54,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     target = eaglejax.load_target("smollm2-135m-instruct", weight_dtype="auto")
-    tokenizer = target.tokenizer
-    questions = interleave_categories(mt_bench_questions())[:args.prompts]
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": q.prompt}])) for q in questions]
+    prompts = [target.tokenizer.render_prompt(text, chat=True)
+               for text in mt_bench_prompts(args.prompts)]
     engines = {kept: Engine(target, None, num_slots=16, max_logprobs=kept)
                for kept in {kept for kept, _ in VARIANTS.values()}}
     for engine in engines.values():
