@@ -189,6 +189,8 @@ def test_requests_past_their_deadline_end_queued_or_running(target):
     prompt = [5, 9, 31, 60, 7]
     want, _ = _alone(target, Request("w", prompt, 40))
     engine = Engine(target, num_slots=1, capacity=CAPACITY, rounds_per_call=2)
+    with pytest.raises(InputError, match="'never': deadline must be a finite number"):
+        engine.submit(Request("never", prompt, 40, deadline=float("nan")))
     engine.submit(Request("running", prompt, 40, deadline=10.0))
     engine.submit(Request("waiting", prompt, 40, deadline=5.0))
     engine.submit(Request("after", prompt, 3))

@@ -289,6 +289,8 @@ class Engine:
                              f"{len(request.stop_token_ids)}")
         validation.in_vocabulary(f"{name}: stop token ids", list(request.stop_token_ids),
                                  self.target.config.vocab_size)
+        if request.deadline is not None:
+            validation.real(f"{name}: deadline", request.deadline, -validation.FLOAT32_MAX)
         if request.logprobs is not None:
             if self.max_logprobs is None:
                 raise InputError(f"{name}: logprobs: this engine keeps no log-probabilities "
