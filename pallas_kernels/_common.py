@@ -1,4 +1,4 @@
-"""Shared pieces of the tree-attention kernels: query packing and the online-softmax step.
+"""Shared pieces of the attention kernels: query packing, masks and the online-softmax step.
 
 Both backends see the queries of one KV head as a single matrix of ``M = T * G`` rows
 (``G = Hq // Hkv``), ordered token-major (row ``r`` is token ``r // G``, query head
@@ -19,6 +19,29 @@ M_INIT = -1e30
 
 
 KV_LAYOUTS = ("bshd", "bhsd")
+_GPU_NAMES = {"gpu", "cuda", "rocm", "triton"}
+_TPU_NAMES = {"tpu", "mosaic"}
+
+
+def resolve_backend(backend: str | None, interpret: bool, entry: str) -> str:
+    """Kernel family ("gpu" or "tpu") for ``entry`` (the public function, named in errors).
+    An explicit backend is trusted even on a CPU host (AOT lowering)."""
+    platform = jax.default_backend()
+    if backend is None:
+        backend = platform
+    backend = backend.lower()
+    if backend == "cpu":
+        if not interpret:
+            raise ValueError(
+                f"{entry} has no compiled CPU kernel: pass interpret=True to run a Pallas "
+                f"kernel in interpret mode, or use pallas_kernels.{entry}_reference on CPU."
+            )
+        return "gpu"  # the GPU kernel body is the portable one; interpret mode runs it anywhere
+    if backend in _GPU_NAMES:
+        return "gpu"
+    if backend in _TPU_NAMES:
+        return "tpu"
+    raise ValueError(f"unknown backend {backend!r}; expected 'gpu', 'tpu' or None")
 
 
 def check_kv_layout(kv_layout: str) -> None:
@@ -57,6 +80,16 @@ class Packed(NamedTuple):
     lengths: jax.Array  # [B] int32, clipped to [0, S]
 
 
+def pack_queries(q: jax.Array, n_kv_heads: int, dtype: jnp.dtype, m_pad: int) -> jax.Array:
+    """q [B, T, Hq, D] as [B, Hkv, M_pad, D] in ``dtype``: each KV head's query heads as
+    token-major rows, zero padded to ``m_pad`` rows."""
+    batch, t_new, n_q_heads, head_dim = q.shape
+    group = n_q_heads // n_kv_heads
+    qp = q.astype(dtype).reshape(batch, t_new, n_kv_heads, group, head_dim)
+    qp = qp.transpose(0, 2, 1, 3, 4).reshape(batch, n_kv_heads, t_new * group, head_dim)
+    return jnp.pad(qp, ((0, 0), (0, 0), (0, m_pad - t_new * group), (0, 0)))
+
+
 def pack_inputs(
     q: jax.Array,
     cache_lengths: jax.Array,
@@ -75,15 +108,11 @@ def pack_inputs(
     Independent of the cache layout: only the cache's length ``s_cache`` (to clip the
     lengths) and its dtypes (the new K/V are cast to them) are needed.
     """
-    batch, t_new, n_q_heads, head_dim = q.shape
+    t_new, n_q_heads = q.shape[1:3]
     n_kv_heads = k_new.shape[2]
     group = n_q_heads // n_kv_heads
     rows = t_new * group
-    qk_dtype = jnp.result_type(q.dtype, k_dtype)
-    qp = q.astype(qk_dtype).reshape(batch, t_new, n_kv_heads, group, head_dim)
-    qp = qp.transpose(0, 2, 1, 3, 4)
-    qp = qp.reshape(batch, n_kv_heads, rows, head_dim)
-    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, m_pad - rows), (0, 0)))
+    qp = pack_queries(q, n_kv_heads, jnp.result_type(q.dtype, k_dtype), m_pad)
     pad_t = ((0, 0), (0, t_pad - t_new), (0, 0), (0, 0))
     kn = jnp.pad(k_new.astype(k_dtype), pad_t)
     vn = jnp.pad(v_new.astype(v_dtype), pad_t)
@@ -99,6 +128,46 @@ def unpack_output(out: jax.Array, t_new: int, n_q_heads: int, dtype: jnp.dtype) 
     group = n_q_heads // n_kv_heads
     out = out[:, :, : t_new * group].reshape(batch, n_kv_heads, t_new, group, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(batch, t_new, n_q_heads, head_dim).astype(dtype)
+
+
+def tail_steps(t_new: int, block: int) -> int:
+    """Most key blocks of ``block`` positions that T new tokens starting anywhere can span."""
+    return -(-(t_new + block - 1) // block)
+
+
+def paged_tail_mask(mask: jax.Array, context_lengths: jax.Array, *, group: int, m_pad: int,
+                    block: int) -> jax.Array:
+    """The verify block's mask in key-position space, per key block, for paged attention.
+
+    mask [B, T, T] (query t sees new token j); context_lengths [B]. Returns int32
+    [B, n, M_pad, block] with ``n = tail_steps(T, block)``: entry [b, s, r, c] is the
+    visibility, for query row r (token r // group), of position
+    ``(ctx // block + s) * block + c``: 1 for a context position (< ctx), the mask's
+    entry for a new token (ctx + j), 0 past ctx + T. A kernel walks the keys in blocks of
+    ``block``; the blocks before ctx // block see everything, the rest read these slices.
+    """
+    batch, t_new, _ = mask.shape
+    n_tail = tail_steps(t_new, block)
+    ctx = context_lengths.astype(jnp.int32)
+    rel = (ctx // block * block - ctx)[:, None] + jnp.arange(n_tail * block)  # [B, W]: pos - ctx
+    picked = jnp.take_along_axis(
+        mask.astype(jnp.int32),
+        jnp.broadcast_to(jnp.clip(rel, 0, t_new - 1)[:, None, :], (batch, t_new, rel.shape[1])),
+        axis=2)  # [B, T, W]
+    rel = rel[:, None, :]
+    visible = jnp.where(rel < 0, 1, jnp.where(rel < t_new, picked, 0))
+    rows = jnp.repeat(visible, group, axis=1)  # token-major query rows
+    rows = jnp.pad(rows, ((0, 0), (0, m_pad - t_new * group), (0, 0)))
+    return rows.reshape(batch, m_pad, n_tail, block).transpose(0, 2, 1, 3)
+
+
+def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """Combine per-split states [B, H, splits, M, *] into normalised [B, H, M, D] (float32)."""
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_max)
+    denom = jnp.sum(l * w, axis=2)
+    num = jnp.sum(acc * w, axis=2)
+    return num * jnp.where(denom > 0.0, 1.0 / jnp.where(denom > 0.0, denom, 1.0), 0.0)
 
 
 class SoftmaxState(NamedTuple):
@@ -123,14 +192,15 @@ def online_step(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    visible: jax.Array,
+    visible: jax.Array | None,
     *,
     scale: float,
 ) -> SoftmaxState:
     """Fold one key block into the state.
 
-    q [bm, D]; k, v [bk, D]; visible bool, broadcastable to [bm, bk]. Rows whose whole
-    block is invisible are left unchanged (their scores are -inf, never NaN).
+    q [bm, D]; k, v [bk, D]; visible bool, broadcastable to [bm, bk], or None when every
+    row sees every key. Rows whose whole block is invisible are left unchanged (their
+    scores are -inf, never NaN).
     """
     if k.dtype != q.dtype:
         k = k.astype(q.dtype)
@@ -138,7 +208,7 @@ def online_step(
         q, k, (((1,), (1,)), ((), ())),
         precision=dot_precision(q.dtype), preferred_element_type=jnp.float32,
     )
-    s = jnp.where(visible, s * scale, -jnp.inf)
+    s = s * scale if visible is None else jnp.where(visible, s * scale, -jnp.inf)
     m_new = jnp.maximum(state.m, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(state.m - m_new)
     p = jnp.exp(s - m_new)

@@ -23,6 +23,7 @@ from pallas_kernels._common import (
     cache_seq_axis,
     finalize,
     init_state,
+    merge_splits,
     next_pow2,
     online_step,
     pack_inputs,
@@ -43,7 +44,8 @@ _MIN_BLOCKS_PER_SPLIT = 4
 _NEW_TOKEN_TILE = 64
 
 
-def _compiler_params(num_warps: int, num_stages: int):
+def triton_params(num_warps: int, num_stages: int):
+    """Triton compiler params (they select the Triton lowering; None on a JAX without it)."""
     if _pl_triton is None:  # pragma: no cover
         return None
     cls = getattr(_pl_triton, "CompilerParams", None) or getattr(_pl_triton, "TritonCompilerParams")
@@ -105,15 +107,6 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs,
         acc_ref[...] = state.acc
         m_ref[...] = state.m
         l_ref[...] = state.l
-
-
-def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """Combine per-split states [B, H, splits, M, *] into normalised [B, H, M, D] (float32)."""
-    m_max = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - m_max)
-    denom = jnp.sum(l * w, axis=2)
-    num = jnp.sum(acc * w, axis=2)
-    return num * jnp.where(denom > 0.0, 1.0 / jnp.where(denom > 0.0, denom, 1.0), 0.0)
 
 
 def default_num_splits(batch: int, n_kv_heads: int, row_blocks: int, s_cache: int,
@@ -206,11 +199,11 @@ def tree_attention_gpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, *
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_compiler_params(num_warps=4 if block_m <= 64 else 8, num_stages=2),
+        compiler_params=triton_params(num_warps=4 if block_m <= 64 else 8, num_stages=2),
         interpret=interpret,
         name="tree_attention_gpu",
     )(packed.lengths, packed.q, k_cache, v_cache, packed.k_new, packed.v_new, packed.mask)
     if num_splits > 1:
-        out = _merge_splits(*out)
+        out = merge_splits(*out)
     out = unpack_output(out, t_new, n_q_heads, q.dtype)
     return out[..., :head_dim]

@@ -36,9 +36,10 @@ _DEFAULT_BLOCK_K = 512
 _MAX_BLOCK_M = 256
 
 
-def _compiler_params():
+def mosaic_params(*dimension_semantics: str):
+    """Mosaic compiler params with the grid's dimension semantics (either class name)."""
     cls = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
-    return cls(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+    return cls(dimension_semantics=dimension_semantics)
 
 
 def heads_per_block(n_kv_heads: int, head_dim: int) -> int:
@@ -156,7 +157,7 @@ def tree_attention_tpu(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, *
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((batch, n_kv_heads, m_pad, head_dim), q.dtype),
-        compiler_params=_compiler_params(),
+        compiler_params=mosaic_params("parallel", "parallel", "parallel", "arbitrary"),
         interpret=interpret,
         name="tree_attention_tpu",
     )(packed.lengths, packed.q, k_kernel, v_kernel, kn_flat, vn_flat, packed.mask)

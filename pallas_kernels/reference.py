@@ -1,4 +1,4 @@
-"""XLA reference for tree attention: the CPU path and the oracle for the Pallas kernels."""
+"""XLA references for tree attention and paged attention: CPU paths and the kernels' oracles."""
 
 from __future__ import annotations
 
@@ -67,3 +67,57 @@ def tree_attention_reference(
     out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
     out = jnp.swapaxes(out.reshape(batch, n_kv_heads, t_new, group, head_dim), 1, 2)
     return out.reshape(batch, t_new, n_q_heads, head_dim).astype(out_dtype)
+
+
+def paged_attention_reference(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    block_tables: jax.Array,
+    context_lengths: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float | None = None,
+) -> jax.Array:
+    """Attention of a verify block over a paged KV cache (layout: `pallas_kernels.paged_kv`).
+
+    q [B,T,Hq,D]; k_pool/v_pool [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
+    int32; context_lengths [B] int32; mask [B,T,T] bool. Row b's position p lives in block
+    block_tables[b, p // block_size], slot p % block_size; the T new tokens' own K/V are
+    already in the pool at positions ctx .. ctx+T-1 (ctx = context_lengths[b]). Query t sees
+    every position < ctx and position ctx + j iff mask[b,t,j]; nothing at or past ctx + T is
+    read as valid (stale slots and unused table entries may hold anything, even NaN).
+    Returns [B,T,Hq,D] in q's dtype, computed in float32 over a gathered copy of every
+    table entry's block (the oracle and the CPU path; the kernels read only used blocks).
+    """
+    batch, t_new, n_q_heads, head_dim = q.shape
+    num_blocks, block_size, n_kv_heads, _ = k_pool.shape
+    span = block_tables.shape[1] * block_size
+    group = n_q_heads // n_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    f32 = jnp.float32
+    pages = jnp.clip(block_tables.astype(jnp.int32), 0, num_blocks - 1)  # unused entries: any id
+    ctx = context_lengths.astype(jnp.int32)
+    rel = jnp.arange(span)[None, :] - ctx[:, None]  # [B, span]: position - ctx
+    valid = rel < t_new
+
+    def gather(pool: jax.Array) -> jax.Array:  # [B, span, Hkv, D], zero at and past ctx + T
+        rows = pool[pages].reshape(batch, span, n_kv_heads, head_dim).astype(f32)
+        return jnp.where(valid[:, :, None, None], rows, 0.0)
+
+    keys, values = gather(k_pool), gather(v_pool)
+    index = jnp.broadcast_to(jnp.clip(rel, 0, t_new - 1)[:, None, :], (batch, t_new, span))
+    in_tree = jnp.take_along_axis(mask.astype(bool), index, axis=2)  # [B, T, span]
+    visible = (rel < 0)[:, None, :] | (valid & (rel >= 0))[:, None, :] & in_tree
+    visible = jnp.repeat(visible, group, axis=1)  # [B, T*G, span], token-major rows
+
+    queries = jnp.swapaxes(q.astype(f32).reshape(batch, t_new, n_kv_heads, group, head_dim), 1, 2)
+    queries = queries.reshape(batch, n_kv_heads, t_new * group, head_dim)
+    scores = jnp.einsum("bskd,bkqd->bkqs", keys, queries) * scale
+    scores = jnp.where(visible[:, None], scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    out = jnp.einsum("bkqs,bskd->bkqd", weights, values) / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.swapaxes(out.reshape(batch, n_kv_heads, t_new, group, head_dim), 1, 2)
+    return out.reshape(batch, t_new, n_q_heads, head_dim).astype(q.dtype)

@@ -6,33 +6,10 @@ import functools
 
 import jax
 
-from pallas_kernels._common import check_kv_layout
+from pallas_kernels._common import check_kv_layout, resolve_backend
 from pallas_kernels._tree_attention_gpu import tree_attention_gpu
 from pallas_kernels._tree_attention_tpu import tree_attention_tpu
 from pallas_kernels.reference import KVLayout
-
-_GPU_NAMES = {"gpu", "cuda", "rocm", "triton"}
-_TPU_NAMES = {"tpu", "mosaic"}
-
-
-def _resolve_backend(backend: str | None, interpret: bool) -> str:
-    """Kernel family to use. An explicit backend is trusted even on a CPU host (AOT lowering)."""
-    platform = jax.default_backend()
-    if backend is None:
-        backend = platform
-    backend = backend.lower()
-    if backend == "cpu":
-        if not interpret:
-            raise ValueError(
-                "tree_attention has no compiled CPU kernel: pass interpret=True to run a Pallas "
-                "kernel in interpret mode, or use pallas_kernels.tree_attention_reference on CPU."
-            )
-        return "gpu"  # the GPU kernel body is the portable one; interpret mode runs it anywhere
-    if backend in _GPU_NAMES:
-        return "gpu"
-    if backend in _TPU_NAMES:
-        return "tpu"
-    raise ValueError(f"unknown backend {backend!r}; expected 'gpu', 'tpu' or None")
 
 
 def _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, kv_layout) -> None:
@@ -101,7 +78,7 @@ def tree_attention(
     """
     check_kv_layout(kv_layout)
     _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, kv_layout)
-    kind = _resolve_backend(backend, interpret)
+    kind = resolve_backend(backend, interpret, "tree_attention")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (q, k_cache, v_cache, cache_lengths, k_new, v_new, mask)
     if kind == "tpu":
