@@ -74,7 +74,7 @@ def products_fn(target: str, kernel: str):
             if kernel == "block":
                 kind = w.block_kind
                 y = jax.ffi.ffi_call(target, out)(
-                    rows, w.packed, w.scales, w.mins, empty, empty, **common,
+                    rows, w.packed, w.scales, w.mins, w.supers, empty, empty, **common,
                     offset=np.int32(kind.offset), bits=np.int32(kind.bits))
             else:
                 y = jax.ffi.ffi_call(target, out)(rows, w.packed, w.scales.reshape(-1), empty,

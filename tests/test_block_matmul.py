@@ -1,7 +1,7 @@
 """GGUF block storage's native product (`native.block_matmul`): the kernel against the
-format's formula in float64 for Q4_0, Q4_1 and Q8_0 blocks made by the `gguf` package,
-each row of a block against that row alone, the prologues and residual against XLA's
-path, and a malformed call."""
+format's formula in float64 for Q4_0, Q4_1 and Q8_0 blocks made by the `gguf` package and
+Q4_K and Q6_K super-blocks of random bytes, each row of a block against that row alone, the
+prologues and residual against XLA's path, and a malformed call."""
 
 import re
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from eaglejax.models import gguf_blocks, llama
-from eaglejax.models.gguf_blocks import KINDS, BlockMatrix, HostBlocks
+from eaglejax.models.gguf_blocks import KINDS, BlockMatrix, HostBlocks, block_scales
 from eaglejax.models import quantized
 from eaglejax.models.quantized import BLOCK
 from eaglejax.native import block_matmul, int8_matmul
@@ -20,37 +20,65 @@ from eaglejax.native.few_row_matmul import MAX_ROWS
 from tolerances import FORWARD_UNITS, assert_close_scaled, scaled_error
 
 
+def kquant_bytes(kind: str, n: int, k: int, rng: np.random.Generator,
+                 size: float = 0.05) -> np.ndarray:
+    """Random Q4_K or Q6_K super-blocks of a matrix [n, k] as a file stores them: uint8
+    [n, k/256 * bytes], random bytes but for finite float16 super-scales that make weights
+    of about `size` (Q6_K's d of either sign)."""
+    kind_ = KINDS[kind]
+    raw = rng.integers(0, 256, size=(n, k // kind_.per_block, kind_.block_bytes), dtype=np.uint8)
+
+    def halves(scale: float, signs: bool) -> np.ndarray:
+        d = scale * rng.uniform(0.5, 1.5, size=raw.shape[:2])
+        d = d * rng.choice([-1, 1], size=d.shape) if signs else d
+        return d.astype(np.float16)[..., None].view(np.uint8)
+
+    if kind == "Q4_K":  # (d sc) q up to d 63 15, dmin m up to dmin 63
+        raw[..., 0:2] = halves(size / (63 * 15), False)
+        raw[..., 2:4] = halves(size / 2 / 63, False)
+    else:  # (d sc)(q - 32) up to d 128 32
+        raw[..., 208:210] = halves(size / (128 * 32), True)
+    return raw.reshape(n, -1)
+
+
 def blocks_of(kind: str, n: int, k: int, rng: np.random.Generator) -> HostBlocks:
-    """Random weights [n, k] quantized to `kind` by the `gguf` package, decoded from its
-    bytes."""
-    w = rng.normal(size=(n, k)).astype(np.float32) * 0.05
-    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+    """Random weights [n, k] quantized to `kind` by the `gguf` package (K-quants: random
+    super-blocks, `kquant_bytes`), decoded from its bytes."""
+    if KINDS[kind].supers:
+        raw = kquant_bytes(kind, n, k, rng)
+    else:
+        w = rng.normal(size=(n, k)).astype(np.float32) * 0.05
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
     return HostBlocks.from_file(raw, KINDS[kind], (n, k))
 
 
 def formula(x: np.ndarray, blocks: HostBlocks) -> np.ndarray:
-    """y[m,n] = sum_b t (d * sum_k (q + c) p + mn * sum_k p) in float64 (gguf_blocks'
-    docstring), p and t as the format quantizes x (float32 division, ties to even)."""
+    """y[m,n] = sum_b t (sum_s d_s * sum_{k in s} (q + c) p + mn * sum_k p) in float64
+    (gguf_blocks' docstring), p and t as the format quantizes x (float32 division, ties to
+    even)."""
     xb = x.reshape(x.shape[0], -1, BLOCK)
     t = np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)
     p = np.rint(xb / np.where(t == 0, np.float32(1), t)).astype(np.float64)
-    n = blocks.values.shape[0]
-    q = blocks.values.astype(np.float64).reshape(n, -1, BLOCK) + blocks.kind.offset
-    sums = np.einsum("mbk,nbk->mnb", p, q)
-    block = (blocks.scales.astype(np.float64)[None] * sums
-             + blocks.mins.astype(np.float64)[None] * p.sum(-1)[:, None, :])
+    kind, (n, k) = blocks.kind, blocks.values.shape
+    scale, minimum = block_scales(kind, blocks.scales, blocks.mins, blocks.supers)
+    q = blocks.values.astype(np.float64).reshape(n, -1, kind.sub) + kind.offset
+    sums = np.einsum("msk,nsk->mns", p.reshape(x.shape[0], -1, kind.sub), q)
+    block = (scale.astype(np.float64)[None] * sums).reshape(x.shape[0], n, k // BLOCK, -1)
+    block = block.sum(-1)
+    if minimum is not None:
+        block = block + minimum.astype(np.float64)[None] * p.sum(-1)[:, None, :]
     return np.einsum("mnb,mb->mn", block, t[..., 0].astype(np.float64))
 
 
 def reference(matrix: BlockMatrix, eps: float = 0.0, gated: bool = False):
     """XLA's path for `block_matmul.linear` (prologue, `gguf_blocks.product`, residual)."""
-    def run(rows, packed, scales, mins, norm, residual):
+    def run(rows, packed, scales, mins, supers, norm, residual):
         if norm is not None:
             rows = llama.rms_norm(rows, norm, eps)
         if gated:
             gate, up = jnp.split(rows, 2, axis=-1)
             rows = jax.nn.silu(gate) * up
-        y = gguf_blocks.product(rows, BlockMatrix(packed, scales, mins, matrix.shape,
+        y = gguf_blocks.product(rows, BlockMatrix(packed, scales, mins, supers, matrix.shape,
                                                   matrix.kind))
         return y if residual is None else residual + y
     return run
@@ -59,14 +87,12 @@ def reference(matrix: BlockMatrix, eps: float = 0.0, gated: bool = False):
 def kernel(matrix: BlockMatrix, *, norm=None, eps: float = 0.0, gated: bool = False,
            residual=None):
     """The native product as a jitted function of x."""
-    kind = matrix.block_kind
     ref = reference(matrix, eps, gated)
-    return jax.jit(lambda x: block_matmul.linear(
-        x, matrix.packed, matrix.scales, matrix.mins, ref, offset=kind.offset,
-        bits=kind.bits, norm=norm, eps=eps, gated=gated, residual=residual))
+    return jax.jit(lambda x: block_matmul.linear(x, matrix, ref, norm=norm, eps=eps,
+                                                 gated=gated, residual=residual))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_kernel_equals_the_formula_and_each_row_alone(kind):
     """Integer block sums are exact, so against the formula in float64 only float32
     rounding of the block scaling remains (noise units of one layer), for 1 to 16 rows
@@ -75,7 +101,7 @@ def test_kernel_equals_the_formula_and_each_row_alone(kind):
     formula."""
     assert block_matmul.available()
     rng = np.random.default_rng(list(KINDS).index(kind))
-    for n, k in [(48, 64), (64, 96)]:
+    for n, k in [(48, 256), (32, 512)] if KINDS[kind].supers else [(48, 64), (64, 96)]:
         blocks = blocks_of(kind, n, k, rng)
         matrix = gguf_blocks.pack(blocks)
         x = rng.normal(size=(MAX_ROWS, k)).astype(np.float32)
@@ -106,11 +132,9 @@ def test_more_rows_than_a_call_go_in_blocks():
     x = rng.normal(size=(37, 96)).astype(np.float32)
     residual = rng.normal(size=(37, 64)).astype(np.float32)
     norm = jnp.asarray(rng.normal(size=96).astype(np.float32))
-    kind = matrix.block_kind
     ref = reference(matrix, 1e-5, False)
-    product = jax.jit(lambda x, r: block_matmul.linear(
-        x, matrix.packed, matrix.scales, matrix.mins, ref, offset=kind.offset, bits=kind.bits,
-        norm=norm, eps=1e-5, residual=r))
+    product = jax.jit(lambda x, r: block_matmul.linear(x, matrix, ref, norm=norm, eps=1e-5,
+                                                       residual=r))
     alone = np.concatenate([np.asarray(product(x[i:i + 1], residual[i:i + 1]))
                             for i in range(37)])
     np.testing.assert_array_equal(np.asarray(product(x, residual)), alone)
@@ -126,16 +150,17 @@ def test_more_rows_than_a_call_go_in_blocks():
     np.testing.assert_array_equal(np.asarray(int8_product(x)), alone)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_kernel_prologues_and_residual(kind):
     """RMS norm first, silu(gate) * up first, a residual after: as XLA computes them."""
     rng = np.random.default_rng(7)
-    matrix = gguf_blocks.pack(blocks_of(kind, 64, 96, rng))
-    x = jnp.asarray(rng.normal(size=(6, 96)), jnp.float32)
-    gate_up = jnp.asarray(rng.normal(size=(6, 192)), jnp.float32)
-    norm = jnp.asarray(1.0 + 0.1 * rng.normal(size=(96,)), jnp.float32)
+    k = KINDS[kind].per_block * 3
+    matrix = gguf_blocks.pack(blocks_of(kind, 64, k, rng))
+    x = jnp.asarray(rng.normal(size=(6, k)), jnp.float32)
+    gate_up = jnp.asarray(rng.normal(size=(6, 2 * k)), jnp.float32)
+    norm = jnp.asarray(1.0 + 0.1 * rng.normal(size=(k,)), jnp.float32)
     residual = jnp.asarray(rng.normal(size=(6, 64)), jnp.float32)
-    arrays = (matrix.packed, matrix.scales, matrix.mins)
+    arrays = (matrix.packed, matrix.scales, matrix.mins, matrix.supers)
     cases = {"norm": (x, dict(norm=norm, eps=1e-5, residual=residual)),
              "gated": (gate_up, dict(gated=True, residual=residual))}
     for name, (rows, options) in cases.items():
@@ -174,11 +199,17 @@ def test_xla_products_multiply_the_stored_int8_values():
 
 
 def test_malformed_call_is_refused():
-    """A 4-bit matrix's arrays called as 8-bit: the scales do not match, and the kernel
-    says what it expects."""
-    matrix = gguf_blocks.pack(blocks_of("Q4_1", 48, 64, np.random.default_rng(3)))
-    x = jnp.ones((2, 64), jnp.float32)
-    call = jax.jit(lambda x: block_matmul.linear(
-        x, matrix.packed, matrix.scales, matrix.mins, reference(matrix), offset=0, bits=8))
-    with pytest.raises(jax.errors.JaxRuntimeError, match=r"scales float16 \[N/16,K/32,16\]"):
-        jax.block_until_ready(call(x))
+    """A 4-bit matrix's arrays called as 8-bit, and a Q6_K matrix's without its supers: the
+    scales do not match, and the kernel says what it expects."""
+    rng = np.random.default_rng(3)
+    q4_1 = gguf_blocks.pack(blocks_of("Q4_1", 48, 64, rng))
+    q6_k = gguf_blocks.pack(blocks_of("Q6_K", 48, 256, rng))
+    empty = jnp.zeros((0,), jnp.float16)
+    for matrix, bits, supers in ((q4_1, 8, q4_1.supers), (q6_k, 6, empty)):
+        out = jax.ShapeDtypeStruct((2, 48), jnp.float32)
+        call = jax.jit(lambda x: jax.ffi.ffi_call(block_matmul.TARGET, out)(
+            x, matrix.packed, matrix.scales, matrix.mins, supers, jnp.zeros((0,), jnp.float32),
+            jnp.zeros((0,), jnp.float32), prologue=np.int32(0), eps=np.float32(0),
+            offset=np.int32(0), bits=np.int32(bits)))
+        with pytest.raises(jax.errors.JaxRuntimeError, match=r"scales float16 \[N/16,K/32,16\]"):
+            jax.block_until_ready(call(jnp.ones((2, matrix.shape[-1]), jnp.float32)))

@@ -1,6 +1,7 @@
-"""GGUF blocks kept as stored (`load_target(..., weight_dtype="gguf")`, `models.gguf_blocks`):
-the values against the `gguf` package's own dequantization, the model against transformers
-computing the same weights on int8-rounded inputs, and decoding on it."""
+"""GGUF blocks kept as stored (`load_target(..., weight_dtype="gguf")`, `models.gguf_blocks`;
+Q4_0 / Q4_1 / Q8_0 files and Q4_K / Q6_K ones): the values against the `gguf` package's own
+dequantization, the model against transformers computing the same weights on int8-rounded
+inputs, decoding on it, and checkpoints."""
 
 import gguf
 import jax
@@ -15,6 +16,7 @@ from eaglejax.loading.gguf_file import read_gguf
 from eaglejax.models import gguf_blocks
 from eaglejax.models.gguf_blocks import BlockMatrix, HostBlocks
 from hf_oracle import hf_logits
+from test_block_matmul import kquant_bytes
 from test_gguf import _gguf_name, _hf_model, _write_tiny
 from test_int8_storage import quantized_x
 from tolerances import FORWARD_UNITS, scaled_error
@@ -263,3 +265,109 @@ def test_block_checkpoints_reload_as_stored(tiny_gguf, hf_family, tmp_path):
         eaglejax.load_target(str(tmp_path / "int4-ck"))
     assert main(["convert", str(path), str(tmp_path / "gguf-ck"),
                  "--quantize", "gguf"]) != 0  # nothing saved is overwritten
+
+
+# a Q4_K_M-like mix: layer 0 Q4_K but w_down Q6_K; layer 1 Q6_K but v_proj Q4_K (q/k/v then
+# differ and their fused matrix is widened); the embedding Q4_K, the output head Q6_K
+K_KINDS = {"token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K,
+           "blk.1.attn_v.weight": Q.Q4_K}
+for _name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+    K_KINDS.setdefault(f"blk.0.{_name}.weight", Q.Q4_K)
+    K_KINDS.setdefault(f"blk.1.{_name}.weight", Q.Q6_K)
+
+
+def write_kquant_gguf(path):
+    """(path, HF config, HF tensors as the file's dequantized values) of a random llama of
+    width 256 whose matrices are random Q4_K / Q6_K super-blocks as K_KINDS says (w_down's
+    K = 512: two super-blocks)."""
+    cfg, sd = _hf_model("llama", seed=6, hidden_size=256, intermediate_size=512)
+    rng = np.random.default_rng(6)
+    raw = {}
+    for hf, value in sd.items():
+        name = _gguf_name(hf)
+        if name in K_KINDS:
+            raw[name] = (kquant_bytes(K_KINDS[name].name, *value.shape, rng), K_KINDS[name])
+    _write_tiny(path, "llama", cfg, sd, permute=True, q8=False, raw=raw)
+    return path, cfg, read_gguf(path).tensors
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory):
+    return write_kquant_gguf(tmp_path_factory.mktemp("kquants") / "tiny-kquants.gguf")
+
+
+def test_kquant_blocks_are_the_files_values_and_bad_data_is_named(kquant_gguf, tmp_path):
+    """Q4_K and Q6_K matrices are kept as stored and dequantize to exactly the `gguf`
+    package's values (through the packed layout and an embedding lookup too); a fused matrix
+    of both kinds is widened; a K-quant tensor whose bytes do not fit its shape is refused
+    naming the file and the tensor."""
+    path, cfg, want = kquant_gguf
+    target = eaglejax.load_target(path, weight_dtype="gguf")
+    assert target.storage == "Q4_K + Q6_K blocks"
+    float_target = eaglejax.load_target(path)
+    layers = target.params["layers"]
+    expect = {(0, "wqkv"): "Q4_K", (0, "w_gate_up"): "Q4_K", (0, "w_down"): "Q6_K",
+              (1, "wo"): "Q6_K", (1, "w_down"): "Q6_K", (1, "wqkv"): None}
+    for (i, key), kind in expect.items():
+        leaf, wide = layers[i][key], float_target.params["layers"][i][key]
+        assert kind is None or (isinstance(leaf, BlockMatrix) and leaf.kind == kind), (i, key)
+        np.testing.assert_array_equal(np.asarray(leaf if kind is None else leaf.dequantized()),
+                                      wide)
+    assert (target.params["embed"].kind, target.params["lm_head"].kind) == ("Q4_K", "Q6_K")
+    for key in ("embed", "lm_head"):
+        np.testing.assert_array_equal(target.params[key].dequantized(), float_target.params[key])
+    ids = jnp.array([[0, 7, 319], [18, 3, 200]])
+    np.testing.assert_array_equal(target.params["embed"].rows(ids),
+                                  want["model.embed_tokens.weight"][np.asarray(ids)])
+
+    cfg_b, sd = _hf_model("llama", seed=6, hidden_size=256, intermediate_size=512)
+    rng = np.random.default_rng(1)
+    short = kquant_bytes("Q6_K", 128, 1024, rng)  # the bytes of [128, 1024], not [256, 512]
+    _write_tiny(tmp_path / "bad.gguf", "llama", cfg_b, sd, permute=True, q8=False,
+                raw={"blk.0.ffn_down.weight": (short, Q.Q6_K)})
+    with pytest.raises(LoadError, match=r"bad\.gguf: tensor 'blk\.0\.ffn_down\.weight' .*Q6_K"):
+        eaglejax.load_target(tmp_path / "bad.gguf", weight_dtype="gguf")
+
+
+def test_kquant_model_matches_transformers_computing_it(kquant_gguf):
+    """The oracle of `test_blocks_match_transformers_computing_them` for the K-quant file:
+    transformers with its dequantized weights and int8-rounded inputs (blocks of 32) to every
+    product kept in blocks."""
+    from transformers import LlamaForCausalLM
+
+    path, cfg, want_tensors = kquant_gguf
+    target = eaglejax.load_target(path, weight_dtype="gguf")
+    oracle = LlamaForCausalLM(cfg).eval()
+    oracle.load_state_dict({k: torch.from_numpy(v) for k, v in want_tensors.items()},
+                           strict=False)
+    float_model = LlamaForCausalLM(cfg).eval()
+    float_model.load_state_dict(oracle.state_dict())
+    widened = ("layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj",
+               "layers.1.self_attn.v_proj")
+    for name, module in oracle.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith(widened):
+            module.register_forward_pre_hook(_round_input)
+    _assert_close_to_oracle(target, oracle, float_model, cfg)
+
+
+def test_kquant_checkpoints_reload_as_stored(kquant_gguf, tmp_path):
+    """Q4_K and Q6_K blocks saved (`Target.save`, `eaglejax convert --quantize gguf`) reload
+    bit for bit under None, "auto" and "gguf", and load onto a mesh."""
+    from eaglejax.cli import main
+
+    path, _, _ = kquant_gguf
+    blocks = eaglejax.load_target(path, weight_dtype="gguf")
+    blocks.save(str(tmp_path / "saved"))
+    assert main(["convert", str(path), str(tmp_path / "ck"), "--quantize", "gguf"]) == 0
+    ids = [[5, 6, 7, 8, 9, 10]]
+    want = np.asarray(blocks.logits(ids))
+    for directory, weight_dtype in (("saved", None), ("ck", "auto"), ("ck", "gguf")):
+        got = eaglejax.load_target(str(tmp_path / directory), weight_dtype=weight_dtype)
+        assert got.storage == "Q4_K + Q6_K blocks"
+        pairs = list(zip(jax.tree.leaves(got.params), jax.tree.leaves(blocks.params)))
+        assert len(pairs) == len(jax.tree.leaves(blocks.params))
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in pairs)
+    np.testing.assert_array_equal(got.logits(ids), want)
+    on_mesh = eaglejax.load_target(str(tmp_path / "ck"), mesh=eaglejax.make_mesh(tp=1, dp=1))
+    assert on_mesh.storage == "Q4_K + Q6_K blocks"
+    np.testing.assert_array_equal(on_mesh.logits(ids), want)

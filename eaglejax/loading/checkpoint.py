@@ -143,7 +143,7 @@ def _block_kinds(manifest: dict, config: ModelConfig, source: str) -> dict[str, 
         if kind not in gguf_blocks.KINDS:
             raise LoadError(f"{source}: 'blocks' gives {key!r} the kind {kind!r}; this "
                             f"eaglejax reads {sorted(gguf_blocks.KINDS)}")
-        if not gguf_blocks.tiles(matrices[key]):
+        if not gguf_blocks.tiles(matrices[key], gguf_blocks.KINDS[kind].per_block):
             raise LoadError(f"{source}: {key!r} of shape {matrices[key]} cannot be kept in "
                             f"blocks")
     return blocks

@@ -342,11 +342,12 @@ def _blocks(t: Any, shape: tuple[int, ...], config: dict[str, Any], arch: str,
     """A matrix's blocks as stored (`HostBlocks`), q/k rows unpermuted as `read_gguf` does."""
     kind = KINDS[t.tensor_type.name]
     raw = np.asarray(t.data)
-    if tuple(reversed([int(d) for d in t.shape])) != shape \
-            or raw.size != math.prod(shape) // 32 * kind.block_bytes:
+    if tuple(reversed([int(d) for d in t.shape])) != shape or shape[-1] % kind.per_block \
+            or raw.size != math.prod(shape) // kind.per_block * kind.block_bytes:
         raise LoadError(f"{path}: tensor {t.name!r} has shape {list(t.shape)[::-1]} in "
                         f"{raw.size} bytes of {kind.name}, expected {list(shape)} from the "
-                        f"metadata")
+                        f"metadata in blocks of {kind.per_block} weights, {kind.block_bytes} "
+                        f"bytes each")
     blocks = HostBlocks.from_file(raw, kind, shape)
     heads = {".attn_q.": "num_attention_heads", ".attn_k.": "num_key_value_heads"}
     for part, key in heads.items():
@@ -389,7 +390,8 @@ def _expected_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 def read_gguf(path: str | os.PathLike[str], keep_blocks: bool = False) -> GGUFModel:
     """Read a GGUF model: HF config, float32 HF-named tensors and its tokenizer.
     `keep_blocks`: matrices in a block type eaglejax computes with as stored
-    (`models.gguf_blocks.KINDS`: Q4_0, Q4_1, Q8_0) go to `blocks`, decoded but not widened.
+    (`models.gguf_blocks.KINDS`: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) go to `blocks`, decoded but
+    not widened.
 
     Raises LoadError (naming the file and the cause) for a missing, truncated or corrupt
     file, an unsupported architecture or quantization type, or missing metadata/tensors.

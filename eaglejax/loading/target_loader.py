@@ -50,8 +50,8 @@ def fastest_weight_dtype() -> jnp.dtype | None:
 
 
 def blocks_decode_fastest() -> bool:
-    """Whether a GGUF file's own blocks (Q4_0, Q4_1, Q8_0: `models.gguf_blocks`) decode
-    faster here than any storage `fastest_weight_dtype` picks: on a CPU with AVX-512 VNNI
+    """Whether a GGUF file's own blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: `models.gguf_blocks`)
+    decode faster here than any storage `fastest_weight_dtype` picks: on a CPU with AVX-512 VNNI
     where the native kernels run (`native.block_matmul`; BENCHMARKS.md)."""
     if jax.default_backend() != "cpu" or not build.enabled() or build.compiler() is None:
         return False
@@ -70,7 +70,8 @@ def load_target(path_or_name: str | Path | ResolvedSource, *,
     `blocks_decode_fastest`, else `fastest_weight_dtype`; what `eaglejax generate`,
     `eaglejax bench` and `eaglejax.generate()` use; a checkpoint saved in int8, int4 or a
     GGUF file's blocks stays as saved),
-    "gguf" for a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices as stored (`models.gguf_blocks`),
+    "gguf" for a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matrices as stored
+    (`models.gguf_blocks`),
     None as loaded.
     `mesh` (`eaglejax.make_mesh`): every weight goes from the file straight into its
     sharding on the mesh (`eaglejax.models.placement`), never whole onto one device; a
@@ -220,6 +221,6 @@ def _stored_blocks(config: ModelConfig, blocks: dict[str, HostBlocks]) -> Stored
         if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
             return None
         fused = parts[0].map(lambda *a: fuse_matrix(config, key, list(a)), *parts[1:])
-        return pack(fused) if tiles(fused.shape) else None
+        return pack(fused) if tiles(fused.shape, fused.kind.per_block) else None
 
     return stored

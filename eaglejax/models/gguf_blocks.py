@@ -1,27 +1,43 @@
-"""GGUF block storage kept as the file stores it (Q4_0, Q4_1, Q8_0), products on int8
-activations as llama.cpp computes them on CPUs.
+"""GGUF block storage kept as the file stores it (Q4_0, Q4_1, Q8_0 and the K-quants Q4_K,
+Q6_K), products on int8 activations as llama.cpp computes them on CPUs.
 
 A GGUF block holds 32 consecutive weights of one row: a float16 scale d, for Q4_1 a float16
 minimum m, and 32 stored values q (4 or 8 bits). The weights are exactly
 
     Q4_0: d * (q - 8)      Q4_1: d * q + m      Q8_0: d * q   (q signed for Q8_0)
 
-and a product never forms them: x is quantized per row and block of 32 as int8 storage's
-products do (`models.quantized.quantized_rows`: p = round(x / t), t = max|x| / 127), and
+A K-quant super-block holds 256 weights of one row (`models.gguf_kquants` reads its bytes):
+float16 super-scales and integer scales of sub-blocks of 32 (Q4_K) or 16 (Q6_K), with
 
-    y[i, n] = sum_b t[i, b] * (d[n, b] * sum_{k in b} (q[n, k] + c) p[i, k]
-                               + m[n, b] * sum_{k in b} p[i, k])
+    Q4_K: (d * sc) * q - dmin * m  (sc, m 6-bit; q 4-bit)    Q6_K: (d * sc) * (q - 32)
+                                                              (sc int8; q 6-bit)
 
-with c = -8, 0 or -128 (Q8_0's values are stored offset by 128, unsigned) and the sums over a
-block in integers: the file's exact weights times x rounded to int8 blocks of 32 (the native
-kernel `native.block_matmul` in registers; `product` with XLA's operations, the values
-unpacked to int8 and the block sums an s8 x s8 -> s32 dot: `models.quantized.block_sums`). A step reads 4.5 / 5 / 8.5 bits a weight: the stream of SmolLM2's Q4_1 file.
+(each product exact in float32: the `gguf` package's float32 dequantization). Every kind is
+thus a scale s per sub-block of 16 or 32 (d, or d * sc) and for Q4_1 / Q4_K a minimum mn per
+block of 32 (m, or -dmin * m). A product never forms the weights: x is quantized per row and
+block of 32 as int8 storage's products do (`models.quantized.quantized_rows`: p = round(x /
+t), t = max|x| / 127), and
+
+    y[i, n] = sum_b t[i, b] * (sum_{s in b} s[n, s] * sum_{k in s} (q[n, k] + c) p[i, k]
+                               + mn[n, b] * sum_{k in b} p[i, k])
+
+with c = -8, 0, -128 (Q8_0's values are stored offset by 128, unsigned) or -32 and the sums
+over a sub-block in integers: the file's exact weights times x rounded to int8 blocks of 32
+(the native kernel `native.block_matmul` in registers; `product` with XLA's operations, the
+values unpacked to int8 and the sub-block sums an s8 x s8 -> s32 dot:
+`models.quantized.block_sums`). A step reads 4.5 / 5 / 8.5 / 4.625 / 6.5625 bits a weight.
 
 Layout (the kernel's): tiles of 16 output rows; each 4 consecutive k of the 16 rows form one
 64-byte line of unsigned bytes (as AVX-512 VNNI reads them). 8-bit values: packed
 [N/16, K/4, 16, 4] (q + 128). 4-bit values: two lines share 64 bytes, group 2j in the low
-nibbles and group 2j + 1 in the high ones: packed [N/16, K/8, 16, 4]. Scales and minimums:
-float16 [N/16, K/32, 16]; `mins` is empty ([0]) where the kind has none.
+nibbles and group 2j + 1 in the high ones: packed [N/16, K/8, 16, 4]. 6-bit values: per
+block of 32, its low 4 bits as 4-bit values are packed (4 lines) and then their high 2 bits
+in 2 lines, groups 4i..4i + 3 of the block in line i at bits 0, 2, 4, 6: packed
+[N/16, 6 K/32, 16, 4]. Scales: float16 [N/16, K/32, 16] (Q4_0, Q4_1, Q8_0), the integer sc
+of Q4_K (uint8 [N/16, K/32, 16]) and Q6_K (int8 [N/16, K/16, 16]); minimums: float16
+[N/16, K/32, 16] (Q4_1), Q4_K's integer m (uint8, the same shape), else empty ([0]); supers:
+a K-quant's float16 [N/16, K/256, 2, 16] (d, dmin: Q4_K) or [N/16, K/256, 1, 16] (d: Q6_K),
+else empty.
 """
 
 from __future__ import annotations
@@ -35,52 +51,125 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eaglejax.models import gguf_kquants
 from eaglejax.models.quantized import (
     BLOCK, TILE, QuantizedMatrix, block_sums, is_int8, quantized_blocks)
+
+SUPER = gguf_kquants.SUPER
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockKind:
-    """One GGUF block type: its name, bits a stored value, the offset c of the formula, and
-    whether blocks carry a minimum."""
+    """One GGUF block type: its name, bits a stored value, the offset c of the formula,
+    whether blocks carry a minimum, bytes and weights of one block in a file, weights per
+    scale (`sub`), float16 super-scales per super-block (`supers`: 0 for 32-weight kinds)
+    and the dtype of its scales (and minimums) as kept."""
 
     name: str
     bits: int
     offset: int
     has_min: bool
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block in a GGUF file."""
-        return 2 + 2 * self.has_min + BLOCK * self.bits // 8
+    block_bytes: int
+    per_block: int = BLOCK
+    sub: int = BLOCK
+    supers: int = 0
+    scale_dtype: str = "float16"
 
 
 KINDS: dict[str, BlockKind] = {
-    "Q4_0": BlockKind("Q4_0", 4, -8, False),
-    "Q4_1": BlockKind("Q4_1", 4, 0, True),
-    "Q8_0": BlockKind("Q8_0", 8, -128, False),
+    "Q4_0": BlockKind("Q4_0", 4, -8, False, 18),
+    "Q4_1": BlockKind("Q4_1", 4, 0, True, 20),
+    "Q8_0": BlockKind("Q8_0", 8, -128, False, 34),
+    "Q4_K": BlockKind("Q4_K", 4, 0, True, 144, SUPER, BLOCK, 2, "uint8"),
+    "Q6_K": BlockKind("Q6_K", 6, -32, False, 210, SUPER, 16, 1, "int8"),
 }
+
+
+def block_scales(kind: BlockKind, scales: Any, mins: Any, supers: Any
+                 ) -> tuple[Any, Any]:
+    """The float32 scale s of every sub-block [..., K/sub] and minimum mn of every block of
+    32 [..., K/32] (None without) from a matrix's kept scales [..., K/sub], minimums
+    [..., K/32] and supers [..., K/256, c], rows first (numpy or JAX arrays):
+    d * sc and -(dmin * m) for the K-quants, each exact."""
+    if not kind.supers:
+        return scales.astype(np.float32), mins.astype(np.float32) if kind.has_min else None
+
+    def times(column: int, ints: Any) -> Any:  # a super-scale times its sub-blocks' ints
+        per = ints.reshape(*ints.shape[:-1], supers.shape[-2], -1)
+        return (supers[..., column:column + 1].astype(np.float32)
+                * per.astype(np.float32)).reshape(ints.shape)
+
+    return times(0, scales), -times(1, mins) if kind.has_min else None
+
+
+def weights(kind: BlockKind, q: Any, scale: Any, minimum: Any) -> Any:
+    """Float32 weights [..., K] from values q + c [..., K] (float32) and `block_scales`."""
+    w = scale[..., None] * q.reshape(*scale.shape, -1)
+    if minimum is not None:
+        w = w.reshape(*minimum.shape, -1) + minimum[..., None]
+    return w.reshape(q.shape)
+
+
+def unpacked_lines(packed: Any, bits: int) -> Any:
+    """Stored values uint8 [..., K/4, J, 4] from the kernel's lines [..., K bits/32, J, 4]
+    (module docstring; J = 16 for a tile's rows)."""
+    if bits == 8:
+        return packed
+    lead, (lines, j, _) = packed.shape[:-3], packed.shape[-3:]
+    if bits == 4:
+        q = jnp.stack([packed & 0x0F, packed >> 4], axis=-3)  # [..., K/8, 2, J, 4]
+        return q.reshape(*lead, 2 * lines, j, 4)
+    blocks = packed.reshape(*lead, lines // 6, 6, j, 4)
+    nibbles, crumbs = blocks[..., :4, :, :], blocks[..., 4:, :, :]
+    low = jnp.stack([nibbles & 0x0F, nibbles >> 4], axis=-3)  # [..., K/32, 4, 2, J, 4]
+    high = jnp.stack([(crumbs >> s) & 0x03 for s in (0, 2, 4, 6)], axis=-3)
+    q = low.reshape(*lead, -1, 8, j, 4) | (high.reshape(*lead, -1, 8, j, 4) << 4)
+    return q.reshape(*lead, lines // 6 * 8, j, 4)
+
+
+def packed_lines(q: np.ndarray, bits: int) -> np.ndarray:
+    """`unpacked_lines`' inverse: values uint8 [T, K/4, 16, 4] in the kernel's lines."""
+    t, groups = q.shape[:2]
+    if bits == 4:  # groups 2j (low nibble) and 2j + 1 (high) share a line
+        q = q.reshape(t, groups // 2, 2, TILE, 4)
+        return q[:, :, 0] | (q[:, :, 1] << 4)
+    if bits == 6:  # per block of 32: its low nibbles as 4-bit lines, then 2 lines of crumbs
+        blocks = q.reshape(t, groups // 8, 8, TILE, 4)
+        low = blocks & 0x0F
+        nibbles = low[:, :, 0::2] | (low[:, :, 1::2] << 4)
+        high = (blocks >> 4).reshape(t, groups // 8, 2, 4, TILE, 4)
+        crumbs = sum(high[:, :, :, s] << (2 * s) for s in range(4)).astype(np.uint8)
+        return np.concatenate([nibbles, crumbs], axis=2).reshape(t, groups // 8 * 6, TILE, 4)
+    return q
 
 
 @dataclasses.dataclass
 class HostBlocks:
     """A GGUF matrix's blocks decoded on the host, rows kept in order: `values` uint8 [N, K]
-    (q, or q + 128 for Q8_0), `scales` and `mins` float16 [N, K/32] (mins zero where the
-    kind has none). Leading dims of `values` and the scales may be reshaped together."""
+    (q, or q + 128 for Q8_0), `scales` [N, K/sub] and `mins` [N, K/32] (None where the kind
+    has none) in the kind's scale dtype, `supers` float16 [N, K/256, c] (None but for
+    K-quants). Leading dims of all may be reshaped together."""
 
     kind: BlockKind
     values: np.ndarray
     scales: np.ndarray
-    mins: np.ndarray
+    mins: np.ndarray | None = None
+    supers: np.ndarray | None = None
 
     @classmethod
     def from_file(cls, raw: np.ndarray, kind: BlockKind, shape: tuple[int, int]) -> "HostBlocks":
-        """A matrix [N, K] from a GGUF tensor's bytes (`raw` uint8, N rows of K/32 blocks)."""
+        """A matrix [N, K] from a GGUF tensor's bytes (`raw` uint8, N rows of K/per_block
+        blocks)."""
         n, k = shape
-        blocks = np.ascontiguousarray(raw, np.uint8).reshape(n, k // BLOCK, kind.block_bytes)
+        blocks = np.ascontiguousarray(raw, np.uint8).reshape(n, k // kind.per_block,
+                                                             kind.block_bytes)
+        if kind.name == "Q4_K":
+            return cls(kind, *gguf_kquants.q4_k(blocks))
+        if kind.name == "Q6_K":
+            q, scales, supers = gguf_kquants.q6_k(blocks)
+            return cls(kind, q, scales, None, supers)
         scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-        mins = blocks[..., 2:4].copy().view(np.float16)[..., 0] if kind.has_min \
-            else np.zeros_like(scales)
+        mins = blocks[..., 2:4].copy().view(np.float16)[..., 0] if kind.has_min else None
         q = blocks[..., 2 + 2 * kind.has_min:]
         if kind.bits == 4:  # value j < 16 in the low nibble of byte j, j >= 16 in the high
             q = np.concatenate([q & 0x0F, q >> 4], axis=-1)
@@ -89,43 +178,47 @@ class HostBlocks:
         return cls(kind, q.reshape(n, k), scales, mins)
 
     def map(self, fn: Callable[..., np.ndarray], *others: "HostBlocks") -> "HostBlocks":
-        """`fn` applied to the values, scales and minimums of this and `others` (of one
-        kind) alike: row reshapes, permutations, concatenations."""
+        """`fn` applied to the values, scales, minimums and supers of this and `others` (of
+        one kind) alike: row reshapes, permutations, concatenations."""
         parts = (self, *others)
         if len({p.kind for p in parts}) != 1:
             raise ValueError(f"cannot combine blocks of kinds {[p.kind.name for p in parts]}")
-        return HostBlocks(self.kind, *(fn(*(getattr(p, a) for p in parts))
-                                       for a in ("values", "scales", "mins")))
+
+        def mapped(name: str) -> np.ndarray | None:
+            arrays = [getattr(p, name) for p in parts]
+            return None if arrays[0] is None else fn(*arrays)
+
+        return HostBlocks(self.kind, *map(mapped, ("values", "scales", "mins", "supers")))
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.values.shape
 
     def dequantized(self) -> np.ndarray:
-        """The weights in float32, as the `gguf` package computes them (scale times value,
-        then the minimum added)."""
+        """The weights in float32, as the `gguf` package computes them."""
         q = self.values.astype(np.float32) + np.float32(self.kind.offset)
-        q = q.reshape(*self.scales.shape, BLOCK)
-        w = self.scales.astype(np.float32)[..., None] * q
-        if self.kind.has_min:
-            w = w + self.mins.astype(np.float32)[..., None]
-        return w.reshape(self.values.shape)
+        return weights(self.kind, q, *block_scales(self.kind, self.scales, self.mins,
+                                                    self.supers))
+
+
+def _empty() -> jax.Array:
+    return jnp.zeros((0,), jnp.float16)
 
 
 @jax.tree_util.register_pytree_node_class
 class BlockMatrix(QuantizedMatrix):
     """A matrix [..., K] kept in GGUF blocks (module docstring): `packed` uint8 in the
-    kernel's layout, `scales` and `mins` float16 [N/16, K/32, 16] (`mins` [0] without a
-    minimum), N the product of the leading dims of `shape` (the logical shape); `split`:
-    the leading [N/16] of each as [*shape[:-2], shape[-2]/16]."""
+    kernel's layout, `scales`, `mins` and `supers` per tile (empty [0] where the kind has
+    none), N the product of the leading dims of `shape` (the logical shape); `split`: the
+    leading [N/16] of each as [*shape[:-2], shape[-2]/16]."""
 
     def __init__(self, packed: jax.Array, scales: jax.Array, mins: jax.Array,
-                 shape: tuple[int, ...], kind: str):
-        self.packed, self.scales, self.mins = packed, scales, mins
+                 supers: jax.Array, shape: tuple[int, ...], kind: str):
+        self.packed, self.scales, self.mins, self.supers = packed, scales, mins, supers
         self.shape, self.kind = tuple(shape), kind
 
     def tree_flatten(self):
-        return (self.packed, self.scales, self.mins), (self.shape, self.kind)
+        return (self.packed, self.scales, self.mins, self.supers), (self.shape, self.kind)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -136,79 +229,88 @@ class BlockMatrix(QuantizedMatrix):
 
     def arranged(self, rows: tuple[int, ...]) -> "BlockMatrix":
         def rearranged(a: jax.Array, tile_dims: int) -> jax.Array:
-            return a.reshape(*rows, *a.shape[-tile_dims:])
+            return a if a.ndim == 1 else a.reshape(*rows, *a.shape[-tile_dims:])
 
-        mins = self.mins if self.mins.ndim == 1 else rearranged(self.mins, 2)
-        return BlockMatrix(rearranged(self.packed, 3), rearranged(self.scales, 2), mins,
-                           self.shape, self.kind)
+        return BlockMatrix(rearranged(self.packed, 3), rearranged(self.scales, 2),
+                           rearranged(self.mins, 2), rearranged(self.supers, 3), self.shape,
+                           self.kind)
 
     @classmethod
     def abstract(cls, shape: tuple[int, ...], kind: str) -> "BlockMatrix":
         """The storage of a matrix of `shape` in blocks of `kind` as shapes and dtypes only,
-        as a checkpoint saves it (`savable`: no minimums saved where the kind has none)."""
-        n, k, block_kind = math.prod(shape[:-1]), shape[-1], KINDS[kind]
-        per_tile = jax.ShapeDtypeStruct((n // TILE, k // BLOCK, TILE), jnp.float16)
-        return cls(jax.ShapeDtypeStruct((n // TILE, k * block_kind.bits // 32, TILE, 4),
-                                        jnp.uint8), per_tile,
-                   per_tile if block_kind.has_min else None, shape, kind)
+        as a checkpoint saves it (`savable`: no empty minimums or supers)."""
+        n, k, bk = math.prod(shape[:-1]), shape[-1], KINDS[kind]
+        tiles_ = n // TILE
+
+        def struct(*dims: int, dtype: Any = bk.scale_dtype) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct((tiles_, *dims), jnp.dtype(dtype))
+
+        return cls(struct(k * bk.bits // 32, TILE, 4, dtype=jnp.uint8), struct(k // bk.sub, TILE),
+                   struct(k // BLOCK, TILE) if bk.has_min else None,
+                   struct(k // SUPER, bk.supers, TILE, dtype=jnp.float16) if bk.supers
+                   else None, shape, kind)
 
     def savable(self) -> "BlockMatrix":
-        """This matrix as a checkpoint saves it: `flat`, the empty minimums of a kind without
-        them left out (orbax saves no zero-size array); `restored` puts them back."""
-        flat = self.flat()
-        return flat if self.block_kind.has_min else \
-            BlockMatrix(flat.packed, flat.scales, None, self.shape, self.kind)
+        """This matrix as a checkpoint saves it: `flat`, the empty minimums and supers of a
+        kind without them left out (orbax saves no zero-size array); `restored` puts them
+        back."""
+        flat, kind = self.flat(), self.block_kind
+        return BlockMatrix(flat.packed, flat.scales, flat.mins if kind.has_min else None,
+                           flat.supers if kind.supers else None, self.shape, self.kind)
 
     def restored(self) -> "BlockMatrix":
         """A matrix as `savable` left it, whole again."""
-        return self if self.mins is not None else \
-            BlockMatrix(self.packed, self.scales, jnp.zeros((0,), jnp.float16), self.shape,
-                        self.kind)
+        return BlockMatrix(self.packed, self.scales,
+                           _empty() if self.mins is None else self.mins,
+                           _empty() if self.supers is None else self.supers, self.shape,
+                           self.kind)
 
     @property
     def block_kind(self) -> BlockKind:
         return KINDS[self.kind]
 
     @property
+    def k_block(self) -> int:
+        """Weights along K that the storage's arrays keep together (a mesh splits K only
+        between them): 256 for K-quants, else 32."""
+        return self.block_kind.per_block
+
+    @property
     def nbytes(self) -> int:
         return sum(math.prod(a.shape) * a.dtype.itemsize
-                   for a in (self.packed, self.scales, self.mins))
+                   for a in (self.packed, self.scales, self.mins, self.supers))
 
     def reshape(self, *shape: int) -> "BlockMatrix":
         """The same storage (`flat`) under another logical shape with the same last dim."""
         flat = self.flat()
-        return BlockMatrix(flat.packed, flat.scales, flat.mins, self.reshaped(*shape),
-                           self.kind)
+        return BlockMatrix(flat.packed, flat.scales, flat.mins, flat.supers,
+                           self.reshaped(*shape), self.kind)
 
     def tile_values(self) -> jax.Array:
-        """The stored values q + c (c the kind's offset) as int8 in the tile layout
+        """The stored values q + c as int8 (c the kind's offset) in the tile layout
         [N/16, K/4, 16, 4]."""
-        kind, packed = self.block_kind, self.flat().packed
-        tiles, lines = packed.shape[:2]
-        if kind.bits == 4:  # [T, K/8, 16, 4] -> [T, K/8, 2, 16, 4]: low nibbles first
-            q = jnp.stack([packed & 0x0F, packed >> 4], axis=2)
-            q = q.reshape(tiles, 2 * lines, TILE, 4)
-        else:
-            q = packed
-        return (q.astype(jnp.int16) + kind.offset).astype(jnp.int8)
+        q = unpacked_lines(self.flat().packed, self.block_kind.bits)
+        return (q.astype(jnp.int16) + self.block_kind.offset).astype(jnp.int8)
 
     def values(self) -> jax.Array:
         """The stored values q + c as int8 [N, K] (c the kind's offset)."""
         q = self.tile_values()
         return q.transpose(0, 2, 1, 3).reshape(q.shape[0] * TILE, -1)
 
-    def _per_row(self, a: jax.Array) -> jax.Array:
-        """[N/16, K/32, 16] -> float32 [N, K/32]."""
-        return a.transpose(0, 2, 1).reshape(-1, a.shape[1]).astype(jnp.float32)
+    def row_scales(self) -> tuple[jax.Array, jax.Array | None]:
+        """`block_scales` of every row: float32 [N, K/sub] and [N, K/32] (or None)."""
+        flat = self.flat()
+
+        def per_row(a: jax.Array) -> jax.Array:  # [N/16, X, ..., 16] -> [N, X, ...]
+            return a if a.ndim == 1 else jnp.moveaxis(a, -1, 1).reshape(-1, *a.shape[1:-1])
+
+        return block_scales(self.block_kind, per_row(flat.scales), per_row(flat.mins),
+                            per_row(flat.supers))
 
     def dequantized(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
         """The file's weights in `dtype`, in the logical shape (float32: the values the `gguf`
         package's dequantization gives)."""
-        q, flat = self.values().astype(jnp.float32), self.flat()
-        n, k = q.shape
-        w = self._per_row(flat.scales)[..., None] * q.reshape(n, k // BLOCK, BLOCK)
-        if self.block_kind.has_min:
-            w = w + self._per_row(flat.mins)[..., None]
+        w = weights(self.block_kind, self.values().astype(jnp.float32), *self.row_scales())
         return w.reshape(self.shape).astype(dtype)
 
     def rows(self, ids: jax.Array) -> jax.Array:
@@ -218,44 +320,45 @@ class BlockMatrix(QuantizedMatrix):
         ids = jnp.clip(ids, 0, n - 1)
         tile, lane = ids // TILE, ids % TILE
         kind, flat = self.block_kind, self.flat()
-        q = flat.packed[tile, :, lane, :]  # [..., lines, 4]
-        if kind.bits == 4:
-            q = jnp.stack([q & 0x0F, q >> 4], axis=-2)  # [..., lines, 2, 4]
-        q = q.reshape(*ids.shape, -1, BLOCK).astype(jnp.float32) + kind.offset
-        w = flat.scales[tile, :, lane].astype(jnp.float32)[..., None] * q
-        if kind.has_min:
-            w = w + flat.mins[tile, :, lane].astype(jnp.float32)[..., None]
-        return w.reshape(*ids.shape, -1)
+        q = unpacked_lines(flat.packed[tile, :, lane, :][..., None, :], kind.bits)
+        q = q.reshape(*ids.shape, -1).astype(jnp.float32) + kind.offset
+
+        def gathered(a: jax.Array) -> jax.Array:
+            return a if a.ndim == 1 else a[tile, ..., lane]
+
+        return weights(kind, q, *block_scales(kind, gathered(flat.scales),
+                                               gathered(flat.mins), gathered(flat.supers)))
 
     def __repr__(self) -> str:
         return f"BlockMatrix({self.kind}, shape={self.shape})"
 
 
-def tiles(shape: tuple[int, ...]) -> bool:
-    """Whether a matrix of `shape` fits the kernel's layout (N % 16 == K % 32 == 0)."""
-    return len(shape) >= 2 and math.prod(shape[:-1]) % TILE == 0 and shape[-1] % BLOCK == 0
+def tiles(shape: tuple[int, ...], per_block: int = BLOCK) -> bool:
+    """Whether a matrix of `shape` fits the kernel's layout (N % 16 == 0, K a multiple of
+    `per_block`: 32, or a K-quant's 256)."""
+    return len(shape) >= 2 and math.prod(shape[:-1]) % TILE == 0 and shape[-1] % per_block == 0
 
 
 def pack(blocks: HostBlocks) -> BlockMatrix:
     """`blocks` (values [..., K], any leading dims; N % 16 == 0) in the kernel's layout."""
-    shape = blocks.values.shape
-    if not tiles(shape):
+    shape, kind = blocks.values.shape, blocks.kind
+    if not tiles(shape, kind.per_block):
         raise ValueError(f"GGUF block storage needs rows in multiples of {TILE} and a last "
-                         f"dim in multiples of {BLOCK}, got a matrix {shape}")
+                         f"dim in multiples of {kind.per_block}, got a matrix {shape}")
     n, k = math.prod(shape[:-1]), shape[-1]
     q = blocks.values.reshape(n // TILE, TILE, k // 4, 4).transpose(0, 2, 1, 3)
-    if blocks.kind.bits == 4:  # groups 2j (low nibble) and 2j + 1 (high) share a line
-        q = q.reshape(n // TILE, k // 8, 2, TILE, 4)
-        q = q[:, :, 0] | (q[:, :, 1] << 4)
 
-    def per_tile(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(a.reshape(n // TILE, TILE, k // BLOCK).transpose(0, 2, 1),
-                                    np.float16)
+    def per_tile(a: np.ndarray | None, trailing: int = 1) -> jax.Array:
+        """[*rows, X, ...] (`trailing` dims after the rows) -> [N/16, X, ..., 16]."""
+        if a is None:
+            return _empty()
+        a = a.reshape(n // TILE, TILE, *a.shape[a.ndim - trailing:])
+        return jnp.asarray(np.ascontiguousarray(np.moveaxis(a, 1, -1)))
 
-    mins = per_tile(blocks.mins) if blocks.kind.has_min else np.zeros((0,), np.float16)
-    return BlockMatrix(jnp.asarray(np.ascontiguousarray(q, np.uint8)),
-                       jnp.asarray(per_tile(blocks.scales)), jnp.asarray(mins), shape,
-                       blocks.kind.name)
+    mins = None if blocks.mins is None else blocks.mins.astype(kind.scale_dtype)
+    return BlockMatrix(jnp.asarray(np.ascontiguousarray(packed_lines(q, kind.bits), np.uint8)),
+                       per_tile(blocks.scales.astype(kind.scale_dtype)), per_tile(mins),
+                       per_tile(blocks.supers, 2), shape, kind.name)
 
 
 def quantize(weight: jax.Array) -> BlockMatrix:
@@ -291,20 +394,20 @@ def kinds(params: Any) -> list[str]:
 
 def product(x: jax.Array, weight: BlockMatrix) -> jax.Array:
     """x [..., K] times a block-stored `weight` [N, K]^T with XLA's operations, in x's dtype:
-    the file's weights times x rounded to int8 blocks of 32, the block sums in integers
-    (`quantized.block_sums`), scaled by t, d (and m times sum p) and summed over the blocks
-    in float32 (the native kernel's values up to float32 rounding; prefill blocks, meshes
-    and other platforms)."""
-    weight = weight.flat()
+    the file's weights times x rounded to int8 blocks of 32, the sub-block sums in integers
+    (`quantized.block_sums`), scaled by s, summed over a block (Q6_K's two sub-blocks of 16),
+    the block's mn times sum p added, then scaled by t and summed over the blocks in float32
+    (the native kernel's values up to float32 rounding; prefill blocks, meshes and other
+    platforms)."""
+    weight, kind = weight.flat(), weight.block_kind
     p, t = quantized_blocks(x.reshape(-1, x.shape[-1]))
-    sums = block_sums(p, weight.tile_values()).astype(jnp.float32)  # [K/32, M, N]
-
-    def per_block(a: jax.Array) -> jax.Array:  # [N/16, K/32, 16] -> float32 [K/32, 1, N]
-        return a.transpose(1, 0, 2).reshape(sums.shape[0], 1, -1).astype(jnp.float32)
-
-    block = sums * per_block(weight.scales)
-    if weight.block_kind.has_min:  # in the same sum over blocks: one reduction (on a mesh,
-        p_sums = jnp.sum(p, axis=-1, dtype=jnp.int32).T.astype(jnp.float32)  # one all-reduce)
-        block = block + per_block(weight.mins) * p_sums[:, :, None]
+    sums = block_sums(p, weight.tile_values(), kind.sub).astype(jnp.float32)  # [K/sub, M, N]
+    scale, minimum = weight.row_scales()
+    block = sums * scale.T[:, None, :]
+    if kind.sub != BLOCK:  # the sub-blocks of each block of 32 together
+        block = jnp.sum(block.reshape(-1, BLOCK // kind.sub, *block.shape[1:]), axis=1)
+    if minimum is not None:  # in the same sum over blocks: one reduction (on a mesh, one
+        p_sums = jnp.sum(p, axis=-1, dtype=jnp.int32).T.astype(jnp.float32)  # all-reduce)
+        block = block + minimum.T[:, None, :] * p_sums[:, :, None]
     y = jnp.sum(block * t.T[:, :, None], axis=0)
     return y.reshape(*x.shape[:-1], -1).astype(x.dtype)

@@ -222,14 +222,12 @@ def linear(x: jax.Array, weight: jax.Array, *, norm: jax.Array | None = None,
         return reference(x, weight, norm, residual)
     if isinstance(weight, BlockMatrix):
         if block_matmul.applies(x):
-            def kept(rows, packed, scales, mins, norm, residual):
-                return reference(rows, BlockMatrix(packed, scales, mins, weight.shape,
+            def kept(rows, packed, scales, mins, supers, norm, residual):
+                return reference(rows, BlockMatrix(packed, scales, mins, supers, weight.shape,
                                                    weight.kind), norm, residual)
 
-            kind = weight.block_kind
-            return block_matmul.linear(x, weight.packed, weight.scales, weight.mins, kept,
-                                       offset=kind.offset, bits=kind.bits, norm=norm, eps=eps,
-                                       gated=gated, residual=residual)
+            return block_matmul.linear(x, weight, kept, norm=norm, eps=eps, gated=gated,
+                                       residual=residual)
         return reference(x, weight, norm, residual)
     if few_row_matmul.applies(x, weight):
         return few_row_matmul.linear(x, weight, reference, norm=norm, eps=eps, gated=gated,

@@ -9,8 +9,9 @@ the KV cache grow by that factor, as in vLLM and sglang-jax). Where neither coun
 the other, attention stays replicated and only the MLP and vocabulary split.
 
 Quantized matrices (`models.quantized`, `models.gguf_blocks`) split as their float matrices
-do: by tiles of 16 rows (column-parallel) or by blocks of 32 along K (row-parallel), each
-scale (and minimum) with its values (`TargetPlacement.place_quantized`).
+do: by tiles of 16 rows (column-parallel) or by blocks of 32 along K (row-parallel; a
+K-quant's super-blocks of 256), each scale (and minimum) with its values
+(`TargetPlacement.place_quantized`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from eaglejax.config import ModelConfig
 from eaglejax.errors import ConfigError
 from eaglejax.models.llama import logical_axes
-from eaglejax.models.quantized import BLOCK, TILE, QuantizedMatrix, is_int8
+from eaglejax.models.quantized import TILE, QuantizedMatrix, is_int8
 from eaglejax.sharding.rules import logical_spec
 
 GROUPED_BY_KV_HEAD = ("kv_heads", "qkv")  # the leading axes of [kv_heads, kv_group + 2, ...]
@@ -139,13 +140,15 @@ class TargetPlacement:
         """Where each storage array of parameter `path`, a quantized matrix in its `split`
         form as placed (KV heads widened), goes (`place_quantized`); arrays or shape
         structs."""
-        blocks = (*matrix.shape[:-2], matrix.shape[-2] // TILE, matrix.shape[-1] // BLOCK)
+        blocks = (*matrix.shape[:-2], matrix.shape[-2] // TILE,
+                  matrix.shape[-1] // matrix.k_block)
         spec = tuple(logical_spec(self.axes(path), blocks, self.mesh))
         spec += (None,) * (len(blocks) - len(spec))
 
         def sharding(a: Any) -> NamedSharding:
-            # by rank: packed (*blocks, 16, 4) and block scales (*blocks, 16) extend the
-            # blocks' dims, int8 scales (*tiles' rows) end before K; empty minimums
+            # by rank: packed (*blocks, 16, 4), block scales (*blocks, 16) and K-quant
+            # supers (*blocks, 16, c) extend the blocks' dims (K split between super-blocks),
+            # int8 scales (*tiles' rows) end before K; empty minimums and supers
             rank = len(a.shape)
             dims = spec[:rank] + (None,) * (rank - len(spec)) if math.prod(a.shape) else ()
             return NamedSharding(self.mesh, PartitionSpec(*dims))

@@ -93,6 +93,12 @@ class QuantizedMatrix:
         return self.rebuilt([a[index] if a.ndim > 1 else a for a in arrays], self.shape[1:])
 
     @property
+    def k_block(self) -> int:
+        """Weights along K that the storage's arrays keep together (a mesh splits K only
+        between them)."""
+        return BLOCK
+
+    @property
     def dtype(self) -> jnp.dtype:
         """int8: what the products multiply."""
         return jnp.dtype(jnp.int8)
@@ -230,15 +236,16 @@ def quantized_rows(x: jax.Array) -> jax.Array:
     return (p.astype(jnp.float32) * t[..., None]).reshape(x.shape)
 
 
-def block_sums(p: jax.Array, values: jax.Array) -> jax.Array:
-    """The integer sums sum_{k in b} p[m, k] q[n, k] of every block b, int32 [K/32, M, N]:
-    p int8 [M, K/32, 32] (`quantized_blocks`) and the weights' values q int8 in the tile
-    layout [N/16, K/4, 16, 4], multiplied as they are (an s8 x s8 -> s32 dot, batched over
-    the blocks: no float copy of the weights is made)."""
+def block_sums(p: jax.Array, values: jax.Array, width: int = BLOCK) -> jax.Array:
+    """The integer sums sum_{k in b} p[m, k] q[n, k] of every block b of `width` (a multiple
+    of 4 dividing 32) values, int32 [K/width, M, N]: p int8 [M, K/32, 32]
+    (`quantized_blocks`) and the weights' values q int8 in the tile layout
+    [N/16, K/4, 16, 4], multiplied as they are (an s8 x s8 -> s32 dot, batched over the
+    blocks: no float copy of the weights is made)."""
     n_tiles, groups = values.shape[:2]
-    blocks = groups * 4 // BLOCK
-    lhs = p.reshape(p.shape[0], blocks, BLOCK // 4, 4)
-    rhs = values.reshape(n_tiles, blocks, BLOCK // 4, TILE, 4)
+    blocks = groups * 4 // width
+    lhs = p.reshape(p.shape[0], blocks, width // 4, 4)
+    rhs = values.reshape(n_tiles, blocks, width // 4, TILE, 4)
     sums = jax.lax.dot_general(lhs, rhs, (((2, 3), (2, 4)), ((1,), (1,))),
                                preferred_element_type=jnp.int32)  # [K/32, M, N/16, 16]
     return sums.reshape(blocks, p.shape[0], n_tiles * TILE)

@@ -22,12 +22,14 @@ constexpr int64_t kGroupsPerBlock = kBlock / 4;
 constexpr int64_t kMaxRows = 16;  // rows per pass over the weights (their float sums stay in L1)
 
 // x quantized per row and block: p as int8 (4 per 32-bit word, as vpdpbusd broadcasts
-// them), t = max|x| / 127, and each block's sum(p) (a kernel's integer sums start at
-// offset * sum(p), which removes the offset of unsigned stored values exactly).
+// them), t = max|x| / 127, and each block's sum(p) and the sum of its first 16 p (a
+// kernel's integer sums start at offset * sum(p), which removes the offset of unsigned
+// stored values exactly; sub-blocks of 16 take the halves).
 struct QuantizedX {
   std::vector<int32_t> words;  // [M, K/4]
   std::vector<float> scales;   // [M, K/32]
   std::vector<int32_t> sums;   // [M, K/32]
+  std::vector<int32_t> halves;  // [M, K/32]
 };
 
 inline QuantizedX quantize_rows(const float* x, int64_t M, int64_t K) {
@@ -36,6 +38,7 @@ inline QuantizedX quantize_rows(const float* x, int64_t M, int64_t K) {
   q.words.resize(M * K / 4);
   q.scales.resize(M * blocks);
   q.sums.resize(M * blocks);
+  q.halves.resize(M * blocks);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* in = x + m * K + b * kBlock;
@@ -51,21 +54,24 @@ inline QuantizedX quantize_rows(const float* x, int64_t M, int64_t K) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(words), _mm512_cvtepi32_epi8(p_lo));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(words + 16), _mm512_cvtepi32_epi8(p_hi));
       q.scales[m * blocks + b] = t;
-      q.sums[m * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(p_lo, p_hi));
+      q.halves[m * blocks + b] = _mm512_reduce_add_epi32(p_lo);
+      q.sums[m * blocks + b] = q.halves[m * blocks + b] + _mm512_reduce_add_epi32(p_hi);
 #else
       float most = 0.0f;
       for (int64_t k = 0; k < kBlock; ++k) most = std::max(most, std::fabs(in[k]));
       const float t = most / 127.0f;
       const float divisor = t == 0.0f ? 1.0f : t;
       int8_t p[kBlock];
-      int32_t sum = 0;
+      int32_t sum = 0, half = 0;
       for (int64_t k = 0; k < kBlock; ++k) {
         p[k] = static_cast<int8_t>(std::nearbyint(in[k] / divisor));  // ties to even
         sum += p[k];
+        if (k < kBlock / 2) half += p[k];
       }
       std::memcpy(q.words.data() + (m * K + b * kBlock) / 4, p, sizeof p);
       q.scales[m * blocks + b] = t;
       q.sums[m * blocks + b] = sum;
+      q.halves[m * blocks + b] = half;
 #endif
     }
   }
