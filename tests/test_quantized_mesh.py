@@ -1,6 +1,6 @@
-"""Quantized storage on device meshes: int8, int4 and a GGUF file's blocks load split over
-tensor x data parallel meshes with their scales beside their values, and greedy decoding
-gives one device's tokens; the decoding loops of int8 and int4 targets export for cuda and
+"""Quantized storage on device meshes: int8, int4 and a GGUF file's blocks (K-quants too)
+load split over tensor x data parallel meshes with their scales beside their values, and
+greedy decoding gives one device's tokens (K-quants: its logits); the decoding loops of int8 and int4 targets export for cuda and
 tpu on 1 and 8 devices with the stored int8 values entering the products, and tp=8 runs a
 float model's collectives per layer.
 
@@ -28,7 +28,7 @@ def test_quantized_meshes_decode_export_and_communicate_like_float(tmp_path):
     proc = subprocess.run([sys.executable, str(HERE / "test_quantized_mesh.py"), str(tmp_path)],
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("identical") == 4, proc.stdout
+    assert proc.stdout.count("identical") == 5, proc.stdout
     assert proc.stdout.count("exported ok") == 4 and "collectives ok" in proc.stdout, proc.stdout
 
 
@@ -82,15 +82,16 @@ def _quantized(target) -> dict:
 
 def _check_split(matrix, tp: int) -> bool:
     """Whether `matrix` is split over tp (each device 1/tp of the split dim of each array),
-    its scales (and minimums) split where its values are: the same dims of the rows' tiles
+    its scales (and minimums, supers) split where its values are: the same dims of the rows' tiles
     and of K's blocks. False where it is replicated."""
     packed, *per_block = [a for a in matrix.tree_flatten()[0] if a.size]
     spec = tuple(packed.sharding.spec) + (None,) * packed.ndim
     rows = packed.ndim - 3  # the row dims, then K's groups of 4 or 8, then the tile's 16 x 4
     for a in per_block:
         a_spec = tuple(a.sharding.spec) + (None,) * a.ndim
-        # int8 scales [*rows] (the last in rows, not tiles); block scales [*rows, K/32, 16]
-        want = spec[:rows] if a.ndim == rows else spec[:rows + 1] + (None,)
+        # int8 scales [*rows] (the last in rows, not tiles); block scales [*rows, K/32, 16],
+        # a K-quant's supers [*rows, K/256, c, 16]
+        want = spec[:rows] if a.ndim == rows else spec[:rows + 1] + (None,) * (a.ndim - rows - 1)
         assert a_spec[:a.ndim] == want, (matrix, a.shape, a_spec, spec)
     split = [dim for dim, axis in enumerate(spec[:packed.ndim]) if axis == "tp"]
     assert len(split) <= 1 and all(axis in (None, "tp") for axis in spec), spec
@@ -158,6 +159,24 @@ def _decode_on_meshes(directory: Path) -> None:
     assert split["['embed']"] and split["['layers'][0]['wqkv']"] and split["['lm_head']"]
     assert tokens(sharded) == tokens(blocks)
     print("identical GGUF blocks tp=2")
+
+    # Q4_K / Q6_K super-blocks on tp=2: K splits between super-blocks of 256, so w_down
+    # (K = 512) splits and wo (K = 256) is replicated
+    from test_gguf_blocks import write_kquant_gguf
+    from tolerances import FORWARD_UNITS, assert_close_scaled
+
+    path = write_kquant_gguf(directory / "kquants.gguf")[0]
+    blocks = eaglejax.load_target(path, weight_dtype="gguf")
+    sharded = eaglejax.load_target(path, weight_dtype="gguf",
+                                   mesh=eaglejax.make_mesh(tp=2, devices=devices[:2]))
+    assert sharded.storage == blocks.storage == "Q4_K + Q6_K blocks"
+    split = {key: _check_split(m, 2) for key, m in _quantized(sharded).items()}
+    assert split["['layers'][0]['w_down']"] and not split["['layers'][0]['wo']"]
+    assert split["['embed']"] and split["['layers'][0]['wqkv']"] and split["['lm_head']"]
+    ids = [prompts[1]]
+    assert_close_scaled(sharded.logits(ids), blocks.logits(ids), units=FORWARD_UNITS,
+                        depth=blocks.config.num_layers, what="K-quants on tp=2")
+    print("identical K-quant logits tp=2")
 
 
 def _exports(config) -> None:

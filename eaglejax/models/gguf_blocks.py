@@ -229,7 +229,7 @@ class BlockMatrix(QuantizedMatrix):
 
     def arranged(self, rows: tuple[int, ...]) -> "BlockMatrix":
         def rearranged(a: jax.Array, tile_dims: int) -> jax.Array:
-            return a if a.ndim == 1 else a.reshape(*rows, *a.shape[-tile_dims:])
+            return a if a is None or a.ndim == 1 else a.reshape(*rows, *a.shape[-tile_dims:])
 
         return BlockMatrix(rearranged(self.packed, 3), rearranged(self.scales, 2),
                            rearranged(self.mins, 2), rearranged(self.supers, 3), self.shape,

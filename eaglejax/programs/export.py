@@ -72,7 +72,8 @@ def abstract_params(config: ModelConfig, mesh: Mesh, dtype: Any = jnp.bfloat16,
     def leaf(path, info):
         keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
         if quantized_as[weight_dtype] and info.matrix and quantized.tiles(info.shape):
-            split = jax.eval_shape(lambda m: m.split(), quantized_as[weight_dtype](info.shape))
+            split = jax.eval_shape(lambda m: m.restored().split(),  # as a loaded target's
+                                   quantized_as[weight_dtype](info.shape))
             arrays = split.tree_flatten()[0]
             where = placement.quantized_shardings(keys, split)
             return split.rebuilt([_abstract(a.shape, a.dtype, s) for a, s in zip(arrays, where)],
