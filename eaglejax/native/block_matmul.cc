@@ -238,8 +238,10 @@ inline __m512 load_s8(const int8_t* p) {
 }
 
 // Tile t's scales of block b: d and mn (Q4_0, Q4_1, Q8_0, Q4_K; mn = d without minimums),
-// or Q6_K's two sub-block scales.
-inline void block_scales(const Job& job, int64_t t, int64_t b, __m512* d, __m512* mn) {
+// or Q6_K's two sub-block scales; `supers`: a K-quant's super-scales of the block (D, and
+// Dmin for Q4_K), loaded once per super-block.
+inline void block_scales(const Job& job, int64_t t, int64_t b, const __m512* supers,
+                         __m512* d, __m512* mn) {
   switch (job.scales) {
     case kHalves: {
       const auto* halves = static_cast<const uint16_t*>(job.d);
@@ -248,19 +250,15 @@ inline void block_scales(const Job& job, int64_t t, int64_t b, __m512* d, __m512
                 ? load_half(static_cast<const uint16_t*>(job.mins) + job.at(t, b)) : *d;
       break;
     }
-    case kQ4K: {
-      const uint16_t* super = job.super(t, b, 2);
-      *d = _mm512_mul_ps(load_half(super), load_u8(static_cast<const uint8_t*>(job.d) + job.at(t, b)));
-      const __m512 dmin = load_half(super + kTile);
+    case kQ4K:
+      *d = _mm512_mul_ps(supers[0], load_u8(static_cast<const uint8_t*>(job.d) + job.at(t, b)));
       *mn = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(
-          dmin, load_u8(static_cast<const uint8_t*>(job.mins) + job.at(t, b))));
+          supers[1], load_u8(static_cast<const uint8_t*>(job.mins) + job.at(t, b))));
       break;
-    }
     case kQ6K: {
-      const __m512 super = load_half(job.super(t, b, 1));
       const auto* sc = static_cast<const int8_t*>(job.d);
-      *d = _mm512_mul_ps(super, load_s8(sc + job.at16(t, 2 * b)));
-      *mn = _mm512_mul_ps(super, load_s8(sc + job.at16(t, 2 * b + 1)));
+      *d = _mm512_mul_ps(supers[0], load_s8(sc + job.at16(t, 2 * b)));
+      *mn = _mm512_mul_ps(supers[0], load_s8(sc + job.at16(t, 2 * b + 1)));
       break;
     }
   }
@@ -285,11 +283,18 @@ void tiles(const Job& job, int64_t t0) {
   __m512 sums[kMaxRows][kTilesW];
   for (int64_t m = 0; m < job.M; ++m)
     for (int r = 0; r < RW; ++r) sums[m][r] = _mm512_setzero_ps();
+  const int64_t per_super = job.scales == kQ4K ? 2 : 1;
+  __m512 supers[RW][2];
   for (int64_t b = 0; b < blocks; ++b) {
     __m512 d[RW], mn[RW];
     const uint8_t* lines[RW];
     for (int r = 0; r < RW; ++r) {
-      block_scales(job, t0 + r, b, &d[r], &mn[r]);
+      if (job.supers != nullptr && b % (kSuper / kBlock) == 0) {
+        for (int64_t c = 0; c < per_super; ++c) {
+          supers[r][c] = load_half(job.super(t0 + r, b, per_super) + c * kTile);
+        }
+      }
+      block_scales(job, t0 + r, b, supers[r], &d[r], &mn[r]);
       lines[r] = job.w + (t0 + r) * job.tile_bytes() + b * block_bytes;
       // The same block of the next group of tiles (RW tiles on), its scales and minimums
       // (one 64-byte line per two blocks), into L2: 4 KB on in the tile's own stream left
