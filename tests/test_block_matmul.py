@@ -22,19 +22,19 @@ from tolerances import FORWARD_UNITS, assert_close_scaled, scaled_error
 
 def kquant_bytes(kind: str, n: int, k: int, rng: np.random.Generator,
                  size: float = 0.05) -> np.ndarray:
-    """Random Q4_K or Q6_K super-blocks of a matrix [n, k] as a file stores them: uint8
-    [n, k/256 * bytes], random bytes but for finite float16 super-scales that make weights
-    of about `size` (Q6_K's d of either sign)."""
-    kind_ = KINDS[kind]
-    raw = rng.integers(0, 256, size=(n, k // kind_.per_block, kind_.block_bytes), dtype=np.uint8)
+    """Random Q4_K, Q5_K or Q6_K super-blocks of a matrix [n, k] as a file stores them:
+    uint8 [n, k/256 * bytes], random bytes but for finite float16 super-scales that make
+    weights of about `size` (Q6_K's d of either sign)."""
+    per_block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    raw = rng.integers(0, 256, size=(n, k // per_block, block_bytes), dtype=np.uint8)
 
     def halves(scale: float, signs: bool) -> np.ndarray:
         d = scale * rng.uniform(0.5, 1.5, size=raw.shape[:2])
         d = d * rng.choice([-1, 1], size=d.shape) if signs else d
         return d.astype(np.float16)[..., None].view(np.uint8)
 
-    if kind == "Q4_K":  # (d sc) q up to d 63 15, dmin m up to dmin 63
-        raw[..., 0:2] = halves(size / (63 * 15), False)
+    if kind in ("Q4_K", "Q5_K"):  # (d sc) q up to d 63 15 (31), dmin m up to dmin 63
+        raw[..., 0:2] = halves(size / (63 * (15 if kind == "Q4_K" else 31)), False)
         raw[..., 2:4] = halves(size / 2 / 63, False)
     else:  # (d sc)(q - 32) up to d 128 32
         raw[..., 208:210] = halves(size / (128 * 32), True)

@@ -268,9 +268,10 @@ def test_block_checkpoints_reload_as_stored(tiny_gguf, hf_family, tmp_path):
 
 
 # a Q4_K_M-like mix: layer 0 Q4_K but w_down Q6_K; layer 1 Q6_K but v_proj Q4_K (q/k/v then
-# differ and their fused matrix is widened); the embedding Q4_K, the output head Q6_K
+# differ and their fused matrix is widened) and up_proj Q5_K (a kind not kept: gate/up
+# widened); the embedding Q4_K, the output head Q6_K
 K_KINDS = {"token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K,
-           "blk.1.attn_v.weight": Q.Q4_K}
+           "blk.1.attn_v.weight": Q.Q4_K, "blk.1.ffn_up.weight": Q.Q5_K}
 for _name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
     K_KINDS.setdefault(f"blk.0.{_name}.weight", Q.Q4_K)
     K_KINDS.setdefault(f"blk.1.{_name}.weight", Q.Q6_K)
@@ -299,7 +300,7 @@ def kquant_gguf(tmp_path_factory):
 def test_kquant_blocks_are_the_files_values_and_bad_data_is_named(kquant_gguf, tmp_path):
     """Q4_K and Q6_K matrices are kept as stored and dequantize to exactly the `gguf`
     package's values (through the packed layout and an embedding lookup too); a fused matrix
-    of both kinds is widened; a K-quant tensor whose bytes do not fit its shape is refused
+    of both kinds, and one with a Q5_K part, is widened; a K-quant tensor whose bytes do not fit its shape is refused
     naming the file and the tensor."""
     path, cfg, want = kquant_gguf
     target = eaglejax.load_target(path, weight_dtype="gguf")
@@ -307,7 +308,8 @@ def test_kquant_blocks_are_the_files_values_and_bad_data_is_named(kquant_gguf, t
     float_target = eaglejax.load_target(path)
     layers = target.params["layers"]
     expect = {(0, "wqkv"): "Q4_K", (0, "w_gate_up"): "Q4_K", (0, "w_down"): "Q6_K",
-              (1, "wo"): "Q6_K", (1, "w_down"): "Q6_K", (1, "wqkv"): None}
+              (1, "wo"): "Q6_K", (1, "w_down"): "Q6_K", (1, "wqkv"): None,
+              (1, "w_gate_up"): None}
     for (i, key), kind in expect.items():
         leaf, wide = layers[i][key], float_target.params["layers"][i][key]
         assert kind is None or (isinstance(leaf, BlockMatrix) and leaf.kind == kind), (i, key)
@@ -343,7 +345,7 @@ def test_kquant_model_matches_transformers_computing_it(kquant_gguf):
     float_model = LlamaForCausalLM(cfg).eval()
     float_model.load_state_dict(oracle.state_dict())
     widened = ("layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj",
-               "layers.1.self_attn.v_proj")
+               "layers.1.self_attn.v_proj", "layers.1.mlp.gate_proj", "layers.1.mlp.up_proj")
     for name, module in oracle.named_modules():
         if isinstance(module, torch.nn.Linear) and not name.endswith(widened):
             module.register_forward_pre_hook(_round_input)
