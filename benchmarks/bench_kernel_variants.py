@@ -16,7 +16,8 @@ headers of this tree's `eaglejax/native`), its handler registered with XLA under
 its own, and the versions run alternately, repeat by repeat (this machine is shared and
 noisy: compare versions only within one run). `--kernel block` multiplies the GGUF file's
 own blocks (`weight_dtype="gguf"`, `block_matmul.cc`), `--kernel int8` int8 storage
-(`int8_matmul.cc`). Every version must give the same sums (checked).
+(`int8_matmul.cc`). Every version must give the same sums (checked) and take the current
+arguments (block kernels from before the K-quants took no supers).
 """
 
 from __future__ import annotations
