@@ -239,62 +239,61 @@ inline __m512 load_s8(const int8_t* p) {
 
 // Tile t's scales of block b: d and mn (Q4_0, Q4_1, Q8_0, Q4_K; mn = d without minimums),
 // or Q6_K's two sub-block scales; `supers`: a K-quant's super-scales of the block (D, and
-// Dmin for Q4_K), loaded once per super-block.
+// Dmin for Q4_K), loaded once per super-block. The kind is a template argument: the file
+// kinds' blocks run the loop they ran before K-quants (a kind chosen per block cost the
+// default model's Q4_1 steps 6-8%, session 36).
+template <Scales S>
 inline void block_scales(const Job& job, int64_t t, int64_t b, const __m512* supers,
                          __m512* d, __m512* mn) {
-  switch (job.scales) {
-    case kHalves: {
-      const auto* halves = static_cast<const uint16_t*>(job.d);
-      *d = load_half(halves + job.at(t, b));
-      *mn = job.mins != nullptr
-                ? load_half(static_cast<const uint16_t*>(job.mins) + job.at(t, b)) : *d;
-      break;
-    }
-    case kQ4K:
-      *d = _mm512_mul_ps(supers[0], load_u8(static_cast<const uint8_t*>(job.d) + job.at(t, b)));
-      *mn = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(
-          supers[1], load_u8(static_cast<const uint8_t*>(job.mins) + job.at(t, b))));
-      break;
-    case kQ6K: {
-      const auto* sc = static_cast<const int8_t*>(job.d);
-      *d = _mm512_mul_ps(supers[0], load_s8(sc + job.at16(t, 2 * b)));
-      *mn = _mm512_mul_ps(supers[0], load_s8(sc + job.at16(t, 2 * b + 1)));
-      break;
-    }
+  if constexpr (S == kHalves) {
+    const auto* halves = static_cast<const uint16_t*>(job.d);
+    *d = load_half(halves + job.at(t, b));
+    *mn = job.mins != nullptr
+              ? load_half(static_cast<const uint16_t*>(job.mins) + job.at(t, b)) : *d;
+  } else if constexpr (S == kQ4K) {
+    *d = _mm512_mul_ps(supers[0], load_u8(static_cast<const uint8_t*>(job.d) + job.at(t, b)));
+    *mn = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(
+        supers[1], load_u8(static_cast<const uint8_t*>(job.mins) + job.at(t, b))));
+  } else {
+    const auto* sc = static_cast<const int8_t*>(job.d);
+    *d = _mm512_mul_ps(supers[0], load_s8(sc + job.at16(t, 2 * b)));
+    *mn = _mm512_mul_ps(supers[0], load_s8(sc + job.at16(t, 2 * b + 1)));
   }
 }
 
 // The scales of tile t's block b (and its super-scales at a super-block's start) into L2.
+template <Scales S>
 inline void prefetch_scales(const Job& job, int64_t t, int64_t b) {
-  if (t >= job.N / kTile) return;
-  const int64_t bytes = job.scales == kHalves ? 2 : 1;
-  const int64_t at = job.scales == kQ6K ? job.at16(t, 2 * b) : job.at(t, b);
+  constexpr int64_t bytes = S == kHalves ? 2 : 1;  // (past the last tile: a harmless hint)
+  const int64_t at = S == kQ6K ? job.at16(t, 2 * b) : job.at(t, b);
   __builtin_prefetch(static_cast<const uint8_t*>(job.d) + at * bytes, 0, 2);
   if (job.mins != nullptr) __builtin_prefetch(static_cast<const uint8_t*>(job.mins) + at * bytes, 0, 2);
-  if (job.supers != nullptr && b % (kSuper / kBlock) == 0) {
-    __builtin_prefetch(job.super(t, b, job.scales == kQ4K ? 2 : 1), 0, 2);
+  if constexpr (S != kHalves) {
+    if (b % (kSuper / kBlock) == 0) __builtin_prefetch(job.super(t, b, S == kQ4K ? 2 : 1), 0, 2);
   }
 }
 
-// Every row of output tiles t0..t0+RW-1.
-template <int RW>
+// Every row of output tiles t0..t0+RW-1, scales kept as S says.
+template <int RW, Scales S>
 void tiles(const Job& job, int64_t t0) {
   const int64_t blocks = job.K / kBlock, block_bytes = job.block_bytes();
   __m512 sums[kMaxRows][kTilesW];
   for (int64_t m = 0; m < job.M; ++m)
     for (int r = 0; r < RW; ++r) sums[m][r] = _mm512_setzero_ps();
-  const int64_t per_super = job.scales == kQ4K ? 2 : 1;
+  constexpr int64_t per_super = S == kQ4K ? 2 : 1;
   __m512 supers[RW][2];
   for (int64_t b = 0; b < blocks; ++b) {
     __m512 d[RW], mn[RW];
     const uint8_t* lines[RW];
     for (int r = 0; r < RW; ++r) {
-      if (job.supers != nullptr && b % (kSuper / kBlock) == 0) {
-        for (int64_t c = 0; c < per_super; ++c) {
-          supers[r][c] = load_half(job.super(t0 + r, b, per_super) + c * kTile);
+      if constexpr (S != kHalves) {
+        if (b % (kSuper / kBlock) == 0) {
+          for (int64_t c = 0; c < per_super; ++c) {
+            supers[r][c] = load_half(job.super(t0 + r, b, per_super) + c * kTile);
+          }
         }
       }
-      block_scales(job, t0 + r, b, supers[r], &d[r], &mn[r]);
+      block_scales<S>(job, t0 + r, b, supers[r], &d[r], &mn[r]);
       lines[r] = job.w + (t0 + r) * job.tile_bytes() + b * block_bytes;
       // The same block of the next group of tiles (RW tiles on), its scales and minimums
       // (one 64-byte line per two blocks), into L2: 4 KB on in the tile's own stream left
@@ -302,12 +301,12 @@ void tiles(const Job& job, int64_t t0) {
       // slower, one row 17%).
       const uint8_t* ahead = lines[r] + RW * job.tile_bytes();
       for (int64_t i = 0; i < block_bytes; i += kLine) __builtin_prefetch(ahead + i, 0, 2);
-      if (b % 2 == 0) prefetch_scales(job, t0 + r + RW, b);
+      if (b % 2 == 0) prefetch_scales<S>(job, t0 + r + RW, b);
     }
-    if (job.bits == 4) {
-      block_all_rows<RW, 4>(job, lines, b, d, mn, sums);
-    } else if (job.bits == 6) {
+    if constexpr (S == kQ6K) {
       block_all_rows<RW, 6>(job, lines, b, d, mn, sums);
+    } else if (S == kQ4K || job.bits == 4) {
+      block_all_rows<RW, 4>(job, lines, b, d, mn, sums);
     } else {
       block_all_rows<RW, 8>(job, lines, b, d, mn, sums);
     }
@@ -317,12 +316,21 @@ void tiles(const Job& job, int64_t t0) {
       _mm512_storeu_ps(job.y + m * job.N + (t0 + r) * kTile, sums[m][r]);
 }
 
-void run_chunk(const Job& job, int64_t chunk) {
+template <Scales S>
+void run_tiles(const Job& job, int64_t chunk) {
   const int64_t begin = chunk * job.run_tiles;
   const int64_t end = std::min(job.N / kTile, begin + job.run_tiles);
   int64_t t0 = begin;
-  for (; t0 + kTilesW <= end; t0 += kTilesW) tiles<kTilesW>(job, t0);
-  for (; t0 < end; ++t0) tiles<1>(job, t0);
+  for (; t0 + kTilesW <= end; t0 += kTilesW) tiles<kTilesW, S>(job, t0);
+  for (; t0 < end; ++t0) tiles<1, S>(job, t0);
+}
+
+void run_chunk(const Job& job, int64_t chunk) {
+  switch (job.scales) {
+    case kHalves: run_tiles<kHalves>(job, chunk); break;
+    case kQ4K: run_tiles<kQ4K>(job, chunk); break;
+    case kQ6K: run_tiles<kQ6K>(job, chunk); break;
+  }
 }
 #else
 // IEEE half to float (normal, subnormal, zero, infinity, NaN).
