@@ -88,8 +88,15 @@ def kernel(matrix: BlockMatrix, *, norm=None, eps: float = 0.0, gated: bool = Fa
            residual=None):
     """The native product as a jitted function of x."""
     ref = reference(matrix, eps, gated)
-    return jax.jit(lambda x: block_matmul.linear(x, matrix, ref, norm=norm, eps=eps,
-                                                 gated=gated, residual=residual))
+    return jax.jit(lambda x: native_linear(x, matrix, ref, norm=norm, eps=eps, gated=gated,
+                                           residual=residual))
+
+
+def native_linear(x, matrix: BlockMatrix, ref, **options):
+    """`block_matmul.linear` of `matrix`'s flat arrays (as `models.llama.linear` calls it)."""
+    flat, kind = matrix.flat(), matrix.block_kind
+    return block_matmul.linear(x, flat.packed, flat.scales, flat.mins, flat.supers, ref,
+                               offset=kind.offset, bits=kind.bits, **options)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -133,8 +140,8 @@ def test_more_rows_than_a_call_go_in_blocks():
     residual = rng.normal(size=(37, 64)).astype(np.float32)
     norm = jnp.asarray(rng.normal(size=96).astype(np.float32))
     ref = reference(matrix, 1e-5, False)
-    product = jax.jit(lambda x, r: block_matmul.linear(x, matrix, ref, norm=norm, eps=1e-5,
-                                                       residual=r))
+    product = jax.jit(lambda x, r: native_linear(x, matrix, ref, norm=norm, eps=1e-5,
+                                                 residual=r))
     alone = np.concatenate([np.asarray(product(x[i:i + 1], residual[i:i + 1]))
                             for i in range(37)])
     np.testing.assert_array_equal(np.asarray(product(x, residual)), alone)

@@ -226,8 +226,10 @@ def linear(x: jax.Array, weight: jax.Array, *, norm: jax.Array | None = None,
                 return reference(rows, BlockMatrix(packed, scales, mins, supers, weight.shape,
                                                    weight.kind), norm, residual)
 
-            return block_matmul.linear(x, weight, kept, norm=norm, eps=eps, gated=gated,
-                                       residual=residual)
+            flat, kind = weight.flat(), weight.block_kind
+            return block_matmul.linear(x, flat.packed, flat.scales, flat.mins, flat.supers,
+                                       kept, offset=kind.offset, bits=kind.bits, norm=norm,
+                                       eps=eps, gated=gated, residual=residual)
         return reference(x, weight, norm, residual)
     if few_row_matmul.applies(x, weight):
         return few_row_matmul.linear(x, weight, reference, norm=norm, eps=eps, gated=gated,

@@ -21,8 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from eaglejax import native
-from eaglejax.models.gguf_blocks import BlockMatrix
-from eaglejax.models.quantized import TILE
 from eaglejax.native import build
 from eaglejax.native.few_row_matmul import PLAIN, RMS_NORM, SILU_GATE
 
@@ -56,18 +54,20 @@ def _native(eps: float, gated: bool, offset: int, bits: int, rows: jax.Array,
         eps=np.float32(eps), offset=np.int32(offset), bits=np.int32(bits))
 
 
-def linear(x: jax.Array, weight: BlockMatrix, reference: Callable[..., jax.Array], *,
+def linear(x: jax.Array, packed: jax.Array, scales: jax.Array, mins: jax.Array,
+           supers: jax.Array, reference: Callable[..., jax.Array], *, offset: int, bits: int,
            norm: jax.Array | None = None, eps: float = 0.0, gated: bool = False,
            residual: jax.Array | None = None) -> jax.Array:
-    """As `few_row_matmul.linear` for a block-stored `weight` (`gguf_blocks.BlockMatrix`,
-    its `flat` arrays passed to the kernel; call only where `applies`);
+    """As `few_row_matmul.linear` for a block-stored weight given as its flat arrays
+    (`gguf_blocks.BlockMatrix.flat`: `packed` uint8 [N/16, K bits/32, 16, 4], its scales,
+    minimums and a K-quant's super-scales, [0] where the kind has none) and its kind's
+    `offset` and `bits` (`gguf_blocks.BlockKind`; call only where `applies`);
     `reference(rows, packed, scales, mins, supers, norm, residual)` is the XLA path."""
-    weight, kind = weight.flat(), weight.block_kind
     rows = x.reshape(-1, x.shape[-1])
-    n = weight.packed.shape[0] * TILE
+    n = packed.shape[0] * packed.shape[2]
     if residual is not None:
         residual = residual.reshape(-1, n).astype(jnp.float32)
-    kernel = functools.partial(_native, float(eps), gated, kind.offset, kind.bits)
+    kernel = functools.partial(_native, float(eps), gated, int(offset), int(bits))
     run = native.on_cpu(kernel, reference)
-    y = run(rows, weight.packed, weight.scales, weight.mins, weight.supers, norm, residual)
+    y = run(rows, packed, scales, mins, supers, norm, residual)
     return y.reshape(*x.shape[:-1], n)
