@@ -12,6 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 # Initial running max. Finite, so a row that has seen only masked (-inf) scores keeps
 # exp(-inf - M_INIT) == 0 and exp(M_INIT - M_INIT) == 1 instead of NaN.
@@ -160,6 +161,21 @@ def paged_tail_mask(mask: jax.Array, context_lengths: jax.Array, *, group: int, 
     rows = jnp.pad(rows, ((0, 0), (0, m_pad - t_new * group), (0, 0)))
     return rows.reshape(batch, m_pad, n_tail, block).transpose(0, 2, 1, 3)
 
+
+
+def split_outputs(batch: int, n_kv_heads: int, m_pad: int, d_pad: int, block_m: int,
+                  num_splits: int, dtype: jnp.dtype) -> tuple[object, object]:
+    """A GPU kernel's (out_shape, out_specs) over the grid (batch, kv head, row block, split):
+    the output itself in `dtype` with one split, else each split's float32 partial sums, max
+    and normaliser for `merge_splits`."""
+    if num_splits == 1:
+        return (jax.ShapeDtypeStruct((batch, n_kv_heads, m_pad, d_pad), dtype),
+                pl.BlockSpec((None, None, block_m, d_pad), lambda b, h, r, s: (b, h, r, 0)))
+    part = (batch, n_kv_heads, num_splits, m_pad)
+    shapes = tuple(jax.ShapeDtypeStruct((*part, width), jnp.float32) for width in (d_pad, 1, 1))
+    specs = tuple(pl.BlockSpec((None, None, None, block_m, width),
+                               lambda b, h, r, s: (b, h, s, r, 0)) for width in (d_pad, 1, 1))
+    return shapes, specs
 
 def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     """Combine per-split states [B, H, splits, M, *] into normalised [B, H, M, D] (float32)."""

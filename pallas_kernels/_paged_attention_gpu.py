@@ -31,6 +31,7 @@ from pallas_kernels._common import (
     pack_queries,
     paged_tail_mask,
     round_up,
+    split_outputs,
     tail_steps,
     unpack_output,
 )
@@ -123,19 +124,8 @@ def paged_attention_gpu(q, k_pool, v_pool, block_tables, context_lengths, mask, 
         pool_spec,
         pool_spec,
     ]
-    if num_splits == 1:
-        out_shape = jax.ShapeDtypeStruct((batch, n_kv_heads, m_pad, d_pad), q.dtype)
-        out_specs = pl.BlockSpec((None, None, block_m, d_pad), lambda b, h, r, s: (b, h, r, 0))
-    else:
-        part = (batch, n_kv_heads, num_splits, m_pad)
-        out_shape = (jax.ShapeDtypeStruct((*part, d_pad), jnp.float32),
-                     jax.ShapeDtypeStruct((*part, 1), jnp.float32),
-                     jax.ShapeDtypeStruct((*part, 1), jnp.float32))
-        out_specs = (
-            pl.BlockSpec((None, None, None, block_m, d_pad), lambda b, h, r, s: (b, h, s, r, 0)),
-            pl.BlockSpec((None, None, None, block_m, 1), lambda b, h, r, s: (b, h, s, r, 0)),
-            pl.BlockSpec((None, None, None, block_m, 1), lambda b, h, r, s: (b, h, s, r, 0)),
-        )
+    out_shape, out_specs = split_outputs(batch, n_kv_heads, m_pad, d_pad, block_m, num_splits,
+                                         q.dtype)
     out = pl.pallas_call(
         kernel,
         grid=(batch, n_kv_heads, row_blocks, num_splits),
