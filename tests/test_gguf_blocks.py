@@ -101,18 +101,24 @@ def test_blocks_match_transformers_computing_them(tiny_gguf):
     rounding of x / t on the other side of .5 moves a position by a quantization step, so
     75% of the positions must be within FORWARD_UNITS and all far closer than the float
     model computing the same weights is."""
+    _check_against_rounding_oracle(tiny_gguf, ("layers.1.self_attn.q_proj",
+                                               "layers.1.self_attn.k_proj",
+                                               "layers.1.self_attn.v_proj"))
+
+
+def _check_against_rounding_oracle(gguf, widened: tuple[str, ...]) -> None:
+    """The file `gguf` (a fixture's path, config, tensors) kept in blocks against
+    transformers with its dequantized weights, every product's input rounded to int8 blocks
+    of 32 but those of the `widened` modules (`_assert_close_to_oracle`)."""
     from transformers import LlamaForCausalLM
 
-    path, cfg, want_tensors = tiny_gguf
+    path, cfg, want_tensors = gguf
     target = eaglejax.load_target(path, weight_dtype="gguf")
     oracle = LlamaForCausalLM(cfg).eval()
     oracle.load_state_dict({k: torch.from_numpy(v) for k, v in want_tensors.items()},
                            strict=False)
     float_model = LlamaForCausalLM(cfg).eval()
     float_model.load_state_dict(oracle.state_dict())
-
-    widened = ("layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj",
-               "layers.1.self_attn.v_proj")
     for name, module in oracle.named_modules():
         if isinstance(module, torch.nn.Linear) and not name.endswith(widened):
             module.register_forward_pre_hook(_round_input)
@@ -335,21 +341,9 @@ def test_kquant_model_matches_transformers_computing_it(kquant_gguf):
     """The oracle of `test_blocks_match_transformers_computing_them` for the K-quant file:
     transformers with its dequantized weights and int8-rounded inputs (blocks of 32) to every
     product kept in blocks."""
-    from transformers import LlamaForCausalLM
-
-    path, cfg, want_tensors = kquant_gguf
-    target = eaglejax.load_target(path, weight_dtype="gguf")
-    oracle = LlamaForCausalLM(cfg).eval()
-    oracle.load_state_dict({k: torch.from_numpy(v) for k, v in want_tensors.items()},
-                           strict=False)
-    float_model = LlamaForCausalLM(cfg).eval()
-    float_model.load_state_dict(oracle.state_dict())
-    widened = ("layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj",
-               "layers.1.self_attn.v_proj", "layers.1.mlp.gate_proj", "layers.1.mlp.up_proj")
-    for name, module in oracle.named_modules():
-        if isinstance(module, torch.nn.Linear) and not name.endswith(widened):
-            module.register_forward_pre_hook(_round_input)
-    _assert_close_to_oracle(target, oracle, float_model, cfg)
+    _check_against_rounding_oracle(kquant_gguf, (
+        "layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj", "layers.1.self_attn.v_proj",
+        "layers.1.mlp.gate_proj", "layers.1.mlp.up_proj"))
 
 
 def test_kquant_checkpoints_reload_as_stored(kquant_gguf, tmp_path):
