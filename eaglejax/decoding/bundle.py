@@ -115,11 +115,13 @@ class Bundle:
         return Timed(result, compile_s, time.perf_counter() - start)
 
     def empty_state(self, rows: int, *, capacity: int, max_tokens: int, stop: StopTable,
-                    logprobs: int | None = None) -> State:
+                    logprobs: int | None = None, paged: tuple[int, int] | None = None
+                    ) -> State:
         """`loops.empty_state` of this loop, placed on the mesh (replicated at first)."""
         def free_slots() -> State:
             return empty_state(self.loop, self.weights, rows, capacity=capacity,
-                               max_tokens=max_tokens, stop=stop, logprobs=logprobs)
+                               max_tokens=max_tokens, stop=stop, logprobs=logprobs,
+                               paged=paged)
 
         if self.mesh is None:
             return free_slots()

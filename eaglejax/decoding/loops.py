@@ -197,9 +197,12 @@ def decode_loop(loop: Loop, weights: Weights, state: State, sampling: SamplingPa
 
 
 def empty_state(loop: Loop, weights: Weights, rows: int, *, capacity: int, max_tokens: int,
-                stop: StopTable, logprobs: int | None = None) -> State:
+                stop: StopTable, logprobs: int | None = None,
+                paged: tuple[int, int] | None = None) -> State:
     """A batch of `rows` free slots (every row finished, every value zero), shaped as
-    `loop`'s prefill of `rows` prompts (traced abstractly, never run)."""
+    `loop`'s prefill of `rows` prompts (traced abstractly, never run). `paged` (blocks,
+    block size): the target's cache is a paged one of that many blocks (`kv_cache`), its
+    tables pointing at none."""
     prompt = jnp.zeros((rows, 1), jnp.int32)  # the state's shapes do not depend on it
     keys = jax.vmap(jax.random.PRNGKey)(jnp.zeros((rows,), jnp.uint32))
     sampling = SamplingParams(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows))
@@ -207,6 +210,17 @@ def empty_state(loop: Loop, weights: Weights, rows: int, *, capacity: int, max_t
         w, prompt, jnp.ones((rows,), jnp.int32), keys, sampling, jnp.ones((rows,), jnp.int32),
         capacity=capacity, max_tokens=max_tokens, greedy=True, stop=stop, logprobs=logprobs),
         weights)
+    if paged is not None:
+        blocks, size = paged
+        cache = shapes.target_cache
+        _, kv, width, dim = cache.k[0].shape
+        shapes = shapes._replace(target_cache=jax.eval_shape(
+            lambda: kv_cache.init_paged_cache(len(cache.k), rows, blocks, size, width // size,
+                                              kv, dim, cache.k[0].dtype)))
     state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     finish = jnp.full((rows,), FINISH_LENGTH, jnp.int32)
-    return state._replace(out=state.out._replace(finish=finish))
+    state = state._replace(out=state.out._replace(finish=finish))
+    if paged is not None:
+        tables = jnp.full(state.target_cache.tables.shape, paged[0], jnp.int32)
+        state = state._replace(target_cache=state.target_cache._replace(tables=tables))
+    return state

@@ -62,7 +62,7 @@ def save_blocks(pool: PrefixPool, cache: kv_cache.KVCache, slot: jax.Array,
     """Copy blocks sources [n] of `slot`'s rows in `cache` into pool blocks targets [n]
     (targets past the pool: not written)."""
     def save(buffer: jax.Array, rows: jax.Array) -> jax.Array:
-        row = rows[slot]  # [kv, capacity, D]
+        row = kv_cache.row_buffer(rows, slot, cache.tables)  # [kv, capacity, D]
         kv, capacity, dim = row.shape
         blocks = jnp.swapaxes(row.reshape(kv, capacity // BLOCK, BLOCK, dim), 0, 1)
         return buffer.at[targets].set(blocks[sources].astype(buffer.dtype), mode="drop")

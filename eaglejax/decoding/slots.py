@@ -30,7 +30,7 @@ from eaglejax.decoding.output import Output
 from eaglejax.decoding.plain_segment import plain_steps
 from eaglejax.decoding.prefix_pool import PrefixPool, load_rows
 from eaglejax.decoding.sampling import SamplingParams
-from eaglejax.decoding.stopping import FINISH_LENGTH, StopTable
+from eaglejax.decoding.stopping import FINISH_LENGTH, FINISH_NONE, StopTable
 from eaglejax.models import kv_cache
 from eaglejax.native import cache_attention
 
@@ -43,6 +43,11 @@ def _put_rows(state: State, rows: State, start: jax.Array | int) -> State:
     def put(slots: jax.Array, part: jax.Array) -> jax.Array:
         return jax.lax.dynamic_update_slice_in_dim(slots, part.astype(slots.dtype), start, axis=0)
 
+    cache = state.target_cache
+    if cache is not None and cache.tables is not None:  # paged: pools have no batch axis
+        filled = _put_rows(state._replace(target_cache=None), rows._replace(target_cache=None),
+                           start)
+        return filled._replace(target_cache=kv_cache.put_rows(cache, rows.target_cache, start))
     filled = jax.tree.map(put, state._replace(forwards=None), rows._replace(forwards=None))
     return filled._replace(forwards=rows.forwards)
 
@@ -129,9 +134,13 @@ def _first_rows(state: State, rows: int) -> State:
     call on SmolLM2 (BENCHMARKS.md), more than three decode steps of those rows."""
     if rows == state.out.finish.shape[0]:
         return state
+    whole = state.target_cache
+    if whole.tables is not None:  # paged: the pools are every row's
+        part = jax.tree.map(lambda x: x[:rows], state._replace(forwards=None, target_cache=None))
+        return part._replace(forwards=state.forwards,
+                             target_cache=kv_cache.first_rows(whole, rows))
     part = jax.tree.map(lambda x: x[:rows], state._replace(forwards=None))._replace(
         forwards=state.forwards)
-    whole = state.target_cache
     if not _read_in_place(whole):
         return part
     return part._replace(target_cache=whole._replace(lengths=part.target_cache.lengths))
@@ -206,6 +215,26 @@ def want_logprobs(loop: Loop, weights: Weights, state: State, slot: jax.Array,
     kept = state.out.logprobs
     return state._replace(out=state.out._replace(
         logprobs=kept._replace(wanted=kept.wanted.at[slot].set(wanted))))
+
+
+@functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))
+def resume_row(loop: Loop, weights: Weights, state: State, slot: jax.Array, tokens: jax.Array,
+               count: jax.Array) -> State:
+    """`slot`'s row, just filled with a preempted request's prompt and its generated tokens
+    but the last, going on as if never stopped: its output holds the `count` tokens of
+    tokens [1,N] again, the newest as the row's last token (not in the cache), running. Its
+    next token is drawn with the key of its `count`-th (`output.row_step_keys`)."""
+    out = state.out
+    out = out._replace(tokens=out.tokens.at[slot].set(tokens[0].astype(out.tokens.dtype)),
+                       counts=out.counts.at[slot].set(count),
+                       finish=out.finish.at[slot].set(FINISH_NONE))
+    return state._replace(out=out, last_token=state.last_token.at[slot].set(tokens[0, count - 1]))
+
+
+@functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))
+def set_tables(loop: Loop, weights: Weights, state: State, tables: jax.Array) -> State:
+    """A paged batch with the block tables [S,W] the host allocated (`serving.kv_blocks`)."""
+    return state._replace(target_cache=state.target_cache._replace(tables=tables))
 
 
 @functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from eaglejax.models import kv_cache
 from eaglejax.native import cache_attention
 from eaglejax.sharding.rules import logical_spec, over_mesh
 
@@ -39,12 +40,24 @@ def resolve_impl(impl: str) -> str:
 
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_lengths: jax.Array,
               k_new: jax.Array, v_new: jax.Array, mask: jax.Array, *,
-              impl: AttentionImpl = "auto") -> jax.Array:
+              impl: AttentionImpl = "auto", tables: jax.Array | None = None) -> jax.Array:
     """Queries q [B,T,Hq,D] over the cached prefix (k/v_cache [B,Hkv,S,D], lengths [B]) plus
     the new K/V [B,T,Hkv,D] under mask [B,T,T]. A cache of more rows than q (a serving
     batch's slots, of which the first B run) is read in place by the native kernel and
-    sliced to B rows for the other paths."""
+    sliced to B rows for the other paths. With block `tables` [B,W], k/v_cache are a paged
+    cache's pools (`kv_cache.KVCache`): the native kernel reads them through the tables on
+    CPU; elsewhere the rows are gathered into a contiguous cache first."""
     pallas = resolve_impl(impl) == "pallas"
+    if tables is not None:
+        def gathered(q, k_pool, v_pool, lengths, tables, k_new, v_new, mask):
+            return attention(q, kv_cache.gather_rows(k_pool, tables),
+                             kv_cache.gather_rows(v_pool, tables), lengths, k_new, v_new, mask,
+                             impl=impl)
+
+        args = (q, k_cache, v_cache, cache_lengths, tables, k_new, v_new, mask)
+        if not pallas and cache_attention.applies(q, k_cache):
+            return cache_attention.paged_attention(*args, reference=gathered)
+        return gathered(*args)
     if not pallas and cache_attention.applies(q, k_cache):
         reference = functools.partial(_rows_of_cache, functools.partial(
             pallas_kernels.tree_attention_reference, kv_layout="bhsd"))

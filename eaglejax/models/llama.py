@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from eaglejax.config import ModelConfig
 from eaglejax.models.attention import AttentionImpl, attention, resolve_impl
-from eaglejax.models.kv_cache import KVCache, write_block
+from eaglejax.models.kv_cache import KVCache, stage as stage_rows
 from eaglejax.models.rope import apply_rope, inverse_frequencies, rope_tables
 from eaglejax import native
 from eaglejax.models import gguf_blocks, quantized
@@ -316,31 +316,40 @@ def attention_output_and_mlp(config: ModelConfig, h: jax.Array, layer: Params,
 def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
                   layer: Params, k_cache: jax.Array, v_cache: jax.Array,
                   cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl,
-                  attn_input: jax.Array | None = None, stage: bool = True):
+                  attn_input: jax.Array | None = None, stage: bool = True,
+                  tables: jax.Array | None = None):
     """One pre-norm decoder layer over residual h [B,T,H]; returns (h, k, v, k_buf, v_buf).
     `attn_input`: see `qkv_block`. On CPU, a few new tokens over a cache take the attention
     step (rotation, staging, attention) in one native call. `stage=False` leaves the cache
     as it is (k_buf, v_buf are the caches given): for a caller that drops the staged cache,
-    which would otherwise cost XLA a copy of the cache for each call that writes it."""
+    which would otherwise cost XLA a copy of the cache for each call that writes it. With
+    block `tables`, k/v_cache are a paged cache's pools (`kv_cache.KVCache`)."""
     qkv = qkv_block(config, h, layer, attn_input)
 
-    def attention_step(qkv, cos, sin, k_cache, v_cache, cache_lengths, mask):
+    def attention_step(qkv, cos, sin, k_cache, v_cache, cache_lengths, mask, tables=None):
         q, k, v = rotated_heads(config, (cos[:, :, None], sin[:, :, None]), qkv, layer)
         if stage and k_cache.shape[2]:
             # Stage the new rows first so the attention reads the updated buffer: XLA then
             # updates the cache in place instead of copying it.
-            k_cache = write_block(k_cache, k, cache_lengths)
-            v_cache = write_block(v_cache, v, cache_lengths)
-        attn = attention(q, k_cache, v_cache, cache_lengths, k, v, mask, impl=impl)
+            k_cache = stage_rows(k_cache, k, cache_lengths, tables)
+            v_cache = stage_rows(v_cache, v, cache_lengths, tables)
+        attn = attention(q, k_cache, v_cache, cache_lengths, k, v, mask, impl=impl,
+                         tables=tables)
         return attn, k_cache, v_cache, k, v
 
-    args = (qkv, rope[0][:, :, 0], rope[1][:, :, 0], k_cache, v_cache, cache_lengths, mask)
-    if (stage and not config.qk_norm and resolve_impl(impl) != "pallas"
+    def paged_step(qkv, cos, sin, k_pool, v_pool, cache_lengths, tables, mask):
+        return attention_step(qkv, cos, sin, k_pool, v_pool, cache_lengths, mask, tables)
+
+    args = (qkv, rope[0][:, :, 0], rope[1][:, :, 0], k_cache, v_cache, cache_lengths)
+    if not (stage and not config.qk_norm and resolve_impl(impl) != "pallas"
             and cache_attention.rope_applies(qkv, k_cache)):
-        attn, k_cache, v_cache, k, v = cache_attention.rope_attention(*args,
-                                                                      reference=attention_step)
+        attn, k_cache, v_cache, k, v = attention_step(*args, mask, tables)
+    elif tables is None:
+        attn, k_cache, v_cache, k, v = cache_attention.rope_attention(
+            *args, mask, reference=attention_step)
     else:
-        attn, k_cache, v_cache, k, v = attention_step(*args)
+        attn, k_cache, v_cache, k, v = cache_attention.paged_rope_attention(
+            *args, tables, mask, reference=paged_step)
     return attention_output_and_mlp(config, h, layer, attn), k, v, k_cache, v_cache
 
 
@@ -348,7 +357,7 @@ def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax
 def decoder_layer_call(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
                        layer: Params, k_cache: jax.Array, v_cache: jax.Array,
                        cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl,
-                       kernels: bool, stage: bool = True):
+                       kernels: bool, stage: bool = True, tables: jax.Array | None = None):
     """`decoder_layer` as a nested program: a model's layers share one shape, so a forward
     traces one layer and calls it per layer (30x less tracing for SmolLM2; XLA inlines the
     calls, so the program runs as the unrolled one). `kernels` (`native.kernels_allowed()`)
@@ -356,7 +365,7 @@ def decoder_layer_call(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h
     swaps a function or constant the layer reads calls `decoder_layer_call.clear_cache()`."""
     del kernels
     return decoder_layer(config, rope, h, layer, k_cache, v_cache, cache_lengths, mask, impl,
-                         stage=stage)
+                         stage=stage, tables=tables)
 
 
 def rope_for(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -398,12 +407,13 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
         streams.append(h)
         h, k, v, k_buf, v_buf = decoder_layer_call(config, rope, h, layer, k_cache, v_cache,
                                                   cache.lengths, mask, attn_impl,
-                                                  native.kernels_allowed(), stage)
+                                                  native.kernels_allowed(), stage, cache.tables)
         for out, x in ((k_new, k), (v_new, v), (k_bufs, k_buf), (v_bufs, v_buf)):
             out.append(x)
     streams.append(h)
     taps = jnp.concatenate([streams[i] for i in tap_layers], axis=-1) if tap_layers else None
-    staged = None if given is None else KVCache(tuple(k_bufs), tuple(v_bufs), cache.lengths)
+    staged = None if given is None else KVCache(tuple(k_bufs), tuple(v_bufs), cache.lengths,
+                                                cache.tables)
     return ForwardOutput(rms_norm(h, params["final_norm"], config.rms_norm_eps),
                          tuple(k_new), tuple(v_new), taps, staged)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -45,6 +46,7 @@ from eaglejax.decoding.stopping import (
 )
 from eaglejax.errors import InputError
 from eaglejax.models import kv_cache
+from eaglejax.serving.kv_blocks import BlockTables
 from eaglejax.serving.prefix_cache import PREFIX_CACHE_TOKENS, PrefixCache
 from eaglejax.serving.shape_policy import ShapePolicy
 from eaglejax.target import Target
@@ -135,6 +137,16 @@ class _Live:
     reported: int = 0
     cached: int = 0
     rounds: int = 0
+    order: int = 0  # when it was filled (among the engine's fills)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resume:
+    """A preempted request's generated tokens (all reported) and its counters."""
+
+    tokens: np.ndarray
+    cached: int
+    rounds: int
 
 
 # The text `profile_rounds` times by default (chat-rendered), one request of everyday length.
@@ -151,14 +163,20 @@ class Engine:
     `max_waiting` requests wait for a slot (None: any number); `submit` refuses more with
     `QueueFull`. With `max_logprobs` (0 to 20; None: no request may ask) a request may ask
     for its tokens' log-probabilities and up to that many most likely tokens' (the batch's
-    output keeps them; the work is done only while a running request asked). Not
-    thread-safe: one thread submits, cancels and steps."""
+    output keeps them; the work is done only while a running request asked). With
+    `kv_tokens`, the target's KV cache is paged (`serving.kv_blocks`): a pool of that many
+    positions (in blocks of `BLOCK`) shared by the slots, so `num_slots` bounds the running
+    requests and not the memory; when a step's rows need more blocks than are free, the
+    newest running request is preempted (its blocks freed, its prompt and tokens prefilled
+    again later) and completes with the tokens it would have produced (one process, no
+    mesh). Not thread-safe: one thread submits, cancels and steps."""
 
     def __init__(self, target: Target, draft: "Draft | None" = None, *,
                  speculative: SpecConfig | str | None = None, num_slots: int = 8,
                  capacity: int = 1024, rounds_per_call: int = 16,
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
-                 max_waiting: int | None = None, max_logprobs: int | None = None):
+                 max_waiting: int | None = None, max_logprobs: int | None = None,
+                 kv_tokens: int | None = None):
         validation.integer("num_slots", num_slots, 1)
         validation.integer("capacity", capacity, 2)
         validation.integer("rounds_per_call", rounds_per_call, 1)
@@ -185,6 +203,10 @@ class Engine:
         self._suffix = speculative is not None and speculative.method == "suffix"
         self.num_slots, self.capacity = num_slots, capacity
         self.rounds_per_call = np.int32(rounds_per_call)
+        self.blocks = self._block_tables(kv_tokens)
+        self.preemptions = 0
+        self._resumes: dict[Hashable, _Resume] = {}  # preempted requests' tokens so far
+        self._admitted = 0  # requests filled so far (a slot's order: the newest preempted)
         self.eos_ids = tuple(sorted(set(target.eos_token_ids)))
         self.state = self._empty_state()
         self.queue: collections.deque[Request] = collections.deque()
@@ -239,6 +261,12 @@ class Engine:
         """Positions the running requests hold in their slots' caches (prompt and reply so
         far; the host's count)."""
         return sum(len(s.request.prompt) + s.reported for s in self.slots if s is not None)
+
+    def kv_capacity(self) -> int:
+        """Positions the target's KV cache holds: every slot's, or a paged cache's pool."""
+        if self.blocks is None:
+            return self.num_slots * self.capacity
+        return self.blocks.blocks * self.blocks.block_size
 
     def submit(self, request: Request) -> None:
         """Queue a request after `check` and `refuse_if_full`."""
@@ -305,6 +333,7 @@ class Engine:
         for queued in self.queue:
             if queued.key == key:
                 self.queue.remove(queued)
+                self._resumes.pop(key, None)
                 return
         for i in range(self.num_slots):
             if self._key_of(i) == key:
@@ -321,21 +350,25 @@ class Engine:
         expired = self._expire(time.monotonic() if now is None else now)
         filled_now = False
         for i in range(self.num_slots):
-            if self.slots[i] is None and self.queue:
-                self._fill(i, self.queue.popleft())
+            if self.slots[i] is None and self.queue and self._admits(self.queue[0]):
+                self._fill_queued(i, self.queue.popleft())
                 filled_now = True
         if self.idle:
             return expired
         if not filled_now and np.any(self._filled() & (self._finish() == FINISH_NONE)):
-            self._advance(self.rounds_per_call)
+            self._advance(self._reserve(int(self.rounds_per_call)))
         return expired + self._collect()  # after a fill: the first tokens at once
 
     def _expire(self, now: float) -> list[Update]:
         """End the requests whose deadline is past `now`: queued ones with no token, running
         ones with the tokens reported so far (their slots freed)."""
         late = lambda r: r.deadline is not None and r.deadline <= now  # noqa: E731
-        updates = [Update(r.key, [], "timeout", len(r.prompt), 0, 0)
-                   for r in self.queue if late(r)]
+        updates = []
+        for r in filter(late, self.queue):
+            resume = self._resumes.pop(r.key, None)  # a preempted one: its tokens reported
+            updates.append(Update(r.key, [], "timeout", len(r.prompt), 0, 0) if resume is None
+                           else Update(r.key, [], "timeout", len(r.prompt), len(resume.tokens),
+                                       resume.rounds, resume.cached))
         self.queue = collections.deque(r for r in self.queue if not late(r))
         for i, live in enumerate(self.slots):
             if live is not None and late(live.request):
@@ -420,7 +453,9 @@ class Engine:
         return self.models.empty_state(self.num_slots, capacity=self._cache_capacity,
                                        max_tokens=self.capacity,
                                        stop=self._table([StopCriteria()] * self.num_slots),
-                                       logprobs=self.max_logprobs)
+                                       logprobs=self.max_logprobs,
+                                       paged=None if self.blocks is None else
+                                       (self.blocks.blocks, self.blocks.block_size))
 
     @property
     def _cache_capacity(self) -> int:
@@ -479,6 +514,10 @@ class Engine:
         if self._suffix:
             self.models = self.models.with_current_history()
         slot_arg = self.models.put(np.int32(slot))
+        if self.blocks is not None:
+            if not self.blocks.grow(slot, n):
+                raise RuntimeError(f"slot {slot}: too few free KV blocks for {n} positions")
+            self._sync_tables()
         if hit:
             target_only = not head
             self._fill_after(slot_arg, request, hit, head, cached, row_args, greedy)
@@ -491,10 +530,113 @@ class Engine:
         if cache and self.prefix is not None:
             self.prefix.save(self.state.target_cache, slot, request.prompt,
                              None if target_only else self._head_cache())
-        self.slots[slot] = _Live(request, cached=cached)
+        self._admitted += 1
+        self.slots[slot] = _Live(request, cached=cached, order=self._admitted)
         self._plain_steps[slot], self._stale[slot] = 0, bool(target_only)
         if self.policy is not None:
             self.policy.admit(request.key)
+
+    def _block_tables(self, kv_tokens: int | None) -> BlockTables | None:
+        """The host's block tables of a paged engine (None: slots of `capacity`)."""
+        if kv_tokens is None:
+            return None
+        validation.integer("kv_tokens", kv_tokens, 1)
+        if jax.process_count() > 1 or self.models.mesh is not None:
+            raise InputError("kv_tokens: a paged KV cache runs in one process without a mesh")
+        width = self._cache_capacity // BLOCK
+        if kv_tokens < width * BLOCK:
+            raise InputError(f"kv_tokens {kv_tokens} is less than one request's "
+                             f"{width * BLOCK} positions (capacity {self.capacity} plus a "
+                             f"round's scratch rows, in blocks of {BLOCK})")
+        return BlockTables(self.num_slots, kv_tokens // BLOCK, BLOCK, width)
+
+    def _sync_tables(self) -> None:
+        """Hand the device the block tables if the host changed them."""
+        if self.blocks is not None and self.blocks.changed:
+            self.state = self.models.run(slots.set_tables, self.state,
+                                         self.models.put(self.blocks.tables))
+            self.blocks.changed = False
+
+    def _positions(self, slot: int, rounds: int) -> int:
+        """Cache positions `slot`'s request may hold after `rounds` more rounds."""
+        live = self.slots[slot]
+        n = len(live.request.prompt)
+        grown = n + live.reported + rounds * self._tokens_per_round
+        return min(grown, n + live.request.max_new_tokens)
+
+    @property
+    def _tokens_per_round(self) -> int:
+        """The most tokens a round adds to a row (a speculative round's accepted path and
+        bonus; a plain step's one)."""
+        hist = getattr(self.state, "accept_hist", None)
+        return 1 if hist is None else hist.shape[1]
+
+    def _admits(self, request: Request) -> bool:
+        """Whether a paged engine has the blocks to start `request` (through its first call)
+        and still give every running request one more round (slot engines: always): running
+        requests may be preempted later, but never for the request just started."""
+        if self.blocks is None:
+            return True
+        resume = self._resumes.get(request.key)
+        n = len(request.prompt) + (0 if resume is None else len(resume.tokens))
+        growth = min(n + int(self.rounds_per_call) * self._tokens_per_round,
+                     len(request.prompt) + request.max_new_tokens)
+        running = sum(self.blocks.shortfall(i, self._positions(i, 1))
+                      for i, live in enumerate(self.slots) if live is not None)
+        return self.blocks.needed(growth) + running <= self.blocks.free
+
+    def _reserve(self, rounds: int) -> int:
+        """Give the running rows the blocks their next call may fill: for `rounds` rounds,
+        or fewer (halving) when blocks are short, preempting the newest request when not even
+        one round fits. Returns the rounds the call may run."""
+        if self.blocks is None:
+            return rounds
+        while True:
+            live = [i for i, s in enumerate(self.slots) if s is not None]
+            for tried in itertools.takewhile(lambda r: r >= 1, (rounds >> k for k in range(32))):
+                wants = {i: self._positions(i, tried) for i in live}
+                if sum(self.blocks.shortfall(i, p) for i, p in wants.items()) <= self.blocks.free:
+                    for i, p in wants.items():
+                        self.blocks.grow(i, p)
+                    return tried
+            if len(live) <= 1:
+                raise RuntimeError("a paged KV cache too small for one request")
+            self._preempt(max(live, key=lambda i: self.slots[i].order))
+
+    def _preempt(self, slot: int) -> None:
+        """Free `slot`'s request and its blocks and queue it first again, to resume from the
+        tokens it has (`_fill_queued`); a prefix cache keeps its rows meanwhile."""
+        live = self.slots[slot]
+        tokens = self.models.fetch(self.state.out.tokens)[slot, :live.reported]
+        if self.prefix is not None:
+            self.prefix.save(self.state.target_cache, slot,
+                             np.concatenate([live.request.prompt, tokens[:-1]]))
+        self.state = self.models.run(slots.release, self.state, self.models.put(np.int32(slot)))
+        self._free(slot)
+        self._resumes[live.request.key] = _Resume(tokens, live.cached, live.rounds)
+        self.queue.appendleft(live.request)
+        self.preemptions += 1
+
+    def _fill_queued(self, slot: int, request: Request) -> None:
+        """`_fill`, or for a preempted request its prompt and tokens but the last prefilled
+        (by the target alone where `auto` runs: the row decodes plainly) and the row made to
+        go on from its tokens (`slots.resume_row`: same seeds, same stop rules)."""
+        resume = self._resumes.pop(request.key, None)
+        if resume is None:
+            self._fill(slot, request)
+            return
+        tokens = resume.tokens
+        again = dataclasses.replace(request, prompt=tuple(request.prompt) + tuple(
+            int(t) for t in tokens[:-1]))
+        self._fill(slot, again, target_only=True if self.policy is not None else None)
+        whole = np.zeros((1, self.capacity), np.int32)
+        whole[0, :len(tokens)] = tokens
+        self.state = self.models.run(slots.resume_row, self.state,
+                                     *self.models.put((np.int32(slot), whole,
+                                                       np.int32(len(tokens)))))
+        live = self.slots[slot]
+        live.request, live.reported = request, len(tokens)
+        live.cached, live.rounds = resume.cached, resume.rounds
 
     def _prefix_hit(self, request: Request, target_only: bool) -> tuple[list[int], bool]:
         """The prefix cache's blocks for `request`'s prompt, and whether they bring the head's
@@ -537,6 +679,8 @@ class Engine:
         if self.policy is not None:
             self.policy.release(self.slots[slot].request.key)
         self.slots[slot] = None
+        if self.blocks is not None:
+            self.blocks.release(slot)
 
     def _active_rows(self, live: np.ndarray) -> int:
         """Slots the loop runs: a power of two covering every live one (at most all)."""
@@ -593,6 +737,7 @@ class Engine:
         `auto`'s mode, then compiled ahead the first time (a step's time is its run's); the
         probe's counts ([S,C]), else None."""
         fn, models, static = self._program(mode, greedy, rows)
+        self._sync_tables()
         sampling = SamplingParams(self._temperature, self._top_k, self._top_p)
         args = (self.state, *self.models.put((sampling, self._max_new, self._stop_table,
                                               max_rounds)))
