@@ -418,6 +418,13 @@ def _add_serve_args(commands) -> None:
                        help="requests decoded at once (default 8); more wait in a queue")
     serve.add_argument("--capacity", type=int, default=1024,
                        help="tokens a slot holds: prompt plus reply (default 1024)")
+    serve.add_argument("--kv-tokens", type=int, default=None,
+                       help="a paged KV cache of this many positions (blocks of 32) shared by "
+                            "the slots: each request holds only what it fills, so "
+                            "--num-slots may be far larger at the same memory; when blocks "
+                            "run out the newest request is preempted and resumed later "
+                            "(default: none, every slot holds --capacity positions; one "
+                            "process, no mesh)")
     serve.add_argument("--max-waiting", type=int, default=MAX_WAITING,
                        help="requests that may wait for a slot; more are refused with 429 "
                             f"and Retry-After (default {MAX_WAITING})")
@@ -803,7 +810,7 @@ def _serve(args: argparse.Namespace) -> None:
     engine = Engine(target, _load_draft(args, target), speculative=speculative,
                     num_slots=args.num_slots, capacity=args.capacity,
                     prefix_cache_tokens=args.prefix_cache_tokens,
-                    max_waiting=args.max_waiting,
+                    max_waiting=args.max_waiting, kv_tokens=args.kv_tokens,
                     max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs)
     if jax.process_index() > 0:  # a multi-process run: process 0 serves, this one follows
         with compilation_cache.caching_every_program(), contextlib.suppress(KeyboardInterrupt):

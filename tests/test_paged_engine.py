@@ -13,6 +13,7 @@ from eaglejax.draft.draft import new_eagle3_draft
 from eaglejax.errors import InputError
 from eaglejax.serving.engine import Engine, Request, SamplingOptions
 from eaglejax.serving.kv_blocks import BlockTables
+from test_prefix_cache import _turns
 
 CAPACITY = 96
 BLOCK_POSITIONS = 32
@@ -91,6 +92,20 @@ def test_preempted_requests_resume_with_the_same_tokens(target, draft, speculati
     for r in requests:
         assert got[r.key] == _alone(target, r), r.key
     assert engine.blocks.free == engine.blocks.blocks
+
+
+@pytest.mark.parametrize("speculative", [None, "auto"], ids=["plain", "auto"])
+def test_prefix_hits_in_a_paged_engine_decode_the_same(target, draft, speculative):
+    """A chat's second turn hits the first's blocks (copied into its own blocks, with the
+    head's rows under `auto` where it keeps them) as in a slot engine, and decodes the same."""
+    engines = [Engine(target, draft if speculative else None, speculative=speculative,
+                      num_slots=2, capacity=192, kv_tokens=kv_tokens)
+               for kv_tokens in (16 * BLOCK_POSITIONS, None)]
+    paged, slotted = engines
+    got, want = (_turns(engine, target, [0, 1]) for engine in engines)
+    assert {k: u.token_ids for k, u in got.items()} == {k: u.token_ids for k, u in want.items()}
+    assert paged.prefix.hit_tokens == slotted.prefix.hit_tokens >= 2 * (2 * BLOCK_POSITIONS - 1)
+    assert paged.blocks.free == paged.blocks.blocks
 
 
 def test_a_cancelled_request_gives_its_blocks_back(target):

@@ -670,3 +670,25 @@ def test_serve_flags_are_checked_before_loading(capsys):
                            (["--port", "70000"], "--port"), (["--num-slots", "0"], "--num-slots")]:
         assert main(["serve", "--model", "no-such-model", *flags]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_paged_server_reports_its_blocks_and_preempts_without_loss(target, server, client):
+    """A server over a paged KV cache of 4 blocks with 4 slots: concurrent replies too long
+    to fit at once are preempted and resumed (`/metrics` counts it), and each reply equals
+    the slot server's; `/health` reports the blocks."""
+    engine = Engine(target, num_slots=4, capacity=CAPACITY, kv_tokens=4 * 32,
+                    prefix_cache_tokens=0)
+    cases = [Case(f"w{i} w{i + 3} w{2 * i}", chat=False, stream=False, max_tokens=60)
+             for i in range(4)]
+    with _serving(engine) as live:
+        paged = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0,
+                              timeout=TIMEOUT_S)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda case: _ask(paged, case)[:2], cases))
+        assert _metric(live, "eaglejax_preemptions_total") > 0
+        assert _metric(live, "eaglejax_kv_blocks_free") == 4
+        assert _metric(live, "eaglejax_kv_blocks_used") == 0
+        health = httpx.get(f"{live.url}/health", timeout=5).json()
+        assert (health["kv_blocks"], health["kv_blocks_used"], health["kv_tokens"]) == (4, 0, 128)
+        assert health["preemptions"] == _metric(live, "eaglejax_preemptions_total")
+    assert got == [_ask(client, case)[:2] for case in cases]

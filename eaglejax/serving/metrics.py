@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from eaglejax.serving.engine import Update
+from eaglejax.serving.engine import Engine, Update
 from eaglejax.serving.prefix_cache import PrefixCache
 from eaglejax.serving.shape_policy import ShapePolicy
 
@@ -25,17 +25,20 @@ class ServingMetrics:
     requests by outcome; with `auto` (`policy`), target forwards by mode (the shape mix) and
     each mode's measured round cost by active rows; with `round_splits` (the engine's
     `profile_rounds`), each shape's round phase by phase; with `prefix` (the engine's prefix
-    cache), prompt tokens looked up and found cached, and blocks in use."""
+    cache), prompt tokens looked up and found cached, and blocks in use; with `paged` (an
+    engine with a paged KV cache), its blocks used and free and the preemptions so far."""
 
     def __init__(self, policy: ShapePolicy | None = None,
                  round_splits: Sequence[dict[str, Any]] = (),
-                 prefix: PrefixCache | None = None) -> None:
+                 prefix: PrefixCache | None = None, paged: Engine | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         if policy is not None:
             r.register(_ShapeMix(policy))
         if prefix is not None:
             r.register(_PrefixCacheUse(prefix))
+        if paged is not None:
+            r.register(_KVBlocks(paged))
         if round_splits:
             r.register(_RoundSplits(round_splits))
         self._queued = Gauge("eaglejax_queue_depth", "requests waiting for a slot",
@@ -136,6 +139,26 @@ class _PrefixCacheUse:
                                  f"cache in use, of {self.prefix.blocks}")
         used.add_metric([], len(self.prefix.index))
         yield used
+
+
+class _KVBlocks:
+    """A paged engine's KV blocks and preemptions, read at each scrape."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        blocks = self.engine.blocks
+        for name, value in (("used", blocks.used), ("free", blocks.free)):
+            gauge = GaugeMetricFamily(f"eaglejax_kv_blocks_{name}", f"blocks of the paged KV "
+                                      f"cache {name}, of {blocks.blocks} of {blocks.block_size} "
+                                      f"positions")
+            gauge.add_metric([], value)
+            yield gauge
+        preempted = CounterMetricFamily("eaglejax_preemptions", "running requests preempted "
+                                        "for want of KV blocks (resumed later)")
+        preempted.add_metric([], self.engine.preemptions)
+        yield preempted
 
 
 class _RoundSplits:

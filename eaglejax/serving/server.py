@@ -94,7 +94,8 @@ class _Service:
         self.request_timeout = request_timeout
         self.speculative = engine.speculation
         self.max_logprobs = engine.max_logprobs
-        self.metrics = ServingMetrics(engine.policy, engine.round_splits, engine.prefix)
+        self.metrics = ServingMetrics(engine.policy, engine.round_splits, engine.prefix,
+                                      engine if getattr(engine, "blocks", None) else None)
         self.worker = EngineWorker(engine, on_step=self.metrics.observe_step)
         self.created = int(time.time())
 
@@ -111,14 +112,19 @@ class _Service:
 
     async def health(self, request: Request) -> JSONResponse:
         """Whether the engine runs, and its load: requests running and waiting, the KV
-        positions they hold of all slots', the prefix cache's blocks in use."""
+        positions they hold of all the cache holds (a paged cache: also its blocks used of
+        all, and preemptions so far), the prefix cache's blocks in use."""
         if self.worker.alive:
             engine = self.worker.engine
             prefix = engine.prefix
+            blocks = getattr(engine, "blocks", None)
             return JSONResponse({
                 "status": "ok", "running": engine.num_running, "waiting": engine.num_waiting,
                 "max_waiting": engine.max_waiting, "kv_tokens_used": engine.kv_tokens(),
-                "kv_tokens": engine.num_slots * engine.capacity,
+                "kv_tokens": engine.kv_capacity(),
+                "kv_blocks_used": None if blocks is None else blocks.used,
+                "kv_blocks": None if blocks is None else blocks.blocks,
+                "preemptions": None if blocks is None else engine.preemptions,
                 "prefix_cache_blocks_used": None if prefix is None else len(prefix.index),
                 "prefix_cache_blocks": None if prefix is None else prefix.blocks})
         return JSONResponse({"status": "the engine is not running"}, status_code=503)
