@@ -104,6 +104,7 @@ _attention_reference = functools.partial(pallas_kernels.tree_attention_reference
                                          kv_layout="bhsd")
 
 
+@jax.jit
 def _paged_reference(q, k_pool, v_pool, lengths, tables, k_new, v_new, mask):
     return _attention_reference(q, _gather(k_pool, tables), _gather(v_pool, tables), lengths,
                                 k_new, v_new, mask)
@@ -115,6 +116,7 @@ def _rotate(x, cos, sin):
     return x * cos[:, :, None] + turned * sin[:, :, None]
 
 
+@jax.jit
 def _paged_rope_reference(qkv, cos, sin, k_pool, v_pool, lengths, tables, mask):
     batch, t_new, _, _, d = qkv.shape
     q = _rotate(qkv[:, :, :, :-2].reshape(batch, t_new, -1, d), cos, sin)
@@ -129,6 +131,7 @@ def _rope_reference(qkv, cos, sin, k_cache, v_cache, lengths, mask):
     return _paged_rope_reference(qkv, cos, sin, k_cache, v_cache, lengths, tables, mask)
 
 
+@jax.jit
 def _rows_reference(picks, lengths, tables, buffers, rows):
     keep = (picks >= 0) & (picks < rows[0].shape[1])
     return tuple(_scatter(pool, tables, lengths,
@@ -255,14 +258,14 @@ def test_the_references_serve_other_platforms_and_gradients():
     def loss(attend, q):
         return jnp.sum(attend(q, *case[1:]) ** 2)
 
-    got = jax.grad(functools.partial(loss, paged_attention))(case.q)
-    want = jax.grad(functools.partial(loss, _paged_reference))(case.q)
+    got = jax.jit(jax.grad(functools.partial(loss, paged_attention)))(case.q)
+    want = jax.jit(jax.grad(functools.partial(loss, _paged_reference)))(case.q)
     assert_close_scaled(got, want, units=FORWARD_UNITS, what="paged attention gradient")
 
     def rope_loss(attend, qkv):
         out, k_pool, _, _, v_new = attend(qkv, *rope_args[1:])
         return jnp.sum(out ** 2) + jnp.sum(k_pool ** 2) + jnp.sum(v_new)
 
-    got = jax.grad(functools.partial(rope_loss, paged_rope))(qkv)
-    want = jax.grad(functools.partial(rope_loss, _paged_rope_reference))(qkv)
+    got = jax.jit(jax.grad(functools.partial(rope_loss, paged_rope)))(qkv)
+    want = jax.jit(jax.grad(functools.partial(rope_loss, _paged_rope_reference)))(qkv)
     assert_close_scaled(got, want, units=FORWARD_UNITS, what="paged rope gradient")
