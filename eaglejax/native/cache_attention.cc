@@ -48,21 +48,6 @@ inline void prefetch_row(const float* row, int64_t D) {
   for (int64_t d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(row + d);
 }
 
-// n / d for 0 <= n < 2^31 without a division (Granlund and Montgomery): n * m >> (31 + l)
-// with 2^l >= d and m = ceil(2^(31 + l) / d), a product below 2^63.
-class Divider {
- public:
-  explicit Divider(int64_t d = 1) {
-    while ((int64_t{1} << (shift_ - 31)) < d) ++shift_;
-    m_ = ((uint64_t{1} << shift_) + d - 1) / d;
-  }
-  int64_t operator()(int64_t n) const { return static_cast<uint64_t>(n) * m_ >> shift_; }
-
- private:
-  uint64_t m_;
-  int shift_ = 31;
-};
-
 struct Job {
   const float *q, *k_cache, *v_cache, *k_new, *v_new;
   const int32_t* lengths;
@@ -71,46 +56,59 @@ struct Job {
   float* out;
   int64_t B, T, Hq, Hkv, D;
   int64_t blocks, W, BS;  // caches [blocks, Hkv, BS, D]; contiguous: [B', Hkv, S, D], W 1, BS S
-  Divider per_block;      // s / BS
   std::vector<float> rotated_q;  // the fused entry's rotated queries (q points here)
 };
 
-// The cached positions of row b, KV head h: offset(s) is where position s starts in the
-// caches, in floats (kPaged: through the row's block table; else block b, one block of S).
+// Where the cached positions of row b, KV head h lie in the caches, in floats: position s
+// at row s % BS of block tables[b, s / BS] (kPaged), or of block b, BS = S (contiguous).
 template <bool kPaged>
 class CachedRows {
  public:
-  CachedRows(const Job& job, int64_t b, int64_t h)
-      : table_(kPaged ? job.tables + b * job.W : nullptr),
-        blocks_(job.blocks), bs_(job.BS), d_(job.D), capacity_(job.W * job.BS),
-        block_floats_(job.Hkv * job.BS * job.D),
-        base_(((kPaged ? 0 : b) * job.Hkv + h) * job.BS * job.D), per_block_(job.per_block) {}
+  CachedRows(const Job& job, int64_t b, int64_t h) : job_(job), b_(b), h_(h) {}
 
-  // Position 0 <= s < capacity of a block that exists.
-  int64_t offset(int64_t s) const {
-    const int64_t i = kPaged ? per_block_(s) : 0;  // the block's entry in the table
-    return (kPaged ? table_[i] * block_floats_ : 0) + base_ + (s - i * bs_) * d_;
-  }
-  // The readable prefix of a row of `length`: up to the capacity and the first missing block.
-  int64_t valid(int64_t length) const {
-    int64_t len = std::clamp<int64_t>(length, 0, capacity_);
-    for (int64_t i = 0; kPaged && i * bs_ < len; ++i) {
-      if (!exists(table_[i])) len = i * bs_;
-    }
-    return len;
+  // Row r of the block of table entry i; -1 where the entry has no block.
+  int64_t at(int64_t i, int64_t r) const {
+    const int64_t block = kPaged ? job_.tables[b_ * job_.W + i] : b_;
+    if (block < 0 || block >= job_.blocks) return -1;
+    return ((block * job_.Hkv + h_) * job_.BS + r) * job_.D;
   }
   // Where a write to position s goes; -1 (dropped) past the capacity or without a block.
   int64_t slot(int64_t s) const {
-    if (s < 0 || s >= capacity_ || (kPaged && !exists(table_[per_block_(s)]))) return -1;
-    return offset(s);
+    return s < 0 || s >= job_.W * job_.BS ? -1 : at(s / job_.BS, s % job_.BS);
   }
+  // The readable prefix of a row of `length`: up to the capacity and the first entry
+  // without a block. Paged, its rows' offsets are listed in `offsets` (block by block: no
+  // division per key); `row(s)` then reads them.
+  int64_t prefix(int64_t length, std::vector<int64_t>& offsets) {
+    const int64_t len = std::clamp<int64_t>(length, 0, job_.W * job_.BS);
+    if (!kPaged) {
+      base_ = at(0, 0);
+      return len;
+    }
+    offsets.clear();
+    for (int64_t i = 0; i * job_.BS < len; ++i) {
+      const int64_t first = at(i, 0);
+      if (first < 0) break;  // no block: the prefix ends here
+      for (int64_t r = 0; r < std::min(job_.BS, len - i * job_.BS); ++r) {
+        offsets.push_back(first + r * job_.D);
+      }
+    }
+    offsets_ = offsets.data();
+    return offsets.size();
+  }
+  // Position s < prefix.
+  int64_t row(int64_t s) const { return kPaged ? offsets_[s] : base_ + s * job_.D; }
 
  private:
-  bool exists(int32_t block) const { return block >= 0 && block < blocks_; }
+  const Job& job_;
+  int64_t b_, h_, base_ = 0;
+  const int64_t* offsets_ = nullptr;
+};
 
-  const int32_t* table_;
-  int64_t blocks_, bs_, d_, capacity_, block_floats_, base_;
-  Divider per_block_;
+// A task's scratch memory, kept by its thread for the next.
+struct Scratch {
+  std::vector<float> values;     // transposed queries, then scores and weights
+  std::vector<int64_t> offsets;  // the cached rows of a paged row (CachedRows::prefix)
 };
 
 // f(std::true_type) for paged caches, f(std::false_type) for a contiguous one.
@@ -185,17 +183,17 @@ inline int64_t query_vectors(const Job& job) {
 // first + lane), so scores, the softmax and the denominators are computed for them at once
 // and each keeps its own key order; which vector a query shares does not change its result.
 template <bool kPaged>
-void run_task(const Job& job, int64_t task, std::vector<float>& buffer) {
+void run_task(const Job& job, int64_t task, Scratch& scratch) {
   const int64_t nq = query_vectors(job);
   const int64_t b = task / (job.Hkv * nq), h = task / nq % job.Hkv;
   const int64_t T = job.T, D = job.D, G = job.Hq / job.Hkv, Q = T * G;
   const int64_t first = task % nq * kLanes, count = std::min<int64_t>(kLanes, Q - first);
-  const CachedRows<kPaged> rows(job, b, h);
-  const int64_t len = rows.valid(job.lengths[b]);
+  CachedRows<kPaged> rows(job, b, h);
+  const int64_t len = rows.prefix(job.lengths[b], scratch.offsets);
   const int64_t keys = len + T;  // the cache prefix, then the new tokens
-  buffer.assign(D * kLanes + keys * kLanes, 0.0f);
-  float* qt = buffer.data();         // [D][kLanes] queries, transposed
-  float* weights = qt + D * kLanes;  // [keys][kLanes] scores, then weights
+  scratch.values.assign(D * kLanes + keys * kLanes, 0.0f);
+  float* qt = scratch.values.data();  // [D][kLanes] queries, transposed
+  float* weights = qt + D * kLanes;   // [keys][kLanes] scores, then weights
   const auto t_of = [&](int64_t lane) { return (first + lane) / G; };
   for (int64_t i = 0; i < count; ++i) {
     const float* src = job.q + ((b * T + t_of(i)) * job.Hq + h * G + (first + i) % G) * D;
@@ -203,7 +201,7 @@ void run_task(const Job& job, int64_t task, std::vector<float>& buffer) {
   }
   const float *kc = job.k_cache, *vc = job.v_cache;
   auto key_row = [&](const float* cache, const float* fresh, int64_t s) {
-    return s < len ? cache + rows.offset(s) : fresh + ((b * T + (s - len)) * job.Hkv + h) * D;
+    return s < len ? cache + rows.row(s) : fresh + ((b * T + (s - len)) * job.Hkv + h) * D;
   };
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const Vec hidden = Vec{} - std::numeric_limits<float>::infinity();
@@ -212,15 +210,15 @@ void run_task(const Job& job, int64_t task, std::vector<float>& buffer) {
   // The cache's rows come from memory (a decode step's weights evict them): keys are
   // prefetched kAhead rows ahead, and the values beside them for the pass that follows.
   const int64_t ahead_rows = std::min<int64_t>(len, kAhead);
-  for (int64_t s = 0; s < ahead_rows; ++s) prefetch_row(kc + rows.offset(s), D);
+  for (int64_t s = 0; s < ahead_rows; ++s) prefetch_row(kc + rows.row(s), D);
   int64_t s0 = 0;
   for (; s0 + kKeys <= keys; s0 += kKeys) {
     const float* k[kKeys];
     for (int j = 0; j < kKeys; ++j) k[j] = key_row(kc, job.k_new, s0 + j);
     for (int64_t s = s0 + kAhead; s < std::min(s0 + kAhead + kKeys, len); ++s) {
-      prefetch_row(kc + rows.offset(s), D);
+      prefetch_row(kc + rows.row(s), D);
     }
-    for (int64_t s = s0; s < std::min(s0 + kKeys, len); ++s) prefetch_row(vc + rows.offset(s), D);
+    for (int64_t s = s0; s < std::min(s0 + kKeys, len); ++s) prefetch_row(vc + rows.row(s), D);
     scores<kKeys>(k, qt, D, scale, weights + s0 * kLanes);
   }
   for (; s0 < keys; ++s0) {
@@ -265,8 +263,8 @@ void launch(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job) {
   // over both cores of a 2-core machine instead of waiting on one.
   with_layout(*job, [&](auto paged) {
     parallel_tasks(pool, job->B * job->Hkv * query_vectors(*job), [job] {
-      return [job, buffer = std::vector<float>()](int64_t task) mutable {
-        run_task<decltype(paged)::value>(*job, task, buffer);
+      return [job, scratch = Scratch()](int64_t task) mutable {
+        run_task<decltype(paged)::value>(*job, task, scratch);
       };
     });
   });
@@ -278,7 +276,7 @@ using U8 = ffi::Buffer<ffi::U8>;
 using Result = ffi::ResultBuffer<ffi::F32>;
 
 // The job's cache layout for B rows: caches [B',Hkv,S,D] with B' >= B (no tables), or pools
-// [N,Hkv,BS,D] read through tables [B,W] with 0 < W * BS < 2^31; false where they do not fit.
+// [N,Hkv,BS,D] read through tables [B,W] (BS > 0); false where they do not fit.
 bool set_layout(Job& job, int64_t B, ffi::Span<const int64_t> cache, const S32* tables) {
   job.B = B;
   job.blocks = cache[0];
@@ -287,17 +285,14 @@ bool set_layout(Job& job, int64_t B, ffi::Span<const int64_t> cache, const S32* 
   job.tables = nullptr;
   if (!tables) return cache[0] >= B;
   const auto td = tables->dimensions();
-  if (td.size() != 2 || td[0] != B || job.BS <= 0 || td[1] * job.BS >= (int64_t{1} << 31)) {
-    return false;
-  }
+  if (td.size() != 2 || td[0] != B || job.BS <= 0) return false;
   job.tables = tables->typed_data();
   job.W = td[1];
-  job.per_block = Divider(job.BS);
   return true;
 }
 
 constexpr char kLayouts[] =
-    "caches [B',Hkv,S,D] (B' >= B) or pools [N,Hkv,BS,D] with tables [B,W] (W * BS < 2^31)";
+    "caches [B',Hkv,S,D] (B' >= B) or pools [N,Hkv,BS,D] (BS > 0) with tables [B,W]";
 
 // cache_attention, over caches or (tables) pools.
 ffi::Error attention(ffi::ThreadPool& pool, F32& q, F32& k_cache, F32& v_cache, S32& lengths,
