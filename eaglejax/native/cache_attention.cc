@@ -85,16 +85,14 @@ class CachedRows {
       base_ = at(0, 0);
       return len;
     }
-    offsets.clear();
-    for (int64_t i = 0; i * job_.BS < len; ++i) {
-      const int64_t first = at(i, 0);
-      if (first < 0) break;  // no block: the prefix ends here
-      for (int64_t r = 0; r < std::min(job_.BS, len - i * job_.BS); ++r) {
-        offsets.push_back(first + r * job_.D);
-      }
-    }
+    offsets.resize(len);
     offsets_ = offsets.data();
-    return offsets.size();
+    for (int64_t s = 0; s < len; s += job_.BS) {
+      const int64_t first = at(s / job_.BS, 0);
+      if (first < 0) return s;  // no block: the prefix ends here
+      for (int64_t r = 0; r < std::min(job_.BS, len - s); ++r) offsets[s + r] = first + r * job_.D;
+    }
+    return len;
   }
   // Position s < prefix.
   int64_t row(int64_t s) const { return kPaged ? offsets_[s] : base_ + s * job_.D; }
