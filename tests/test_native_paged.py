@@ -170,6 +170,7 @@ def test_paged_attention_is_the_contiguous_kernel_on_the_gathered_cache(shape):
 
 @needs_compiler
 def test_a_row_reads_up_to_its_first_missing_block():
+    """A full row whose third entry has no block reads as the row of two blocks."""
     case = _case(*SHAPES[0], seed=1)
     row = int(np.argmax(case.lengths))  # the capacity: four blocks
     tables, lengths = case.tables.copy(), case.lengths.copy()
@@ -220,18 +221,20 @@ def test_paged_rope_attention_writes_through_the_tables(shape):
 def test_paged_cache_rows_land_through_the_tables(dtype):
     """Every buffer gets rows picks[b, p] at lengths[b] + p through the tables; picks outside
     [0, N), positions past the capacity or without a block write nothing."""
-    case = _case(6, 6, 4, 2, 64, 16, seed=2)
+    batch, count = 6, 6  # rows, new rows of each
+    case = _case(batch, count, 4, 2, 64, 16, seed=2)
     rng = np.random.default_rng(3)
-    picks = rng.integers(-1, 7, (6, 4)).astype(np.int32)  # -1 and 6 pick no row
-    n, n_kv, _, d = case.k_pool.shape
+    picks = rng.integers(-1, count + 1, (batch, 4)).astype(np.int32)  # -1 and count: none
+    _, n_kv, _, d = case.k_pool.shape
     buffers = tuple(jnp.asarray(rng.standard_normal(case.k_pool.shape), dtype) for _ in range(4))
-    rows = tuple(jnp.asarray(rng.standard_normal((6, 6, n_kv, d)), dtype) for _ in range(4))
+    rows = tuple(jnp.asarray(rng.standard_normal((batch, count, n_kv, d)), dtype)
+                 for _ in range(4))
     assert cache_rows.applies(buffers, rows)
     got = paged_rows(buffers, rows, picks, case.lengths, case.tables)
-    keep = (picks >= 0) & (picks < 6)
+    keep = (picks >= 0) & (picks < count)
     reference = _rows_reference(picks, case.lengths, case.tables, buffers, rows)
     for out, pool, new, ref in zip(got, buffers, rows, reference):
-        chosen = np.asarray(new)[np.arange(6)[:, None], np.clip(picks, 0, 5)]
+        chosen = np.asarray(new)[np.arange(batch)[:, None], np.clip(picks, 0, count - 1)]
         want = _written(np.asarray(pool), case.tables, case.lengths, chosen, keep)
         np.testing.assert_array_equal(np.asarray(out), want)
         np.testing.assert_array_equal(np.asarray(ref), want)
