@@ -50,6 +50,7 @@ def _kernel(target: str, *operands) -> Buffers:
 
 def _run(target: str, reference: Callable[..., Buffers], buffers: Buffers, rows: Buffers,
          *indices: jax.Array) -> Buffers:
+    """`target` on CPU, `reference(*indices, buffers, rows)` elsewhere (indices as int32)."""
     return jax.lax.platform_dependent(*(index.astype("int32") for index in indices),
                                       tuple(buffers), tuple(rows),
                                       cpu=functools.partial(_kernel, target), default=reference)
