@@ -96,7 +96,7 @@ def test_preempted_requests_resume_with_the_same_tokens(target, draft, speculati
 
 @pytest.mark.parametrize("speculative", [None, "auto"], ids=["plain", "auto"])
 def test_prefix_hits_in_a_paged_engine_decode_the_same(target, draft, speculative):
-    """A chat's second turn hits the first's blocks (copied into its own blocks, with the
+    """A chat's second turn hits the first's blocks (put in its own block table, with the
     head's rows under `auto` where it keeps them) as in a slot engine, and decodes the same."""
     engines = [Engine(target, draft if speculative else None, speculative=speculative,
                       num_slots=2, capacity=192, kv_tokens=kv_tokens)
@@ -106,6 +106,50 @@ def test_prefix_hits_in_a_paged_engine_decode_the_same(target, draft, speculativ
     assert {k: u.token_ids for k, u in got.items()} == {k: u.token_ids for k, u in want.items()}
     assert paged.prefix.hit_tokens == slotted.prefix.hit_tokens >= 2 * (2 * BLOCK_POSITIONS - 1)
     assert paged.blocks.free == paged.blocks.blocks
+
+
+def test_requests_sharing_a_prompt_share_its_blocks(target):
+    """Two requests whose prompts start with an earlier one's 3 full blocks hold those blocks
+    themselves (refcounted: the cache's and each table's), prefill only the rest into blocks
+    of their own, and decode as without any cache; their ends free only their own blocks."""
+    rng = np.random.default_rng(4)
+    base = rng.integers(0, target.config.vocab_size, 100).tolist()
+    later = [Request(k, base + rng.integers(0, target.config.vocab_size, 7).tolist(), 12,
+                     ignore_eos=True) for k in ("b", "c")]
+    engine = Engine(target, num_slots=2, capacity=192, kv_tokens=16 * BLOCK_POSITIONS)
+    engine.run([Request("a", base, 4, ignore_eos=True)])
+    kept = list(engine.prefix.index.values())[:3]
+    for request in later:
+        engine.submit(request)
+    first = {u.key: u.token_ids for u in engine.step()}  # both fills, their first tokens
+    tables = engine.blocks.tables
+    assert tables[0, :3].tolist() == tables[1, :3].tolist() == kept
+    assert tables[0, 3] != tables[1, 3]  # the rest: blocks of their own
+    assert engine.blocks.refs[kept].tolist() == [3, 3, 3]
+    got = engine.run()
+    slotted = Engine(target, num_slots=2, capacity=192, prefix_cache_tokens=0)
+    want = slotted.run(later)
+    assert {k: first[k] + got[k].token_ids for k in "bc"} == {k: want[k].token_ids
+                                                              for k in "bc"}
+    assert all(got[k].cached_tokens == 3 * BLOCK_POSITIONS - 1 for k in "bc")
+    assert engine.blocks.refs[kept].tolist() == [1, 1, 1]  # the cache's
+    assert engine.blocks.used == 0 and engine.blocks.free == engine.blocks.blocks
+
+
+def test_warmup_compiles_what_paging_runs(target):
+    """After `warmup`, requests that preempt and resume compile no program of the batch."""
+    from eaglejax.decoding import slots
+
+    engine = Engine(target, num_slots=3, capacity=64, kv_tokens=4 * BLOCK_POSITIONS,
+                    prefix_cache_tokens=0, rounds_per_call=4)
+    engine.warmup(progress=False)
+    programs = (slots.fill, slots.advance, slots.resume_row, slots.set_tables, slots.release)
+    compiled = [program._cache_size() for program in programs]
+    rng = np.random.default_rng(2)
+    engine.run([Request(i, rng.integers(0, target.config.vocab_size, 20).tolist(), 30,
+                        ignore_eos=True) for i in range(3)])
+    assert engine.preemptions > 0
+    assert [program._cache_size() for program in programs] == compiled
 
 
 def test_a_cancelled_request_gives_its_blocks_back(target):

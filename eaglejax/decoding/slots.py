@@ -103,7 +103,7 @@ def fill_target(loop: SpecLoop, weights: Weights, state: speculative.SpecState,
 
 @functools.partial(jax.jit, static_argnames=("loop", "greedy"), donate_argnames=("state",))
 def fill_cached(loop: Loop, weights: Weights, state: State, slot: jax.Array,
-                pool: PrefixPool, head_pool: PrefixPool | None, blocks: jax.Array,
+                pool: PrefixPool | None, head_pool: PrefixPool | None, blocks: jax.Array,
                 cached: jax.Array, rest: jax.Array, rest_length: jax.Array, prompt: jax.Array,
                 row_key: jax.Array, sampling: SamplingParams, max_new_tokens: jax.Array,
                 stop: StopTable, *, greedy: bool) -> State:
@@ -112,8 +112,30 @@ def fill_cached(loop: Loop, weights: Weights, state: State, slot: jax.Array,
     unused): their rows are copied in and only the `rest` [1,R] (right-padded, rest_length
     [1] tokens) is prefilled: with the head, whose rows come from `head_pool`'s same blocks,
     or (`head_pool` None) by the target alone (in a speculative batch the row then decodes
-    plainly, as after `fill_target`)."""
-    rows = load_rows(pool, blocks, cached, state.target_cache.capacity)
+    plainly, as after `fill_target`). `pool` None: the blocks are the paged batch's own,
+    already in the slot's table (shared with other rows: read, never written)."""
+    cache = state.target_cache
+    if pool is not None:
+        return _fill_after_rows(loop, weights, state, slot, load_rows(
+            pool, blocks, cached, cache.capacity), head_pool, blocks, cached, rest, rest_length,
+            prompt, row_key, sampling, max_new_tokens, stop, greedy)
+    rows = load_rows(PrefixPool(cache.k, cache.v), blocks, cached, cache.capacity)
+    width, nowhere = cache.tables.shape[1], cache.k[0].shape[0]
+    shared = jnp.arange(width) < -(-cached[0] // cache.k[0].shape[2])
+    hidden = cache.tables.at[slot].set(jnp.where(shared, nowhere, cache.tables[slot]))
+    state = state._replace(target_cache=cache._replace(tables=hidden))
+    state = _fill_after_rows(loop, weights, state, slot, rows, head_pool, blocks, cached, rest,
+                             rest_length, prompt, row_key, sampling, max_new_tokens, stop,
+                             greedy)
+    return state._replace(target_cache=state.target_cache._replace(tables=cache.tables))
+
+
+def _fill_after_rows(loop: Loop, weights: Weights, state: State, slot: jax.Array,
+                     rows: kv_cache.KVCache, head_pool: PrefixPool | None, blocks: jax.Array,
+                     cached: jax.Array, rest: jax.Array, rest_length: jax.Array,
+                     prompt: jax.Array, row_key: jax.Array, sampling: SamplingParams,
+                     max_new_tokens: jax.Array, stop: StopTable, greedy: bool) -> State:
+    """`fill_cached` after the hit's target `rows` (a one-row cache) were loaded."""
     settings = (rest, rest_length, row_key, sampling, max_new_tokens, stop, greedy)
     if head_pool is not None:
         head = load_rows(head_pool, blocks, cached, state.drafter.cache.capacity)

@@ -227,7 +227,7 @@ class Engine:
         if prefix_cache_tokens and fills_target_alone and capacity > BLOCK + 1 \
                 and jax.process_count() == 1:
             self.prefix = PrefixCache(self.state.target_cache, -(-prefix_cache_tokens // BLOCK),
-                                      self._head_cache())
+                                      self._head_cache(), self.blocks)
         self.round_splits: list[dict[str, Any]] = []  # `profile_rounds`' results
 
     # ------------------------------------------------------------------ public interface
@@ -356,7 +356,7 @@ class Engine:
         if self.idle:
             return expired
         if not filled_now and np.any(self._filled() & (self._finish() == FINISH_NONE)):
-            self._advance(self._reserve(int(self.rounds_per_call)))
+            self._advance(np.int32(self._reserve(int(self.rounds_per_call))))
         return expired + self._collect()  # after a fill: the first tokens at once
 
     def _expire(self, now: float) -> list[Update]:
@@ -419,6 +419,8 @@ class Engine:
             self._fill(rows - 1, request, cache=False)
             for mode in self._modes_to_warm(rows):
                 self._advance(np.int32(0), mode)
+            if self.blocks is not None and n == prompts[0] and rows == row_counts[0]:
+                self._resume_row(rows - 1, np.zeros(1, np.int32))  # a preempted request's
             self.cancel(request.key)
             if (rows == row_counts[0] and self.policy is not None
                     and self.policy.max_speculative_rows is not None):
@@ -428,8 +430,8 @@ class Engine:
                 hit = dataclasses.replace(request, prompt=[0] * min(BLOCK - 1 + n,
                                                                     self.capacity - 1))
                 for head in {False, self.prefix.head_pool is not None}:  # whose rest fills
-                    self._fill(rows - 1, hit, hit=[0], head=head)  # `n`'s bucket
-                    self.cancel(hit.key)
+                    self._fill(rows - 1, hit, hit=self._warm_hit(), head=head)  # `n`'s
+                    self.cancel(hit.key)  # bucket
         if self.prefix is not None:
             self.prefix.warmup(self.state.target_cache, self._head_cache())
         # Programs run asynchronously: the last warm-up prefills (the longest prompts) would
@@ -515,6 +517,7 @@ class Engine:
             self.models = self.models.with_current_history()
         slot_arg = self.models.put(np.int32(slot))
         if self.blocks is not None:
+            self.blocks.share(slot, hit)  # the hit's blocks themselves, read-only
             if not self.blocks.grow(slot, n):
                 raise RuntimeError(f"slot {slot}: too few free KV blocks for {n} positions")
             self._sync_tables()
@@ -629,14 +632,31 @@ class Engine:
         again = dataclasses.replace(request, prompt=tuple(request.prompt) + tuple(
             int(t) for t in tokens[:-1]))
         self._fill(slot, again, target_only=True if self.policy is not None else None)
+        self._resume_row(slot, tokens)
+        live = self.slots[slot]
+        live.request, live.reported = request, len(tokens)
+        live.cached, live.rounds = resume.cached, resume.rounds
+
+    def _warm_hit(self) -> list[int]:
+        """A prefix-cache block a warm-up fill may read: block 0 of the prefix pool, or in a
+        paged engine a block of its pool that the index keeps (a block of zeros at first)."""
+        if self.blocks is None:
+            return [0]
+        if not self.prefix.index:
+            self.blocks.grow(0, BLOCK)  # slot 0 is free while warming up
+            block = int(self.blocks.tables[0, 0])
+            self.prefix.index[b"warm-up"] = block
+            self.blocks.keep(block)
+            self.blocks.release(0)
+        return [next(iter(self.prefix.index.values()))]
+
+    def _resume_row(self, slot: int, tokens: np.ndarray) -> None:
+        """`slots.resume_row`: `slot`'s row goes on from `tokens`."""
         whole = np.zeros((1, self.capacity), np.int32)
         whole[0, :len(tokens)] = tokens
         self.state = self.models.run(slots.resume_row, self.state,
                                      *self.models.put((np.int32(slot), whole,
                                                        np.int32(len(tokens)))))
-        live = self.slots[slot]
-        live.request, live.reported = request, len(tokens)
-        live.cached, live.rounds = resume.cached, resume.rounds
 
     def _prefix_hit(self, request: Request, target_only: bool) -> tuple[list[int], bool]:
         """The prefix cache's blocks for `request`'s prompt, and whether they bring the head's
@@ -659,7 +679,7 @@ class Engine:
         whole[0, :len(request.prompt)] = request.prompt
         rest, rest_length, *settings = row_args
         self.state = self.models.run(
-            slots.fill_cached, self.state, slot, self.prefix.pool,
+            slots.fill_cached, self.state, slot, self.prefix.pool,  # None: paged, shared
             self.prefix.head_pool if head else None,
             *self.models.put((blocks, np.array([cached], np.int32))), rest, rest_length,
             self.models.put(whole), *settings, greedy=greedy)

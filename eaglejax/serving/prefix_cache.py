@@ -11,6 +11,12 @@ hit's last position again, whose EAGLE-head row reads the token after it), and a
 prefill and at each request's end saves the slot's new full blocks, with an EAGLE head's rows
 of them where the row kept its head. Blocks are evicted least recently used; the copy in a
 slot owns its rows, so no block is counted per request.
+
+In a paged engine (`serving.kv_blocks`) nothing is copied: the index keeps blocks of the
+engine's own pool (one reference each), a request's full blocks join it where they are, and
+a hit puts the cached blocks themselves in the request's block table (shared, never written
+again) and prefills the rest into blocks of its own. Blocks only the index keeps are
+evicted, least recently used, when the pool runs short or past the cache's size.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 from eaglejax.decoding.buckets import bucket
 from eaglejax.decoding.prefix_pool import BLOCK, PrefixPool, empty_pool, save_blocks
 from eaglejax.models import kv_cache
+from eaglejax.serving.kv_blocks import BlockTables
 
 def block_keys(tokens: np.ndarray) -> list[bytes]:
     """The key of each full block of `tokens` (its ids and its whole prefix's)."""
@@ -43,16 +50,23 @@ PREFIX_CACHE_TOKENS = 4096  # positions a serving engine's prefix cache keeps by
 class PrefixCache:
     """The host's index of a `PrefixPool` of `blocks` blocks for caches like `cache` (module
     docstring); with `head_cache`, a second pool keeps a draft head's rows of the same
-    blocks, so that a hit can prefill the head too (where a block's were saved)."""
+    blocks, so that a hit can prefill the head too (where a block's were saved). With
+    `tables` (a paged engine's), the index keeps at most `blocks` blocks of the engine's pool
+    (`pool` is None) and the head pool has one block per pool block."""
 
     def __init__(self, cache: kv_cache.KVCache, blocks: int,
-                 head_cache: kv_cache.KVCache | None = None):
+                 head_cache: kv_cache.KVCache | None = None,
+                 tables: BlockTables | None = None):
         if blocks < 1:
             raise ValueError(f"a prefix cache holds at least one block, got {blocks}")
         if cache.capacity % BLOCK:
             raise ValueError(f"slot capacity {cache.capacity} is not a multiple of {BLOCK}")
-        self.pool = empty_pool(cache, blocks)
-        self.head_pool = None if head_cache is None else empty_pool(head_cache, blocks)
+        self.tables = tables
+        pool_blocks = blocks if tables is None else tables.blocks
+        self.pool = None if tables is not None else empty_pool(cache, blocks)
+        self.head_pool = None if head_cache is None else empty_pool(head_cache, pool_blocks)
+        if tables is not None:
+            tables.reclaimable, tables.reclaim = self.reclaimable, self.reclaim
         self.blocks, self.capacity = blocks, cache.capacity
         self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU first
         self.with_head: set[int] = set()  # blocks whose head rows the head pool holds
@@ -87,6 +101,12 @@ class PrefixCache:
             block = self.index.get(key)
             if block is not None:
                 self.index.move_to_end(key)
+            elif self.tables is not None:  # paged: the slot's own block joins the index
+                block = int(self.tables.tables[slot, i])
+                self.index[key] = block
+                self.tables.keep(block)
+                while len(self.index) > self.blocks:
+                    self._evict(next(iter(self.index)))
             else:
                 block = self._allocate(mine)
                 if block is None:  # the pool holds less than this sequence
@@ -107,8 +127,9 @@ class PrefixCache:
         """Compile `save`'s programs (one per width `_width` gives) writing nothing."""
         most = self.capacity // BLOCK
         for width in sorted({_width(n, most) for n in range(1, most + 1)}):
-            nowhere = [(0, self.blocks)] * width
-            self.pool = self._copy(self.pool, cache, 0, nowhere)
+            nowhere = [(0, self.head_blocks)] * width
+            if self.pool is not None:
+                self.pool = self._copy(self.pool, cache, 0, nowhere)
             if head_cache is not None:
                 self.head_pool = self._copy(self.head_pool, head_cache, 0, nowhere)
 
@@ -118,11 +139,32 @@ class PrefixCache:
         pool: not written) copied from `slot` of `cache`."""
         if not blocks:
             return pool
-        blocks = blocks + [(0, self.blocks)] * (_width(len(blocks), self.capacity // BLOCK)
-                                                 - len(blocks))
+        blocks = blocks + [(0, self.head_blocks)] * (
+            _width(len(blocks), self.capacity // BLOCK) - len(blocks))
         sources, targets = zip(*blocks)
         return save_blocks(pool, cache, jnp.int32(slot), jnp.asarray(sources, jnp.int32),
                            jnp.asarray(targets, jnp.int32))
+
+    @property
+    def head_blocks(self) -> int:
+        """Blocks of the pools this cache copies rows into."""
+        return self.blocks if self.tables is None else self.tables.blocks
+
+    def reclaimable(self) -> int:
+        """Paged: blocks only the index keeps."""
+        return sum(self.tables.refs[block] == 1 for block in self.index.values())
+
+    def reclaim(self, count: int) -> None:
+        """Paged: free `count` blocks only the index keeps, least recently used first."""
+        unused = [key for key, block in self.index.items() if self.tables.refs[block] == 1]
+        for key in unused[:count]:
+            self._evict(key)
+
+    def _evict(self, key: bytes) -> None:
+        """Paged: forget `key`, dropping the index's reference to its block."""
+        block = self.index.pop(key)
+        self.with_head.discard(block)
+        self.tables.drop(block)
 
     def _allocate(self, keep: set[int]) -> int | None:
         if self.free:
