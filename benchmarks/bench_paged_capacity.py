@@ -9,7 +9,7 @@ of the same positions (`kv_slots * capacity`, `Engine(kv_tokens=...)`) and `--nu
 rows. All requests (MT-bench first turns, every category in turn, repeated to
 `--num-requests`, chat template, greedy, EOS honoured) are submitted at once; each engine
 runs them to the end twice (the first run compiles; the second is reported): the most
-requests running at once, preemptions, wall time and output tokens/s. Every engine's
+requests running at once (and blocks in use), preemptions, wall time and output tokens/s. Every engine's
 replies must equal the slot engine's (checked).
 """
 
@@ -40,15 +40,17 @@ def run(engine: Engine, batch: list[Request]) -> dict:
     for request in batch:
         engine.submit(request)
     replies: dict = {r.key: [] for r in batch}
-    peak, preempted = 0, engine.preemptions
+    peak, peak_blocks, preempted = 0, 0, engine.preemptions
     start = time.perf_counter()
     while not engine.idle:
         for update in engine.step():
             replies[update.key].extend(update.token_ids)
         peak = max(peak, engine.num_running)
+        peak_blocks = max(peak_blocks, 0 if engine.blocks is None else engine.blocks.used)
     seconds = time.perf_counter() - start
     tokens = sum(map(len, replies.values()))
-    return dict(peak_running=peak, preemptions=engine.preemptions - preempted,
+    return dict(peak_running=peak, peak_blocks_used=peak_blocks,
+                preemptions=engine.preemptions - preempted,
                 seconds=round(seconds, 2), tokens=tokens,
                 tokens_per_s=round(tokens / seconds, 1), replies=replies)
 

@@ -3,8 +3,9 @@ batches of `eaglejax.generate()` and against `transformers serve`, side by side 
 
     python benchmarks/load_test.py [--concurrency 1 4 16 32] [--max-tokens 64]
         [--draft checkpoints/smollm2-135m-instruct-eagle3] [--shape auto | tree:4,4,6]
-        [--runs plain speculative static transformers] [--weight-dtype auto | float32]
-        [--repeats N] [--json OUT]
+        [--runs plain speculative paged paged-speculative static transformers]
+        [--num-slots N] [--kv-tokens N] [--weight-dtype auto | float32] [--repeats N]
+        [--json OUT]
 
 MT-bench first turns (categories interleaved), chat template, greedy, `--max-tokens` new
 tokens (EOS honoured: the same for every server, since greedy replies are identical). At
@@ -18,6 +19,10 @@ compile time of new batch shapes excluded). Every server is started first and st
 level runs on every server in turn, `--repeats` times (the order alternating), and each
 server's figures are those of its median run by tokens/s: on a noisy host the servers'
 ratios then come from the same minutes.
+The slot servers have `--num-slots` slots (default: the highest concurrency) of `--capacity`
+tokens; the paged ones (`paged`, `paged-speculative`: `serve --kv-tokens`) run up to the
+highest concurrency at once in a pool of `--kv-tokens` positions (default: 32 slots' worth),
+so at equal KV memory `--num-slots 32` compares the slot engine with the paged one.
 `transformers` (not run by default; needs `accelerate`): `transformers serve
 --continuous-batching` on the same weights (transformers' own GGUF reader, saved as a
 Hugging Face directory).
@@ -175,11 +180,16 @@ def parse_args() -> argparse.Namespace:
                         help="the speculative server's shape: auto (default: the mode per "
                              "engine step), tree:K,D,N or chain:K")
     parser.add_argument("--capacity", type=int, default=1024)
+    parser.add_argument("--num-slots", type=int, default=None,
+                        help="slots of the slot servers (default: the highest concurrency)")
+    parser.add_argument("--kv-tokens", type=int, default=None,
+                        help="the paged servers' KV pool (default: 32 x --capacity)")
     parser.add_argument("--weight-dtype", default="auto",
                         help="the eaglejax servers' matrix storage (default: auto, as "
                              "`eaglejax serve`)")
     parser.add_argument("--runs", nargs="+", default=["plain", "speculative", "static"],
-                        choices=["plain", "speculative", "static", "transformers"])
+                        choices=["plain", "speculative", "paged", "paged-speculative",
+                                 "static", "transformers"])
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each level on each server, alternating")
     parser.add_argument("--json", default=None)
@@ -203,13 +213,19 @@ def main() -> None:
     shape_flag = {"auto": [], "tree": ["--tree", numbers],
                   "chain": ["--num-draft-tokens", numbers]}[kind]
     serve = [sys.executable, "-m", "eaglejax.cli", "serve", "--model", MODEL,
-             "--num-slots", str(most), "--capacity", str(args.capacity),
-             "--weight-dtype", args.weight_dtype]
+             "--capacity", str(args.capacity), "--weight-dtype", args.weight_dtype]
+    slotted = serve + ["--num-slots", str(args.num_slots or most)]
+    kv_tokens = args.kv_tokens or 32 * args.capacity
+    paged = serve + ["--num-slots", str(most), "--kv-tokens", str(kv_tokens)]
+    head = ["--draft", args.draft, *shape_flag]
     servers = {}
-    if "plain" in args.runs:
-        servers["eaglejax plain"] = serve + ["--no-draft"]
-    if "speculative" in args.runs:
-        servers[f"eaglejax {args.shape}"] = serve + ["--draft", args.draft, *shape_flag]
+    for run, name, command in (
+            ("plain", "eaglejax plain", slotted + ["--no-draft"]),
+            ("speculative", f"eaglejax {args.shape}", slotted + head),
+            ("paged", f"eaglejax plain, paged {kv_tokens}", paged + ["--no-draft"]),
+            ("paged-speculative", f"eaglejax {args.shape}, paged {kv_tokens}", paged + head)):
+        if run in args.runs:
+            servers[name] = command
     logs = Path(tempfile.mkdtemp(prefix="load-test-"))
     if "transformers" in args.runs:
         hf = transformers_dir(logs / "smollm2-hf")
