@@ -269,10 +269,14 @@ def analysed(compiled: Any) -> tuple[float, float]:
 
 def fused_attention_traffic(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                             cache_lengths: jax.Array, k_new: jax.Array, v_new: jax.Array,
-                            mask: jax.Array, *, impl: str = "auto") -> jax.Array:
+                            mask: jax.Array, *, impl: str = "auto",
+                            tables: jax.Array | None = None) -> jax.Array:
     """A stand-in for `attention` that moves what a fused kernel moves: q, the cache, the
     new K/V and the mask read once, an output of q's shape written (its value is
-    meaningless; the FLOPs are taken from the real attention)."""
+    meaningless; the FLOPs are taken from the real attention). Programs traced for the
+    roofline keep slot caches (`tables` None)."""
+    if tables is not None:
+        raise ValueError("the roofline traces slot caches, not paged ones")
     group = q.shape[2] // k_new.shape[2]
     summary = jnp.sum(k_cache, axis=2) + jnp.sum(v_cache, axis=2) + jnp.sum(k_new + v_new, 1)
     seen = jnp.sum(mask, axis=-1).astype(q.dtype)[..., None, None]  # [B,T,1,1]
