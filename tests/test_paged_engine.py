@@ -50,6 +50,12 @@ def _alone(target, request: Request, draft=None, spec=None) -> list[int]:
     return g.token_ids
 
 
+def expect_short_replies(engine: Engine) -> None:
+    """Two one-token replies: the engine then expects short ones and admits requests that
+    outgrow the pool (as a workload whose replies grow does), so some are preempted."""
+    engine.run([Request(("short", i), [1, 2, 3], 1) for i in range(2)])
+
+
 def _streamed(engine: Engine, requests: list[Request]) -> dict[int, list[int]]:
     """Each request's streamed tokens (checked against its final count)."""
     for r in requests:
@@ -79,14 +85,15 @@ def test_paged_requests_get_their_own_tokens(target, draft, spec):
 @pytest.mark.parametrize("speculative", [None, "auto"], ids=["plain", "auto"])
 def test_preempted_requests_resume_with_the_same_tokens(target, draft, speculative):
     """A pool of 6 blocks (4 with a head, whose rounds may add several tokens each) for 4
-    slots of requests that each grow to 2-3 blocks: the newest requests are preempted and
-    prefilled again, and still end with their own tokens (sampled ones too: a resumed row
-    draws with the keys of its token counts)."""
+    slots of requests that each grow to 2-3 blocks, admitted expecting short replies: the
+    newest requests are preempted and prefilled again, and still end with their own tokens
+    (sampled ones too: a resumed row draws with the keys of its token counts)."""
     requests = _requests(target, seed=1, sampled=speculative is None)
     blocks = 6 if speculative is None else 4
     engine = Engine(target, draft if speculative else None, speculative=speculative,
                     num_slots=4, capacity=CAPACITY, kv_tokens=blocks * BLOCK_POSITIONS,
                     prefix_cache_tokens=0, rounds_per_call=4)
+    expect_short_replies(engine)
     got = _streamed(engine, requests)
     assert engine.preemptions > 0
     for r in requests:
@@ -143,6 +150,7 @@ def test_warmup_compiles_what_paging_runs(target):
     engine = Engine(target, num_slots=3, capacity=64, kv_tokens=4 * BLOCK_POSITIONS,
                     prefix_cache_tokens=0, rounds_per_call=4)
     engine.warmup(progress=False)
+    expect_short_replies(engine)
     programs = (slots.fill, slots.advance, slots.resume_row, slots.set_tables, slots.release)
     compiled = [program._cache_size() for program in programs]
     rng = np.random.default_rng(2)
@@ -150,6 +158,22 @@ def test_warmup_compiles_what_paging_runs(target):
                         ignore_eos=True) for i in range(3)])
     assert engine.preemptions > 0
     assert [program._cache_size() for program in programs] == compiled
+
+
+def test_requests_expected_to_outgrow_the_pool_wait(target):
+    """With no reply seen yet a request is expected to use all its `max_new_tokens`: of 4
+    requests needing 2-3 blocks each, a pool of 6 runs only as many as fit whole, and none
+    is preempted."""
+    engine = Engine(target, num_slots=4, capacity=CAPACITY, kv_tokens=6 * BLOCK_POSITIONS,
+                    prefix_cache_tokens=0)
+    requests = _requests(target, count=4, seed=1, sampled=False)
+    for r in requests:
+        engine.submit(r)
+    most = 0
+    while not engine.idle:
+        engine.step()
+        most = max(most, engine.num_running)
+    assert engine.preemptions == 0 and 2 <= most < 4
 
 
 def test_a_cancelled_request_gives_its_blocks_back(target):

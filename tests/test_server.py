@@ -33,6 +33,7 @@ from eaglejax.serving.server import create_app
 from eaglejax.serving.textstream import TextStream
 from eaglejax.tokenizer import Tokenizer
 from hf_oracle import hf_logits
+from test_paged_engine import expect_short_replies
 from tolerances import FORWARD_UNITS, assert_close_scaled
 
 MODEL = "tiny-llama"
@@ -673,11 +674,12 @@ def test_serve_flags_are_checked_before_loading(capsys):
 
 
 def test_a_paged_server_reports_its_blocks_and_preempts_without_loss(target, server, client):
-    """A server over a paged KV cache of 4 blocks with 4 slots: concurrent replies too long
-    to fit at once are preempted and resumed (`/metrics` counts it), and each reply equals
+    """A server over a paged KV cache of 4 blocks with 4 slots, expecting short replies:
+    concurrent replies too long to fit at once are preempted and resumed (`/metrics` counts it), and each reply equals
     the slot server's; `/health` reports the blocks."""
     engine = Engine(target, num_slots=4, capacity=CAPACITY, kv_tokens=4 * 32,
-                    prefix_cache_tokens=0)
+                    prefix_cache_tokens=64)
+    expect_short_replies(engine)  # so that the replies outgrow the pool
     cases = [Case(f"w{i} w{i + 3} w{2 * i}", chat=False, stream=False, max_tokens=60)
              for i in range(4)]
     with _serving(engine) as live:

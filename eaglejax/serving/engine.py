@@ -67,6 +67,7 @@ MAX_STOP_TOKEN_IDS = 8  # a request's own end-of-reply tokens beside the model's
 # SmolLM2 (2 cores, BENCHMARKS.md) a prompt token's prefill costs 0.85-1.3 ms and speculation
 # at its best (1.10x a 4-5 ms step) saves 0.4-0.5 ms a token.
 HIT_PER_REPLY_TOKEN = 0.5
+REPLY_WINDOW = 64  # a paged engine expects replies as long as the last this many (`_expected`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +208,7 @@ class Engine:
         self.preemptions = 0
         self._resumes: dict[Hashable, _Resume] = {}  # preempted requests' tokens so far
         self._admitted = 0  # requests filled so far (a slot's order: the newest preempted)
+        self._replies: collections.deque[int] = collections.deque(maxlen=REPLY_WINDOW)
         self.eos_ids = tuple(sorted(set(target.eos_token_ids)))
         self.state = self._empty_state()
         self.queue: collections.deque[Request] = collections.deque()
@@ -576,17 +578,33 @@ class Engine:
 
     def _admits(self, request: Request) -> bool:
         """Whether a paged engine has the blocks to start `request` (through its first call)
-        and still give every running request one more round (slot engines: always): running
-        requests may be preempted later, but never for the request just started."""
+        and still give every running request one more round, and to hold what it and the
+        running requests are expected to grow to (`_expected`) (slot engines: always).
+        Running requests may be preempted later, but never for the request just started."""
         if self.blocks is None:
             return True
         resume = self._resumes.get(request.key)
-        n = len(request.prompt) + (0 if resume is None else len(resume.tokens))
+        done = 0 if resume is None else len(resume.tokens)
+        n = len(request.prompt) + done
         growth = min(n + int(self.rounds_per_call) * self._tokens_per_round,
                      len(request.prompt) + request.max_new_tokens)
-        running = sum(self.blocks.shortfall(i, self._positions(i, 1))
-                      for i, live in enumerate(self.slots) if live is not None)
-        return self.blocks.needed(growth) + running <= self.blocks.free
+        live = [i for i, s in enumerate(self.slots) if s is not None]
+        now = sum(self.blocks.shortfall(i, self._positions(i, 1)) for i in live)
+        later = sum(self.blocks.shortfall(i, self._expected(self.slots[i].request,
+                                                            self.slots[i].reported))
+                    for i in live)
+        free = self.blocks.free
+        return (self.blocks.needed(growth) + now <= free
+                and self.blocks.needed(max(growth, self._expected(request, done))) + later
+                <= free)
+
+    def _expected(self, request: Request, generated: int) -> int:
+        """Positions `request` is expected to end with, `generated` tokens in: its prompt and
+        the mean reply of the last requests that ended (before any: `max_new_tokens`, so the
+        first requests are never preempted), at least what it has."""
+        typical = np.mean(self._replies) if self._replies else request.max_new_tokens
+        reply = min(request.max_new_tokens, max(generated + 1, int(np.ceil(typical))))
+        return len(request.prompt) + reply
 
     def _reserve(self, rounds: int) -> int:
         """Give the running rows the blocks their next call may fill: for `rounds` rounds,
@@ -829,6 +847,7 @@ class Engine:
                     [request.prompt, tokens[i, :counts[i]]])[:rows],
                     head if with_head else None)
             if ended:
+                self._replies.append(int(counts[i]))
                 self._free(i)
         return updates
 

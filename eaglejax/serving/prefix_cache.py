@@ -152,7 +152,7 @@ class PrefixCache:
 
     def reclaimable(self) -> int:
         """Paged: blocks only the index keeps."""
-        return sum(self.tables.refs[block] == 1 for block in self.index.values())
+        return sum(int(self.tables.refs[block] == 1) for block in self.index.values())
 
     def reclaim(self, count: int) -> None:
         """Paged: free `count` blocks only the index keeps, least recently used first."""

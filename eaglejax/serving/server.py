@@ -122,7 +122,7 @@ class _Service:
                 "status": "ok", "running": engine.num_running, "waiting": engine.num_waiting,
                 "max_waiting": engine.max_waiting, "kv_tokens_used": engine.kv_tokens(),
                 "kv_tokens": engine.kv_capacity(),
-                "kv_blocks_used": None if blocks is None else blocks.used,
+                "kv_blocks_used": None if blocks is None else int(blocks.used),
                 "kv_blocks": None if blocks is None else blocks.blocks,
                 "preemptions": None if blocks is None else engine.preemptions,
                 "prefix_cache_blocks_used": None if prefix is None else len(prefix.index),
