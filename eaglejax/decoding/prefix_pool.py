@@ -47,10 +47,7 @@ def load_rows(pool: PrefixPool, blocks: jax.Array, cached: jax.Array, capacity: 
     """A one-row cache of `capacity` slots (n * BLOCK >= capacity) holding pool `blocks`
     [n] in order, valid through `cached` [1] rows (the rest hold whatever the blocks do)."""
     def rows(buffers: jax.Array) -> jax.Array:
-        picked = buffers[blocks]  # [n, kv, BLOCK, D]
-        n, kv, block, dim = picked.shape
-        picked = jnp.swapaxes(picked, 0, 1).reshape(1, kv, n * block, dim)
-        return picked[:, :, :capacity]
+        return kv_cache.gather_rows(buffers, blocks[None])[:, :, :capacity]
 
     return kv_cache.KVCache(tuple(map(rows, pool.k)), tuple(map(rows, pool.v)),
                             cached.astype(jnp.int32))
