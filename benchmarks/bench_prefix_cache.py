@@ -10,10 +10,13 @@ compare within one run).
   every request has its first token.
 
     python benchmarks/bench_prefix_cache.py [--model smollm2-135m-instruct] [--chats 8]
-        [--max-new-tokens 128] [--system-tokens 500] [--clients 16] [--draft HEAD] [--json]
+        [--max-new-tokens 128] [--system-tokens 500] [--clients 16] [--draft HEAD]
+        [--kv-tokens N] [--json]
 
 Plain decoding, or with `--draft` `auto` over that head (as `eaglejax serve` runs a model with
-a shipped head); greedy; the model in the storage `auto` picks; 16 slots.
+a shipped head); greedy; the model in the storage `auto` picks; 16 slots. With `--kv-tokens`
+both engines page their KV cache in a pool of that many positions, and the cache's hits share
+the pool's blocks instead of copying rows.
 """
 
 from __future__ import annotations
@@ -114,15 +117,16 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=500)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--draft", help="a draft head: engines run `auto` over it")
+    parser.add_argument("--kv-tokens", type=int,
+                        help="page both engines' KV cache in a pool of this many positions")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     target = eaglejax.load_target(args.model, weight_dtype="auto")
     tokenizer = target.tokenizer
     draft = eaglejax.load_draft(args.draft, target=target) if args.draft else None
-    engines = {"prefix cache": Engine(target, draft, num_slots=SLOTS, capacity=CAPACITY,
-                                      prefix_cache_tokens=16 * CAPACITY),
-               "no cache": Engine(target, draft, num_slots=SLOTS, capacity=CAPACITY,
-                                  prefix_cache_tokens=0)}
+    shape = {"num_slots": SLOTS, "capacity": CAPACITY, "kv_tokens": args.kv_tokens}
+    engines = {"prefix cache": Engine(target, draft, prefix_cache_tokens=16 * CAPACITY, **shape),
+               "no cache": Engine(target, draft, prefix_cache_tokens=0, **shape)}
     for engine in engines.values():
         engine.warmup(progress=False)
     times = chats(engines, tokenizer, args.chats, args.max_new_tokens)
@@ -130,7 +134,7 @@ def main() -> None:
     median = {name: {turn: float(np.median(v)) for turn, v in t.items()}
               for name, t in times.items()}
     report = {"machine": machine_report(bandwidth=False), "storage": target.storage,
-              "draft": args.draft,
+              "draft": args.draft, "kv_tokens": args.kv_tokens,
               "chats": {"ttft_s": times, "median_s": median,
                         "second_turn_ratio": median["prefix cache"]["second"]
                         / median["no cache"]["second"]},
@@ -138,7 +142,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{report['machine']['cpu']}, {target.storage}")
+    paging = f", paged in {args.kv_tokens} positions" if args.kv_tokens else ""
+    print(f"{report['machine']['cpu']}, {target.storage}{paging}")
     for name, m in median.items():
         print(f"  {name:<13} time to first token p50: first turn {1e3 * m['first']:.0f} ms, "
               f"second turn {1e3 * m['second']:.0f} ms")

