@@ -60,9 +60,14 @@ def sharpened(target, factor):
                            target.eos_token_ids)
 
 
-@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.9), (1.0, 0.95)])
+# Chains at both warpings; each tree kind at one of them (the trees' acceptance does not
+# depend on the warping, which the chains cover; CI time).
+WARPINGS = {"chain": [(0.7, 0.9), (1.0, 0.95)], "tree": [(0.7, 0.9)], "static": [(1.0, 0.95)]}
+
+
+@pytest.mark.parametrize("drafting,temperature,top_p", [
+    (drafting, t, p) for drafting, warpings in WARPINGS.items() for t, p in warpings])
 @pytest.mark.parametrize("which", ["bad", "good"])
-@pytest.mark.parametrize("drafting", list(SPECS))
 def test_first_tokens_follow_the_target_distribution(drafting, which, temperature, top_p,
                                                      selfdraft_target):
     target = selfdraft_target if drafting == "chain" else sharpened(selfdraft_target, 4.0)
