@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from eaglejax.config import ModelConfig
 from eaglejax.decoding import plain, speculative
+from eaglejax.decoding.drafters.head_state import HeadState
 from eaglejax.decoding.prefill import PREFILL_CHUNK
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
@@ -196,13 +197,24 @@ def decode_loop(loop: Loop, weights: Weights, state: State, sampling: SamplingPa
     return jax.lax.while_loop(lambda s: goes_on(s, until), step, state)
 
 
+def map_caches(state: State, fn: Callable[[kv_cache.KVCache], kv_cache.KVCache]) -> State:
+    """`state` with `fn` applied to its target cache and, where the drafter is an EAGLE head's
+    (`HeadState`), to the head's cache: the caches a paged batch keeps in block pools (a
+    draft model's or DFlash drafter's cache stays per slot)."""
+    state = state._replace(target_cache=fn(state.target_cache))
+    head = getattr(state, "drafter", None)
+    if isinstance(head, HeadState):
+        state = state._replace(drafter=head._replace(cache=fn(head.cache)))
+    return state
+
+
 def empty_state(loop: Loop, weights: Weights, rows: int, *, capacity: int, max_tokens: int,
                 stop: StopTable, logprobs: int | None = None,
                 paged: tuple[int, int] | None = None) -> State:
     """A batch of `rows` free slots (every row finished, every value zero), shaped as
     `loop`'s prefill of `rows` prompts (traced abstractly, never run). `paged` (blocks,
-    block size): the target's cache is a paged one of that many blocks (`kv_cache`), its
-    tables pointing at none."""
+    block size): the target's cache, and an EAGLE head's, are paged ones of that many blocks
+    each (`kv_cache`; the same block ids and tables), their tables pointing at none."""
     prompt = jnp.zeros((rows, 1), jnp.int32)  # the state's shapes do not depend on it
     keys = jax.vmap(jax.random.PRNGKey)(jnp.zeros((rows,), jnp.uint32))
     sampling = SamplingParams(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows))
@@ -211,16 +223,19 @@ def empty_state(loop: Loop, weights: Weights, rows: int, *, capacity: int, max_t
         capacity=capacity, max_tokens=max_tokens, greedy=True, stop=stop, logprobs=logprobs),
         weights)
     if paged is not None:
-        blocks, size = paged
-        cache = shapes.target_cache
-        _, kv, width, dim = cache.k[0].shape
-        shapes = shapes._replace(target_cache=jax.eval_shape(
-            lambda: kv_cache.init_paged_cache(len(cache.k), rows, blocks, size, width // size,
-                                              kv, dim, cache.k[0].dtype)))
+        shapes = map_caches(shapes, lambda cache: _paged_like(cache, *paged))
     state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     finish = jnp.full((rows,), FINISH_LENGTH, jnp.int32)
     state = state._replace(out=state.out._replace(finish=finish))
     if paged is not None:
-        tables = jnp.full(state.target_cache.tables.shape, paged[0], jnp.int32)
-        state = state._replace(target_cache=state.target_cache._replace(tables=tables))
+        state = map_caches(state, lambda cache: cache._replace(
+            tables=jnp.full(cache.tables.shape, paged[0], jnp.int32)))
     return state
+
+
+def _paged_like(cache: kv_cache.KVCache, blocks: int, size: int) -> kv_cache.KVCache:
+    """The shapes of a paged cache of `blocks` blocks of `size` positions for the rows and
+    layers of `cache` (shapes of a contiguous one)."""
+    rows, kv, width, dim = cache.k[0].shape
+    return jax.eval_shape(lambda: kv_cache.init_paged_cache(
+        len(cache.k), rows, blocks, size, width // size, kv, dim, cache.k[0].dtype))

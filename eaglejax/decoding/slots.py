@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from eaglejax import native
 from eaglejax.decoding import plain, speculative
 from eaglejax.decoding.calibration import round_counts
-from eaglejax.decoding.loops import Loop, SpecLoop, Weights
+from eaglejax.decoding.loops import Loop, SpecLoop, Weights, map_caches
 from eaglejax.decoding.output import Output
 from eaglejax.decoding.plain_segment import plain_steps
 from eaglejax.decoding.prefix_pool import PrefixPool, load_rows
@@ -37,18 +37,24 @@ from eaglejax.native import cache_attention
 State = TypeVar("State", plain.DecodeState, speculative.SpecState)
 
 
+def _is_cache(x: Any) -> bool:
+    return isinstance(x, kv_cache.KVCache)
+
+
 def _put_rows(state: State, rows: State, start: jax.Array | int) -> State:
     """`state` with the batch rows from `start` replaced by those of `rows` (every leaf but
-    the forward counter has the batch axis first; the counter comes from `rows`)."""
+    the forward counter has the batch axis first, and a paged cache's pools none: its rows'
+    blocks are written, `kv_cache.put_rows`; the counter comes from `rows`)."""
     def put(slots: jax.Array, part: jax.Array) -> jax.Array:
         return jax.lax.dynamic_update_slice_in_dim(slots, part.astype(slots.dtype), start, axis=0)
 
-    cache = state.target_cache
-    if cache is not None and cache.tables is not None:  # paged: pools have no batch axis
-        filled = _put_rows(state._replace(target_cache=None), rows._replace(target_cache=None),
-                           start)
-        return filled._replace(target_cache=kv_cache.put_rows(cache, rows.target_cache, start))
-    filled = jax.tree.map(put, state._replace(forwards=None), rows._replace(forwards=None))
+    def put_part(slots: Any, part: Any) -> Any:
+        if _is_cache(slots) and slots.tables is not None:
+            return kv_cache.put_rows(slots, part, start)
+        return jax.tree.map(put, slots, part)
+
+    filled = jax.tree.map(put_part, state._replace(forwards=None), rows._replace(forwards=None),
+                          is_leaf=_is_cache)
     return filled._replace(forwards=rows.forwards)
 
 
@@ -101,33 +107,40 @@ def fill_target(loop: SpecLoop, weights: Weights, state: speculative.SpecState,
     return _with_target_row(state, done, slot)
 
 
-@functools.partial(jax.jit, static_argnames=("loop", "greedy"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("loop", "greedy", "head"),
+                   donate_argnames=("state",))
 def fill_cached(loop: Loop, weights: Weights, state: State, slot: jax.Array,
                 pool: PrefixPool | None, head_pool: PrefixPool | None, blocks: jax.Array,
                 cached: jax.Array, rest: jax.Array, rest_length: jax.Array, prompt: jax.Array,
                 row_key: jax.Array, sampling: SamplingParams, max_new_tokens: jax.Array,
-                stop: StopTable, *, greedy: bool) -> State:
+                stop: StopTable, *, greedy: bool, head: bool) -> State:
     """`fill` of a `prompt` [1,C] whose first cached [1] positions the prefix cache holds in
     pool `blocks` [n] (in order; n * BLOCK covers the slot's cache, entries past the hit
     unused): their rows are copied in and only the `rest` [1,R] (right-padded, rest_length
-    [1] tokens) is prefilled: with the head, whose rows come from `head_pool`'s same blocks,
-    or (`head_pool` None) by the target alone (in a speculative batch the row then decodes
-    plainly, as after `fill_target`). `pool` None: the blocks are the paged batch's own,
-    already in the slot's table (shared with other rows: read, never written)."""
+    [1] tokens) is prefilled: with the head (`head`), whose rows come from `head_pool`'s
+    same blocks, or by the target alone (in a speculative batch the row then decodes
+    plainly, as after `fill_target`). `pool` (and `head_pool`) None: the blocks are the
+    paged batch's own, target's and head's alike; those already in the slot's table are
+    shared with other rows (read, never written); a hit block the host gave the slot a block
+    of its own for instead (the head's last, whose last row this prompt's next token
+    changes) is copied into it."""
     cache = state.target_cache
     if pool is not None:
         return _fill_after_rows(loop, weights, state, slot, load_rows(
-            pool, blocks, cached, cache.capacity), head_pool, blocks, cached, rest, rest_length,
-            prompt, row_key, sampling, max_new_tokens, stop, greedy)
+            pool, blocks, cached, cache.capacity), head_pool if head else None, blocks, cached,
+            rest, rest_length, prompt, row_key, sampling, max_new_tokens, stop, greedy)
     rows = load_rows(PrefixPool(cache.k, cache.v), blocks, cached, cache.capacity)
+    if head:
+        head_pool = PrefixPool(state.drafter.cache.k, state.drafter.cache.v)
     width, nowhere = cache.tables.shape[1], cache.k[0].shape[0]
-    shared = jnp.arange(width) < -(-cached[0] // cache.k[0].shape[2])
+    hit = jnp.arange(width) < -(-cached[0] // cache.k[0].shape[2])
+    shared = hit & (cache.tables[slot] == blocks[:width])
     hidden = cache.tables.at[slot].set(jnp.where(shared, nowhere, cache.tables[slot]))
-    state = state._replace(target_cache=cache._replace(tables=hidden))
+    state = map_caches(state, lambda c: c._replace(tables=hidden))
     state = _fill_after_rows(loop, weights, state, slot, rows, head_pool, blocks, cached, rest,
                              rest_length, prompt, row_key, sampling, max_new_tokens, stop,
                              greedy)
-    return state._replace(target_cache=state.target_cache._replace(tables=cache.tables))
+    return map_caches(state, lambda c: c._replace(tables=cache.tables))
 
 
 def _fill_after_rows(loop: Loop, weights: Weights, state: State, slot: jax.Array,
@@ -135,7 +148,8 @@ def _fill_after_rows(loop: Loop, weights: Weights, state: State, slot: jax.Array
                      cached: jax.Array, rest: jax.Array, rest_length: jax.Array,
                      prompt: jax.Array, row_key: jax.Array, sampling: SamplingParams,
                      max_new_tokens: jax.Array, stop: StopTable, greedy: bool) -> State:
-    """`fill_cached` after the hit's target `rows` (a one-row cache) were loaded."""
+    """`fill_cached` after the hit's target `rows` (a one-row cache) were loaded; the head's
+    come from `head_pool` (None: the target alone prefills)."""
     settings = (rest, rest_length, row_key, sampling, max_new_tokens, stop, greedy)
     if head_pool is not None:
         head = load_rows(head_pool, blocks, cached, state.drafter.cache.capacity)
@@ -149,21 +163,24 @@ def _fill_after_rows(loop: Loop, weights: Weights, state: State, slot: jax.Array
 
 
 def _first_rows(state: State, rows: int) -> State:
-    """The first `rows` slots of `state` (all of it, uncopied, when that is every slot). The
-    target cache's K/V buffers stay whole where the native CPU attention reads the first
+    """The first `rows` slots of `state` (all of it, uncopied, when that is every slot; a
+    paged cache's pools whole, `kv_cache.first_rows`). A contiguous target cache's K/V
+    buffers stay whole where the native CPU attention reads the first
     rows of a larger cache in place (`models.attention`) and new rows are written into it
     (`kv_cache.write_block`): copying 8 of 32 slots' caches out and back cost ~120 ms per
     call on SmolLM2 (BENCHMARKS.md), more than three decode steps of those rows."""
     if rows == state.out.finish.shape[0]:
         return state
-    whole = state.target_cache
-    if whole.tables is not None:  # paged: the pools are every row's
-        part = jax.tree.map(lambda x: x[:rows], state._replace(forwards=None, target_cache=None))
-        return part._replace(forwards=state.forwards,
-                             target_cache=kv_cache.first_rows(whole, rows))
-    part = jax.tree.map(lambda x: x[:rows], state._replace(forwards=None))._replace(
+
+    def first(x: Any) -> Any:
+        if _is_cache(x) and x.tables is not None:
+            return kv_cache.first_rows(x, rows)
+        return jax.tree.map(lambda a: a[:rows], x)
+
+    part = jax.tree.map(first, state._replace(forwards=None), is_leaf=_is_cache)._replace(
         forwards=state.forwards)
-    if not _read_in_place(whole):
+    whole = state.target_cache
+    if whole.tables is not None or not _read_in_place(whole):
         return part
     return part._replace(target_cache=whole._replace(lengths=part.target_cache.lengths))
 
@@ -255,8 +272,9 @@ def resume_row(loop: Loop, weights: Weights, state: State, slot: jax.Array, toke
 
 @functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))
 def set_tables(loop: Loop, weights: Weights, state: State, tables: jax.Array) -> State:
-    """A paged batch with the block tables [S,W] the host allocated (`serving.kv_blocks`)."""
-    return state._replace(target_cache=state.target_cache._replace(tables=tables))
+    """A paged batch with the block tables [S,W] the host allocated (`serving.kv_blocks`):
+    its target's and EAGLE head's caches share them."""
+    return map_caches(state, lambda cache: cache._replace(tables=tables))
 
 
 @functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))

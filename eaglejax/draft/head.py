@@ -171,10 +171,11 @@ def draft_forward(params: Params, config: DraftConfig, target_params: Params, to
     for i, (layer, k_cache, v_cache) in enumerate(zip(params["layers"], cache.k, cache.v)):
         x, k, v, k_buf, v_buf = decoder_layer(d, rope, x, layer, k_cache, v_cache, cache.lengths,
                                               mask, attn_impl, attn_input if i == 0 else None,
-                                              stage=stage)
+                                              stage=stage, tables=cache.tables)
         for out, value in ((k_new, k), (v_new, v), (k_bufs, k_buf), (v_bufs, v_buf)):
             out.append(value)
-    staged = None if given is None else KVCache(tuple(k_bufs), tuple(v_bufs), cache.lengths)
+    staged = None if given is None else KVCache(tuple(k_bufs), tuple(v_bufs), cache.lengths,
+                                                cache.tables)
     return DraftOutput(x, tuple(k_new), tuple(v_new), staged)
 
 

@@ -166,8 +166,9 @@ class Engine:
     for its tokens' log-probabilities and up to that many most likely tokens' (the batch's
     output keeps them; the work is done only while a running request asked). With
     `kv_tokens`, the target's KV cache is paged (`serving.kv_blocks`): a pool of that many
-    positions (in blocks of `BLOCK`) shared by the slots, so `num_slots` bounds the running
-    requests and not the memory; when a step's rows need more blocks than are free, the
+    positions (in blocks of `BLOCK`) shared by the slots, and an EAGLE head's cache a pool
+    of as many blocks through the same block tables, so `num_slots` bounds the running
+    requests and not the memory (a draft model's or DFlash drafter's cache stays per slot); when a step's rows need more blocks than are free, the
     newest running request is preempted (its blocks freed, its prompt and tokens prefilled
     again later) and completes with the tokens it would have produced (one process, no
     mesh). Not thread-safe: one thread submits, cancels and steps."""
@@ -431,7 +432,7 @@ class Engine:
             if rows == row_counts[0] and self.prefix is not None:  # prefix-cache hits
                 hit = dataclasses.replace(request, prompt=[0] * min(BLOCK - 1 + n,
                                                                     self.capacity - 1))
-                for head in {False, self.prefix.head_pool is not None}:  # whose rest fills
+                for head in {False, self.prefix.keeps_heads}:  # whose rest fills
                     self._fill(rows - 1, hit, hit=self._warm_hit(), head=head)  # `n`'s
                     self.cancel(hit.key)  # bucket
         if self.prefix is not None:
@@ -518,8 +519,8 @@ class Engine:
         if self._suffix:
             self.models = self.models.with_current_history()
         slot_arg = self.models.put(np.int32(slot))
-        if self.blocks is not None:
-            self.blocks.share(slot, hit)  # the hit's blocks themselves, read-only
+        if self.blocks is not None:  # the hit's blocks themselves, read-only; a head's
+            self.blocks.share(slot, hit[:-1] if head else hit)  # last: copied (`fill_cached`)
             if not self.blocks.grow(slot, n):
                 raise RuntimeError(f"slot {slot}: too few free KV blocks for {n} positions")
             self._sync_tables()
@@ -567,7 +568,7 @@ class Engine:
         live = self.slots[slot]
         n = len(live.request.prompt)
         grown = n + live.reported + rounds * self._tokens_per_round
-        return min(grown, n + live.request.max_new_tokens)
+        return min(grown, n + live.request.max_new_tokens + self._draft_reach)
 
     @property
     def _tokens_per_round(self) -> int:
@@ -575,6 +576,13 @@ class Engine:
         bonus; a plain step's one)."""
         hist = getattr(self.state, "accept_hist", None)
         return 1 if hist is None else hist.shape[1]
+
+    @property
+    def _draft_reach(self) -> int:
+        """Positions past a row's last that a round's drafting may stage and read back (an
+        EAGLE chain's head steps, before the target's verify writes as far): a round's
+        tokens, in a speculative batch."""
+        return 0 if getattr(self.state, "accept_hist", None) is None else self._tokens_per_round
 
     def _admits(self, request: Request) -> bool:
         """Whether a paged engine has the blocks to start `request` (through its first call)
@@ -682,7 +690,7 @@ class Engine:
         if self.prefix is None:
             return [], False
         could_speculate = self.policy is not None and not target_only
-        head = could_speculate and self.prefix.head_pool is not None
+        head = could_speculate and self.prefix.keeps_heads
         minimum = math.ceil(HIT_PER_REPLY_TOKEN * request.max_new_tokens) \
             if could_speculate and not head else 0
         return self.prefix.match(request.prompt, minimum, head=head), head
@@ -700,7 +708,7 @@ class Engine:
             slots.fill_cached, self.state, slot, self.prefix.pool,  # None: paged, shared
             self.prefix.head_pool if head else None,
             *self.models.put((blocks, np.array([cached], np.int32))), rest, rest_length,
-            self.models.put(whole), *settings, greedy=greedy)
+            self.models.put(whole), *settings, greedy=greedy, head=head)
 
     def _head_cache(self) -> kv_cache.KVCache | None:
         """The batch's EAGLE-head cache (whose rows the prefix cache keeps), if it has one."""

@@ -1,9 +1,11 @@
 """The host half of the serving engine's paged KV cache: which pool blocks each slot holds.
 
 A paged engine (`Engine(kv_tokens=...)`) keeps the target's KV rows in one pool of blocks of
-`BLOCK` positions (`models.kv_cache`, paged), so a request holds only the blocks its prompt
-and reply so far fill, not a whole slot of `capacity` positions. The host gives a slot blocks
-before each compiled call for the positions that call may write, takes them back when the
+`BLOCK` positions (`models.kv_cache`, paged), and an EAGLE head's in a pool of as many blocks
+read through the same tables (a block id holds the same positions in both), so a request
+holds only the blocks its prompt and reply so far fill, not a whole slot of `capacity`
+positions. The host gives a slot blocks before each compiled call for the positions that
+call may write (and a round's drafting may read back), takes them back when the
 request ends, is cancelled or is preempted, and hands the tables to the device when they
 changed (a free slot's entries point at no block: its rows' writes are dropped).
 

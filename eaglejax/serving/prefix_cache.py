@@ -13,10 +13,13 @@ of them where the row kept its head. Blocks are evicted least recently used; the
 slot owns its rows, so no block is counted per request.
 
 In a paged engine (`serving.kv_blocks`) nothing is copied: the index keeps blocks of the
-engine's own pool (one reference each), a request's full blocks join it where they are, and
-a hit puts the cached blocks themselves in the request's block table (shared, never written
-again) and prefills the rest into blocks of its own. Blocks only the index keeps are
-evicted, least recently used, when the pool runs short or past the cache's size.
+engine's own pool (one reference each; an EAGLE head's rows of a block are the same block
+of the head's pool, kept where the row that wrote them ran its head), a request's full
+blocks join it where they are, and a hit puts the cached blocks themselves in the request's
+block table (shared, never written again) and prefills the rest into blocks of its own (a
+hit with the head's rows: its last block copied into one of its own, since the head's row
+at its last position reads the token after it). Blocks only the index keeps are evicted,
+least recently used, when the pool runs short or past the cache's size.
 """
 
 from __future__ import annotations
@@ -49,10 +52,10 @@ PREFIX_CACHE_TOKENS = 4096  # positions a serving engine's prefix cache keeps by
 
 class PrefixCache:
     """The host's index of a `PrefixPool` of `blocks` blocks for caches like `cache` (module
-    docstring); with `head_cache`, a second pool keeps a draft head's rows of the same
-    blocks, so that a hit can prefill the head too (where a block's were saved). With
-    `tables` (a paged engine's), the index keeps at most `blocks` blocks of the engine's pool
-    (`pool` is None) and the head pool has one block per pool block."""
+    docstring); with `head_cache`, the draft head's rows of the same blocks are kept too, so
+    that a hit can prefill the head too (where a block's were saved): in a second pool, or
+    with `tables` (a paged engine's) in the head's own pool. With `tables`, the index keeps
+    at most `blocks` blocks of the engine's pool (`pool` and `head_pool` are None)."""
 
     def __init__(self, cache: kv_cache.KVCache, blocks: int,
                  head_cache: kv_cache.KVCache | None = None,
@@ -62,9 +65,10 @@ class PrefixCache:
         if cache.capacity % BLOCK:
             raise ValueError(f"slot capacity {cache.capacity} is not a multiple of {BLOCK}")
         self.tables = tables
-        pool_blocks = blocks if tables is None else tables.blocks
         self.pool = None if tables is not None else empty_pool(cache, blocks)
-        self.head_pool = None if head_cache is None else empty_pool(head_cache, pool_blocks)
+        self.keeps_heads = head_cache is not None
+        self.head_pool = None if head_cache is None or tables is not None else empty_pool(
+            head_cache, blocks)
         if tables is not None:
             tables.reclaimable, tables.reclaim = self.reclaimable, self.reclaim
         self.blocks, self.capacity = blocks, cache.capacity
@@ -95,7 +99,7 @@ class PrefixCache:
         """Keep the full blocks of `tokens` (whose rows `slot` of `cache`, and of
         `head_cache` when given, holds) that are not kept yet, evicting the least recently
         used blocks of other prefixes; with `head_cache`, also the head rows of kept blocks
-        that lack them."""
+        that lack them (paged: of the slot's own blocks, marked as holding them)."""
         new, heads, mine = [], [], set()  # (index in tokens, pool block) to write
         for i, key in enumerate(block_keys(np.asarray(tokens))):
             block = self.index.get(key)
@@ -115,11 +119,12 @@ class PrefixCache:
                 self.with_head.discard(block)
                 new.append((i, block))
             mine.add(block)
-            if head_cache is not None and block not in self.with_head:
+            own = self.tables is None or self.tables.tables[slot, i] == block
+            if head_cache is not None and block not in self.with_head and own:
                 self.with_head.add(block)
                 heads.append((i, block))
         self.pool = self._copy(self.pool, cache, slot, new)
-        if heads:
+        if self.head_pool is not None:
             self.head_pool = self._copy(self.head_pool, head_cache, slot, heads)
 
     def warmup(self, cache: kv_cache.KVCache, head_cache: kv_cache.KVCache | None = None
@@ -127,10 +132,10 @@ class PrefixCache:
         """Compile `save`'s programs (one per width `_width` gives) writing nothing."""
         most = self.capacity // BLOCK
         for width in sorted({_width(n, most) for n in range(1, most + 1)}):
-            nowhere = [(0, self.head_blocks)] * width
+            nowhere = [(0, self.blocks)] * width
             if self.pool is not None:
                 self.pool = self._copy(self.pool, cache, 0, nowhere)
-            if head_cache is not None:
+            if self.head_pool is not None:
                 self.head_pool = self._copy(self.head_pool, head_cache, 0, nowhere)
 
     def _copy(self, pool: PrefixPool, cache: kv_cache.KVCache, slot: int,
@@ -139,16 +144,11 @@ class PrefixCache:
         pool: not written) copied from `slot` of `cache`."""
         if not blocks:
             return pool
-        blocks = blocks + [(0, self.head_blocks)] * (
+        blocks = blocks + [(0, self.blocks)] * (
             _width(len(blocks), self.capacity // BLOCK) - len(blocks))
         sources, targets = zip(*blocks)
         return save_blocks(pool, cache, jnp.int32(slot), jnp.asarray(sources, jnp.int32),
                            jnp.asarray(targets, jnp.int32))
-
-    @property
-    def head_blocks(self) -> int:
-        """Blocks of the pools this cache copies rows into."""
-        return self.blocks if self.tables is None else self.tables.blocks
 
     def reclaimable(self) -> int:
         """Paged: blocks only the index keeps."""
