@@ -140,6 +140,23 @@ def test_a_paged_head_drafts_as_a_slot_engines(self_drafted, spec):
         assert hists[0][1:].sum() > 0  # drafts were accepted
 
 
+@pytest.mark.parametrize("spec", [SpecConfig.parallel(4), SpecConfig.parallel_tree(3, 4, 10)],
+                         ids=["parallel", "parallel_tree"])
+def test_a_paged_peagle_head_decodes_as_a_slot_engines(target, spec):
+    """P-EAGLE's mask slots ride after a round's kept rows (staged, never read back): a
+    paged head decodes with a slot engine's tokens, rounds and acceptance counts."""
+    peagle = new_eagle3_draft(target, mask_token_id=target.config.vocab_size - 1, seed=1,
+                              scale=0.05)
+    requests = _requests(target, count=4, seed=5, sampled=False)
+    engines = [Engine(target, peagle, speculative=spec, num_slots=4, capacity=CAPACITY,
+                      kv_tokens=kv_tokens, prefix_cache_tokens=0)
+               for kv_tokens in (16 * BLOCK_POSITIONS, None)]
+    got, want = (_tokens_and_rounds(engine, requests) for engine in engines)
+    assert got == want
+    hists = [np.asarray(engine.state.accept_hist).sum(axis=0) for engine in engines]
+    assert hists[0].tolist() == hists[1].tolist()
+
+
 def _tokens_and_rounds(engine: Engine, requests: list[Request]) -> dict:
     return {u.key: (u.token_ids, u.rounds) for u in engine.run(requests).values()}
 

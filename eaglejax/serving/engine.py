@@ -167,11 +167,12 @@ class Engine:
     output keeps them; the work is done only while a running request asked). With
     `kv_tokens`, the target's KV cache is paged (`serving.kv_blocks`): a pool of that many
     positions (in blocks of `BLOCK`) shared by the slots, and an EAGLE head's cache a pool
-    of as many blocks through the same block tables, so `num_slots` bounds the running
-    requests and not the memory (a draft model's or DFlash drafter's cache stays per slot); when a step's rows need more blocks than are free, the
-    newest running request is preempted (its blocks freed, its prompt and tokens prefilled
-    again later) and completes with the tokens it would have produced (one process, no
-    mesh). Not thread-safe: one thread submits, cancels and steps."""
+    of as many blocks read through the same block tables, so `num_slots` bounds the running
+    requests and not the memory (a draft model's or DFlash drafter's cache stays per slot);
+    when a step's rows need more blocks than are free, the newest running request is
+    preempted (its blocks freed, its prompt and tokens prefilled again later) and completes
+    with the tokens it would have produced (one process, no mesh). Not thread-safe: one
+    thread submits, cancels and steps."""
 
     def __init__(self, target: Target, draft: "Draft | None" = None, *,
                  speculative: SpecConfig | str | None = None, num_slots: int = 8,
@@ -579,9 +580,9 @@ class Engine:
 
     @property
     def _draft_reach(self) -> int:
-        """Positions past a row's last that a round's drafting may stage and read back (an
-        EAGLE chain's head steps, before the target's verify writes as far): a round's
-        tokens, in a speculative batch."""
+        """Positions past a request's last that a round's drafting may stage and read back
+        (an EAGLE chain's head steps in its last round: drafts past its end, which the
+        acceptance counts still see): a round's tokens, in a speculative batch."""
         return 0 if getattr(self.state, "accept_hist", None) is None else self._tokens_per_round
 
     def _admits(self, request: Request) -> bool:
