@@ -18,7 +18,7 @@ from eaglejax.models import kv_cache
 from eaglejax.serving.engine import Engine, Request, SamplingOptions
 from eaglejax.serving.kv_blocks import BlockTables
 from spec_helpers import self_draft
-from test_prefix_cache import _conversation, _turns
+from test_prefix_cache import _conversation, _drained, _turns
 from tolerances import FORWARD_UNITS, assert_close_scaled
 
 CAPACITY = 96
@@ -202,11 +202,7 @@ def test_a_paged_hit_restores_the_heads_rows_too(target, draft):
                         what="the head's proposal")
     want = Engine(target, num_slots=2, capacity=192, prefix_cache_tokens=0).run(
         [Request("b", prompt, 8, ignore_eos=True)])["b"].token_ids
-    got = {}
-    for engine in (cached, fresh):
-        while not engine.idle:
-            for update in engine.step():
-                got.setdefault(engine, []).extend(update.token_ids)
+    got = _drained(cached, fresh)
     assert got[cached] == got[fresh] == want[1:]  # the fill step reported the first token
     assert cached.blocks.used == 0
 

@@ -82,11 +82,7 @@ def test_a_hit_restores_the_heads_rows_too(target):
                         what="the head's proposal")
     plain = Engine(target, num_slots=2, capacity=CAPACITY, prefix_cache_tokens=0)
     want = plain.run([Request("b", prompt, 8, ignore_eos=True)])["b"].token_ids
-    got = {}
-    for engine in (cached, fresh):
-        while not engine.idle:
-            for update in engine.step():
-                got.setdefault(engine, []).extend(update.token_ids)
+    got = _drained(cached, fresh)
     assert got[cached] == got[fresh] == want[1:]  # the fill step reported the first token
 
 
@@ -140,3 +136,13 @@ def test_warmup_compiles_every_hit_a_request_can_make(target):
         engine.run([Request(("warm", extra), base + rng.integers(0, 97, extra).tolist(), 2)])
     assert engine.prefix.hit_tokens == 2 * (BLOCK - 1)
     assert (slots.fill_cached._cache_size(), prefix_pool.save_blocks._cache_size()) == compiled
+
+
+def _drained(*engines: Engine) -> dict[Engine, list[int]]:
+    """Step each engine until idle; the tokens each reported."""
+    got: dict[Engine, list[int]] = {}
+    for engine in engines:
+        while not engine.idle:
+            for update in engine.step():
+                got.setdefault(engine, []).extend(update.token_ids)
+    return got
