@@ -162,13 +162,12 @@ def test_greedy_dflash_is_plain_decoding(target, dflash):
 def test_sampling_with_dflash_is_exact(target, dflash):
     """A sampled chain of the block's proposals (trees over them sample as every lattice
     tree does: tests/test_peagle.py)."""
-    from test_speculative_sampling import N, assert_follows, exact_marginals
+    from test_speculative_sampling import assert_follows, exact_marginals, sample_rows
 
     spec = SpecConfig.dflash(2)
     prompt = _prompts(1)[0]
-    out = eaglejax.generate([prompt] * N, target=target, draft=dflash, speculative=spec,
-                            max_new_tokens=2, temperature=1.0, top_k=3, seed=list(range(N)),
-                            ignore_eos=True)
+    out = sample_rows(prompt, target=target, draft=dflash, speculative=spec, max_new_tokens=2,
+                      temperature=1.0, top_k=3)
     assert_follows(np.array([g.token_ids for g in out]),
                    exact_marginals(target, SamplingParams.make(1.0, 3), 2, prompt))
 

@@ -135,12 +135,11 @@ def test_greedy_dflash_is_plain_decoding(target, draft):
 def test_sampling_with_a_reduced_vocabulary_is_exact(target, draft):
     """A sampled chain drafts only tokens of the draft vocabulary; the target's mass
     outside it comes from the residual distribution."""
-    from test_speculative_sampling import N, assert_follows, exact_marginals
+    from test_speculative_sampling import assert_follows, exact_marginals, sample_rows
 
     prompt = _prompts(1)[0]
-    out = eaglejax.generate([prompt] * N, target=target, draft=draft,
-                            speculative=SpecConfig.dflash(2), max_new_tokens=2, temperature=1.0,
-                            top_k=3, seed=list(range(N)), ignore_eos=True)
+    out = sample_rows(prompt, target=target, draft=draft, speculative=SpecConfig.dflash(2),
+                      max_new_tokens=2, temperature=1.0, top_k=3)
     samples = np.array([g.token_ids for g in out])
     marginals = exact_marginals(target, SamplingParams.make(1.0, 3), 2, prompt)
     assert any(np.isin(np.flatnonzero(m), USED).any() and not np.isin(np.flatnonzero(m), USED).all()

@@ -77,12 +77,11 @@ def test_a_model_drafting_for_itself_accepts_every_token(target, plain, k):
                                   SpecConfig.draft_model_tree(2, 2, 4)],
                          ids=SpecConfig.describe)
 def test_sampling_with_a_draft_model_is_exact(target, small, spec):
-    from test_speculative_sampling import N, assert_follows, exact_marginals
+    from test_speculative_sampling import assert_follows, exact_marginals, sample_rows
 
     prompt = _prompts(1)[0]
-    out = eaglejax.generate([prompt] * N, target=target, draft=DraftModel.of(small, target),
-                            speculative=spec, max_new_tokens=2, temperature=1.0, top_k=3,
-                            seed=list(range(N)), ignore_eos=True)
+    out = sample_rows(prompt, target=target, draft=DraftModel.of(small, target), speculative=spec,
+                      max_new_tokens=2, temperature=1.0, top_k=3)
     assert_follows(np.array([g.token_ids for g in out]),
                    exact_marginals(target, SamplingParams.make(1.0, 3), 2, prompt))
 

@@ -194,12 +194,11 @@ def test_a_drafter_with_its_own_state_plugs_into_every_driver(target, plain, las
 
 
 def test_a_drafter_with_its_own_state_samples_the_target_exactly(target, last_successor):
-    from test_speculative_sampling import N, assert_follows, exact_marginals
+    from test_speculative_sampling import assert_follows, exact_marginals, sample_rows
 
     prompt = _prompts(1)[0]
-    out = eaglejax.generate([prompt] * N, target=target, speculative=last_successor,
-                            max_new_tokens=2, temperature=1.0, top_k=3, seed=list(range(N)),
-                            ignore_eos=True)
+    out = sample_rows(prompt, target=target, speculative=last_successor, max_new_tokens=2,
+                      temperature=1.0, top_k=3)
     assert_follows(np.array([g.token_ids for g in out]),
                    exact_marginals(target, SamplingParams.make(1.0, 3), 2, prompt))
 
@@ -214,7 +213,7 @@ def test_suffix_drafting_needs_no_head_and_drafts_what_repeats(target, plain):
     """Method "suffix" runs with no draft head; where the context repeats itself its tree
     is accepted (AL well above plain decoding's 1.0), greedy output stays plain decoding's, and
     sampled output follows the target's exact distribution."""
-    from test_speculative_sampling import N, assert_follows, exact_marginals
+    from test_speculative_sampling import assert_follows, exact_marginals, sample_rows
 
     spec = SpecConfig.suffix(4, 6, 12)
     assert spec.drafts_with is None and spec.describe() == "suffix top_k=4 depth=6 total=12"
@@ -228,8 +227,8 @@ def test_suffix_drafting_needs_no_head_and_drafts_what_repeats(target, plain):
                             ignore_eos=True)[0]
     assert got.token_ids == want.token_ids
     assert got.metrics.acceptance_length > 1.5, got.metrics  # 2.2 when written
-    out = eaglejax.generate([echo] * N, target=target, speculative=spec, max_new_tokens=2,
-                            temperature=1.0, top_k=3, seed=list(range(N)), ignore_eos=True)
+    out = sample_rows(echo, target=target, speculative=spec, max_new_tokens=2, temperature=1.0,
+                      top_k=3)
     assert_follows(np.array([g.token_ids for g in out]),
                    exact_marginals(target, SamplingParams.make(1.0, 3), 2, echo))
 

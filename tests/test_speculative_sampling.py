@@ -11,8 +11,16 @@ from eaglejax.decoding.sampling import SamplingParams, argmax_last, target_log_p
 from spec_helpers import random_eagle3, self_draft
 
 N = 3000
+CHUNK = 1000  # rows a generate call samples at once: its memory grows with its rows
 PROMPT = [5, 17, 42, 8, 63, 21]
 FALSE_ALARM = 1e-6  # per compared marginal
+
+
+def sample_rows(prompt: list[int], **kwargs) -> list:
+    """`eaglejax.generate` of `prompt` N times with seeds 0..N-1 (ignoring EOS), CHUNK rows
+    a call (rows sample independently: the same results as one batch of N)."""
+    return [result for start in range(0, N, CHUNK) for result in eaglejax.generate(
+        [prompt] * CHUNK, seed=list(range(start, start + CHUNK)), ignore_eos=True, **kwargs)]
 
 
 def _warped(target, sequences, params):
@@ -74,9 +82,8 @@ def test_first_tokens_follow_the_target_distribution(drafting, which, temperatur
     draft = self_draft(target) if which == "good" else random_eagle3(target, draft_vocab=60)
     params = SamplingParams.make(temperature, 0, top_p)
     spec, good_al, bad_al = SPECS[drafting]
-    out = eaglejax.generate([PROMPT] * N, target=target, draft=draft, max_new_tokens=3,
-                            temperature=temperature, top_p=top_p, seed=list(range(N)),
-                            ignore_eos=True, speculative=spec)
+    out = sample_rows(PROMPT, target=target, draft=draft, max_new_tokens=3,
+                      temperature=temperature, top_p=top_p, speculative=spec)
     samples = np.array([r.token_ids for r in out])
     assert samples.shape == (N, 3)
     al = np.mean([r.metrics.acceptance_length for r in out])
@@ -105,9 +112,9 @@ def test_lookup_branch_keeps_sampling_exact(which, replaces, selfdraft_target):
     prompt = PROMPT + greedy + PROMPT
     draft = self_draft(target) if which == "good" else random_eagle3(target, draft_vocab=60)
     params = SamplingParams.make(0.7, 0, 0.9)
-    out = eaglejax.generate([prompt] * N, target=target, draft=draft, max_new_tokens=3,
-                            temperature=0.7, top_p=0.9, seed=list(range(N)), ignore_eos=True,
-                            speculative=eaglejax.SpecConfig.tree(3, 2, 6).with_lookup(2, 1, replaces))
+    spec = eaglejax.SpecConfig.tree(3, 2, 6).with_lookup(2, 1, replaces)
+    out = sample_rows(prompt, target=target, draft=draft, max_new_tokens=3, temperature=0.7,
+                      top_p=0.9, speculative=spec)
     al = np.mean([r.metrics.acceptance_length for r in out])
     assert al > (1.8 if which == "good" else 1.25), al  # measured ~1.44 with the random head
     assert_follows(np.array([r.token_ids for r in out]), exact_marginals(target, params, 3, prompt))
@@ -143,9 +150,8 @@ def test_parallel_drafts_keep_sampling_exact(which, shape, selfdraft_target):
         draft.params["lm_head"] = jnp.zeros_like(draft.params["lm_head"])
     spec = (eaglejax.SpecConfig.parallel(3) if shape == "chain" else
             eaglejax.SpecConfig.parallel_tree(top_k=4, depth=3, total_tokens=12))
-    out = eaglejax.generate([PROMPT] * N, target=selfdraft_target, draft=draft,
-                            max_new_tokens=3, temperature=1.0, top_p=0.95, seed=list(range(N)),
-                            ignore_eos=True, speculative=spec)
+    out = sample_rows(PROMPT, target=selfdraft_target, draft=draft, max_new_tokens=3,
+                      temperature=1.0, top_p=0.95, speculative=spec)
     al = np.mean([r.metrics.acceptance_length for r in out])
     if shape == "chain":  # the sampled chain: long paths with the uniform proposals
         assert (al > 1.8) if which == "uniform" else (al < 1.5), al
