@@ -139,9 +139,9 @@ def paged_attention_tpu(q, k_pool, v_pool, block_tables, context_lengths, mask, 
     tail = paged_tail_mask(mask, context_lengths, group=group, m_pad=m_pad, block=step_keys)
     heads_major = pool_layout == "head_major"
     if heads_major:
-        buffer = (2, hb, step_keys, head_dim)
-    else:  # free: merges the two minor dims
-        k_pool, v_pool = (x.reshape(num_blocks, block_size, n_kv_heads * head_dim)
+        buffer = (2, hb, step_keys, head_dim)  # per slot, hb heads' pages
+    else:
+        k_pool, v_pool = (x.reshape(num_blocks, block_size, n_kv_heads * head_dim)  # free
                           for x in (k_pool, v_pool))
         buffer = (2, step_keys, hb * head_dim)
 

@@ -88,8 +88,8 @@ def paged_attention_reference(
     q [B,T,Hq,D]; k_pool/v_pool [num_blocks, block_size, Hkv, D] (pool_layout="token_major")
     or [num_blocks, Hkv, block_size, D] ("head_major"); block_tables [B, max_blocks] int32
     (entries outside the pool read a clamped block); context_lengths [B] int32; mask [B,T,T]
-    bool. Row b's position p lives in block
-    block_tables[b, p // block_size], slot p % block_size; the T new tokens' own K/V are
+    bool. Row b's position p lives in block block_tables[b, p // block_size], slot
+    p % block_size; the T new tokens' own K/V are
     already in the pool at positions ctx .. ctx+T-1 (ctx = context_lengths[b]). Query t sees
     every position < ctx and position ctx + j iff mask[b,t,j]; nothing at or past ctx + T is
     read as valid (stale slots and unused table entries may hold anything, even NaN).
@@ -103,7 +103,7 @@ def paged_attention_reference(
     group = n_q_heads // n_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
     f32 = jnp.float32
-    pages = jnp.clip(block_tables.astype(jnp.int32), 0, num_blocks - 1)  # unused entries: any id
+    pages = jnp.clip(block_tables.astype(jnp.int32), 0, num_blocks - 1)  # no block: any block
     ctx = context_lengths.astype(jnp.int32)
     rel = jnp.arange(span)[None, :] - ctx[:, None]  # [B, span]: position - ctx
     valid = rel < t_new

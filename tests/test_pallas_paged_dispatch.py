@@ -211,3 +211,20 @@ def test_paged_model_decodes_the_same_tokens_with_the_kernel():
     np.testing.assert_array_equal(got_tokens[:LIVE], want_tokens[:LIVE])
     assert_close_scaled(got_logits[:LIVE], want_logits[:LIVE], units=FORWARD_UNITS,
                         depth=CONFIG.num_layers)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_paged_forward_exports_without_gathering_the_pools(platform):
+    """The tiny model's verify forward over a paged bfloat16 cache (as the engine traces it):
+    each layer stages the new rows (a scatter) and the kernel reads the pools in place."""
+    sds = jax.ShapeDtypeStruct
+    params = jax.eval_shape(lambda: llama.init_params(CONFIG, jax.random.PRNGKey(0),
+                                                      jnp.bfloat16))
+    pool = sds((1000, CONFIG.num_kv_heads, BLOCK, CONFIG.head_dim), jnp.bfloat16)
+    cache = kv_cache.KVCache((pool,) * CONFIG.num_layers, (pool,) * CONFIG.num_layers,
+                             sds((4,), jnp.int32), sds((4, WIDTH), jnp.int32))
+    args = (params, sds((4, 8), jnp.int32), cache, sds((4, 8, 8), jnp.bool_))
+    text = exported_text(functools.partial(step.__wrapped__, impl="pallas"), args, platform)
+    assert KERNELS[platform] in text  # once: the layers call one traced layer
+    assert not pool_reads(text, pool)
+

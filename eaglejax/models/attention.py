@@ -82,7 +82,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
 
     Impl "pallas" with staged pools reads them in place with the paged Pallas kernel (off a
     mesh; BS a power of two >= 16); a row whose entries name no block (outside [0, N), a
-    free slot) reads some block, finite garbage for that row alone. On CPU the native kernel
+    free slot) reads some block: garbage in that row alone. On CPU the native kernel
     reads them through the tables; otherwise the rows are gathered into a contiguous cache
     for `attention`."""
     def gathered(q, k_pool, v_pool, lengths, tables, k_new, v_new, mask):
