@@ -20,6 +20,7 @@ M_INIT = -1e30
 
 
 KV_LAYOUTS = ("bshd", "bhsd")
+POOL_LAYOUTS = ("token_major", "head_major")
 _GPU_NAMES = {"gpu", "cuda", "rocm", "triton"}
 _TPU_NAMES = {"tpu", "mosaic"}
 
@@ -48,6 +49,19 @@ def resolve_backend(backend: str | None, interpret: bool, entry: str) -> str:
 def check_kv_layout(kv_layout: str) -> None:
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be 'bshd' or 'bhsd', got {kv_layout!r}")
+
+
+def check_pool_layout(pool_layout: str) -> None:
+    if pool_layout not in POOL_LAYOUTS:
+        raise ValueError(f"pool_layout must be 'token_major' or 'head_major', got {pool_layout!r}")
+
+
+def pool_dims(shape: tuple[int, ...], pool_layout: str) -> tuple[int, int, int]:
+    """(num_blocks, block_size, Hkv) of a paged pool [num_blocks, block_size, Hkv, D]
+    ("token_major") or [num_blocks, Hkv, block_size, D] ("head_major")."""
+    num_blocks, second, third, _ = shape
+    return (num_blocks, second, third) if pool_layout == "token_major" else (
+        num_blocks, third, second)
 
 
 def cache_seq_axis(kv_layout: str) -> int:

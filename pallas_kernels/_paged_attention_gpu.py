@@ -2,7 +2,8 @@
 
 Grid ``(B, Hkv, row_blocks, splits)`` as in the tree-attention kernel: each program owns
 ``block_m`` query rows of one KV head. The pool of that head, ``[num_blocks, block_size, D]``
-(rows ``Hkv * D`` apart in the token-major pool), is one ref read in place; the program
+(rows ``Hkv * D`` apart in the token-major pool, a contiguous ``[block_size, D]`` page per
+block in the head-major one), is one ref read in place; the program
 walks its row's block table one page (``block_size`` keys) per step, loading
 ``pool[table[i]]``. Pages wholly before the context length need no mask; the few pages from
 ``ctx // block_size`` on hold the verify block and take their visibility from
@@ -30,6 +31,7 @@ from pallas_kernels._common import (
     online_step,
     pack_queries,
     paged_tail_mask,
+    pool_dims,
     round_up,
     split_outputs,
     tail_steps,
@@ -84,11 +86,12 @@ def _kernel(len_ref, table_ref, q_ref, tail_ref, k_ref, v_ref, *out_refs,
 
 
 def paged_attention_gpu(q, k_pool, v_pool, block_tables, context_lengths, mask, *,
-                        scale: float, interpret: bool, num_splits: int | None) -> jax.Array:
+                        scale: float, interpret: bool, num_splits: int | None,
+                        pool_layout: str) -> jax.Array:
     """Pallas/Triton paged attention; shapes as in :func:`pallas_kernels.paged_attention`
-    (context_lengths already clipped to the table's span less T)."""
+    (context_lengths already clipped to the table's span less T, tables to the pool)."""
     batch, t_new, n_q_heads, head_dim = q.shape
-    num_blocks, block_size, n_kv_heads, _ = k_pool.shape
+    num_blocks, block_size, n_kv_heads = pool_dims(k_pool.shape, pool_layout)
     max_blocks = block_tables.shape[1]
     group = n_q_heads // n_kv_heads
     rows = t_new * group
@@ -114,8 +117,12 @@ def paged_attention_gpu(q, k_pool, v_pool, block_tables, context_lengths, mask, 
     tail = paged_tail_mask(mask, context_lengths, group=group, m_pad=m_pad, block=block_size)
     kernel = functools.partial(_kernel, scale=scale, block_size=block_size, t_new=t_new,
                                num_splits=num_splits)
-    pool_spec = pl.BlockSpec((num_blocks, block_size, None, d_pad),
-                             lambda b, h, r, s: (0, 0, h, 0))
+    if pool_layout == "token_major":
+        pool_spec = pl.BlockSpec((num_blocks, block_size, None, d_pad),
+                                 lambda b, h, r, s: (0, 0, h, 0))
+    else:
+        pool_spec = pl.BlockSpec((num_blocks, None, block_size, d_pad),
+                                 lambda b, h, r, s: (0, h, 0, 0))
     in_specs = [
         pl.BlockSpec((1,), lambda b, h, r, s: (b,)),
         pl.BlockSpec((None, max_blocks), lambda b, h, r, s: (b, 0)),

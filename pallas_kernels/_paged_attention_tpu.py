@@ -10,9 +10,11 @@ stale VMEM, which the masks hide.
 Grid ``(B, Hkv // hb, row_blocks)``, one program per row, head group and block of query
 rows, the online-softmax state carried through two loops: the steps wholly before the
 context length (no mask), then the few holding the verify block, whose visibility comes from
-:func:`pallas_kernels._common.paged_tail_mask`. The pool is viewed as ``[num_blocks,
-block_size, Hkv * D]`` (a free reshape) and a page's ``hb`` heads are one ``[block_size,
-hb * D]`` DMA, ``hb`` as in the tree-attention kernel (lane dim a multiple of 128).
+:func:`pallas_kernels._common.paged_tail_mask`. ``hb`` heads per program as in the
+tree-attention kernel, and a page's ``hb`` heads are one DMA from the pool as it is: a
+token-major pool is viewed as ``[num_blocks, block_size, Hkv * D]`` (a free reshape) and
+copied as ``[block_size, hb * D]`` (lane dim a multiple of 128), a head-major one
+``[num_blocks, Hkv, block_size, D]`` as ``[hb, block_size, D]`` (D the full lane dim).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pallas_kernels._common import (
     online_step,
     pack_queries,
     paged_tail_mask,
+    pool_dims,
     round_up,
     tail_steps,
     unpack_output,
@@ -42,7 +45,8 @@ _MAX_BLOCK_M = 256
 
 
 def _kernel(len_ref, table_ref, q_ref, tail_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, *,
-            scale: float, block_size: int, pages_per_step: int, t_new: int, max_blocks: int):
+            scale: float, block_size: int, pages_per_step: int, t_new: int, max_blocks: int,
+            heads_major: bool):
     b, h = pl.program_id(0), pl.program_id(1)
     heads, _, head_dim = q_ref.shape
     width = heads * head_dim
@@ -63,8 +67,11 @@ def _kernel(len_ref, table_ref, q_ref, tail_ref, k_hbm, v_hbm, o_ref, k_buf, v_b
             block = table_ref[b * max_blocks + jnp.minimum(index, max_blocks - 1)]
             rows = pl.ds(p * block_size, block_size)
             for kind, (pool, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
-                dma = pltpu.make_async_copy(pool.at[block, :, pl.ds(h * width, width)],
-                                            buf.at[slot, rows], sems.at[kind, slot])
+                if heads_major:
+                    src, dst = pool.at[block, pl.ds(h * heads, heads)], buf.at[slot, :, rows]
+                else:
+                    src, dst = pool.at[block, :, pl.ds(h * width, width)], buf.at[slot, rows]
+                dma = pltpu.make_async_copy(src, dst, sems.at[kind, slot])
                 out.append((index < n_pages, dma))
         return out
 
@@ -86,8 +93,11 @@ def _kernel(len_ref, table_ref, q_ref, tail_ref, k_hbm, v_hbm, o_ref, k_buf, v_b
         wait(i, slot)
         out = []
         for j, st in enumerate(states):
-            lanes = pl.ds(j * head_dim, head_dim)
-            k, v = k_buf[slot, :, lanes], v_buf[slot, :, lanes]
+            if heads_major:
+                k, v = k_buf[slot, j], v_buf[slot, j]
+            else:
+                lanes = pl.ds(j * head_dim, head_dim)
+                k, v = k_buf[slot, :, lanes], v_buf[slot, :, lanes]
             if stale_values:  # slots at or past ctx + T: stale or never copied (NaN-safe)
                 pos = i * step_keys + lax.broadcasted_iota(jnp.int32, (step_keys, 1), 0)
                 v = jnp.where(pos < end, v, jnp.zeros_like(v))
@@ -104,12 +114,14 @@ def _kernel(len_ref, table_ref, q_ref, tail_ref, k_hbm, v_hbm, o_ref, k_buf, v_b
 
 
 def paged_attention_tpu(q, k_pool, v_pool, block_tables, context_lengths, mask, *,
-                        scale: float, interpret: bool, pages_per_step: int | None) -> jax.Array:
+                        scale: float, interpret: bool, pages_per_step: int | None,
+                        pool_layout: str) -> jax.Array:
     """Pallas/Mosaic paged attention; shapes as in :func:`pallas_kernels.paged_attention`
-    (context_lengths already clipped to the table's span less T). ``interpret`` runs
-    Pallas's TPU interpreter (DMAs and semaphores simulated, fresh VMEM filled with NaN)."""
+    (context_lengths already clipped to the table's span less T, tables to the pool).
+    ``interpret`` runs Pallas's TPU interpreter (DMAs and semaphores simulated, fresh VMEM
+    filled with NaN)."""
     batch, t_new, n_q_heads, head_dim = q.shape
-    num_blocks, block_size, n_kv_heads, _ = k_pool.shape
+    num_blocks, block_size, n_kv_heads = pool_dims(k_pool.shape, pool_layout)
     max_blocks = block_tables.shape[1]
     group = n_q_heads // n_kv_heads
     rows = t_new * group
@@ -125,9 +137,13 @@ def paged_attention_tpu(q, k_pool, v_pool, block_tables, context_lengths, mask, 
     n_tail = tail_steps(t_new, step_keys)
     queries = pack_queries(q, n_kv_heads, jnp.result_type(q.dtype, k_pool.dtype), m_pad)
     tail = paged_tail_mask(mask, context_lengths, group=group, m_pad=m_pad, block=step_keys)
-    width = n_kv_heads * head_dim
-    k_flat = k_pool.reshape(num_blocks, block_size, width)  # free: merges the two minor dims
-    v_flat = v_pool.reshape(num_blocks, block_size, width)
+    heads_major = pool_layout == "head_major"
+    if heads_major:
+        buffer = (2, hb, step_keys, head_dim)  # per slot, hb heads' pages
+    else:
+        k_pool, v_pool = (x.reshape(num_blocks, block_size, n_kv_heads * head_dim)  # free
+                          for x in (k_pool, v_pool))
+        buffer = (2, step_keys, hb * head_dim)
 
     q_spec = pl.BlockSpec((None, hb, block_m, head_dim), lambda b, h, r, *_: (b, h, r, 0))
     tail_spec = pl.BlockSpec((None, n_tail, block_m, step_keys), lambda b, h, r, *_: (b, 0, r, 0))
@@ -138,13 +154,14 @@ def paged_attention_tpu(q, k_pool, v_pool, block_tables, context_lengths, mask, 
         in_specs=[q_spec, tail_spec, hbm, hbm],
         out_specs=q_spec,
         scratch_shapes=[
-            pltpu.VMEM((2, step_keys, hb * head_dim), k_pool.dtype),
-            pltpu.VMEM((2, step_keys, hb * head_dim), v_pool.dtype),
+            pltpu.VMEM(buffer, k_pool.dtype),
+            pltpu.VMEM(buffer, v_pool.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),
         ],
     )
     kernel = functools.partial(_kernel, scale=scale, block_size=block_size,
-                               pages_per_step=pages_per_step, t_new=t_new, max_blocks=max_blocks)
+                               pages_per_step=pages_per_step, t_new=t_new, max_blocks=max_blocks,
+                               heads_major=heads_major)
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -152,5 +169,5 @@ def paged_attention_tpu(q, k_pool, v_pool, block_tables, context_lengths, mask, 
         compiler_params=mosaic_params("parallel", "parallel", "parallel"),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paged_attention_tpu",
-    )(context_lengths, block_tables.reshape(-1), queries, tail, k_flat, v_flat)
+    )(context_lengths, block_tables.reshape(-1), queries, tail, k_pool, v_pool)
     return unpack_output(out, t_new, n_q_heads, q.dtype)

@@ -10,6 +10,11 @@ Layout, per layer (one pool for K, one for V):
   page's heads with one DMA whose lane dim is a multiple of 128; the GPU kernel reads one
   head's page as ``block_size`` rows of ``head_dim`` contiguous values. Splitting heads over a
   mesh (``tp``) splits axis 2 and keeps every page whole on each device.
+- or head-major ``[num_blocks, kv_heads, block_size, head_dim]`` (``pool_layout=
+  "head_major"``, the serving engine's pools, `eaglejax.models.kv_cache`): a head's page is
+  one contiguous ``[block_size, head_dim]`` tile; the TPU kernel copies a page's heads as one
+  ``[hb, block_size, head_dim]`` DMA. :func:`write_paged_kv` writes token-major pools (the
+  engine writes its own with `eaglejax.models.kv_cache.write_paged`).
 - ``block_tables`` ``[rows, max_blocks]`` int32: row b's position p lives in block
   ``block_tables[b, p // block_size]``, slot ``p % block_size``.
 - ``context_lengths`` ``[rows]`` int32: the tokens cached before the verify block.

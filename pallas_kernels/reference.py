@@ -7,7 +7,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._common import check_pool_layout, pool_dims
+
 KVLayout = Literal["bshd", "bhsd"]
+PoolLayout = Literal["token_major", "head_major"]
 
 
 def tree_attention_reference(
@@ -78,31 +81,36 @@ def paged_attention_reference(
     mask: jax.Array,
     *,
     scale: float | None = None,
+    pool_layout: PoolLayout = "token_major",
 ) -> jax.Array:
     """Attention of a verify block over a paged KV cache (layout: `pallas_kernels.paged_kv`).
 
-    q [B,T,Hq,D]; k_pool/v_pool [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
-    int32; context_lengths [B] int32; mask [B,T,T] bool. Row b's position p lives in block
-    block_tables[b, p // block_size], slot p % block_size; the T new tokens' own K/V are
+    q [B,T,Hq,D]; k_pool/v_pool [num_blocks, block_size, Hkv, D] (pool_layout="token_major")
+    or [num_blocks, Hkv, block_size, D] ("head_major"); block_tables [B, max_blocks] int32
+    (entries outside the pool read a clamped block); context_lengths [B] int32; mask [B,T,T]
+    bool. Row b's position p lives in block block_tables[b, p // block_size], slot
+    p % block_size; the T new tokens' own K/V are
     already in the pool at positions ctx .. ctx+T-1 (ctx = context_lengths[b]). Query t sees
     every position < ctx and position ctx + j iff mask[b,t,j]; nothing at or past ctx + T is
     read as valid (stale slots and unused table entries may hold anything, even NaN).
     Returns [B,T,Hq,D] in q's dtype, computed in float32 over a gathered copy of every
     table entry's block (the oracle and the CPU path; the kernels read only used blocks).
     """
+    check_pool_layout(pool_layout)
     batch, t_new, n_q_heads, head_dim = q.shape
-    num_blocks, block_size, n_kv_heads, _ = k_pool.shape
+    num_blocks, block_size, n_kv_heads = pool_dims(k_pool.shape, pool_layout)
     span = block_tables.shape[1] * block_size
     group = n_q_heads // n_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
     f32 = jnp.float32
-    pages = jnp.clip(block_tables.astype(jnp.int32), 0, num_blocks - 1)  # unused entries: any id
+    pages = jnp.clip(block_tables.astype(jnp.int32), 0, num_blocks - 1)  # no block: any block
     ctx = context_lengths.astype(jnp.int32)
     rel = jnp.arange(span)[None, :] - ctx[:, None]  # [B, span]: position - ctx
     valid = rel < t_new
 
     def gather(pool: jax.Array) -> jax.Array:  # [B, span, Hkv, D], zero at and past ctx + T
-        rows = pool[pages].reshape(batch, span, n_kv_heads, head_dim).astype(f32)
+        blocks = pool[pages] if pool_layout == "token_major" else jnp.swapaxes(pool[pages], 2, 3)
+        rows = blocks.reshape(batch, span, n_kv_heads, head_dim).astype(f32)
         return jnp.where(valid[:, :, None, None], rows, 0.0)
 
     keys, values = gather(k_pool), gather(v_pool)

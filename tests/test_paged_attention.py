@@ -1,6 +1,7 @@
 """Paged attention: the XLA reference against a dense float64 oracle over the gathered
 contiguous caches, the Pallas kernels (interpret mode on CPU) against the reference on
-ragged block tables, garbage in unused blocks, the pool write, and lowering for cuda / tpu."""
+ragged block tables, token-major and head-major pools, garbage in unused blocks, the pool
+write, and lowering for cuda / tpu."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pallas_kernels import (
 )
 
 ON_GPU = jax.default_backend() == "gpu"
-reference = jax.jit(paged_attention_reference, static_argnames=("scale",))
+reference = jax.jit(paged_attention_reference, static_argnames=("scale", "pool_layout"))
 
 
 class Paged(NamedTuple):
@@ -117,6 +118,16 @@ def dense_oracle(paged: Paged) -> np.ndarray:
     return out
 
 
+def head_major(paged: Paged) -> Paged:
+    """The same pools laid out head-major, [num_blocks, Hkv, block_size, D] (the engine's)."""
+    return paged._replace(k_pool=jnp.swapaxes(paged.k_pool, 1, 2),
+                          v_pool=jnp.swapaxes(paged.v_pool, 1, 2))
+
+
+def in_layout(paged: Paged, pool_layout: str) -> Paged:
+    return head_major(paged) if pool_layout == "head_major" else paged
+
+
 def f32_reference(paged: Paged) -> jax.Array:
     """The reference on float32 inputs, in q's dtype: the oracle of the bfloat16 kernels."""
     up = Paged(*(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
@@ -138,13 +149,15 @@ def assert_close(out: jax.Array, ref: jax.Array) -> None:
 # ------------------------------------------------------------------ reference vs oracle
 
 
+@pytest.mark.parametrize("pool_layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("t_new", [1, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_reference_matches_dense_oracle(t_new, block_size):
+def test_reference_matches_dense_oracle(t_new, block_size, pool_layout):
     """GQA, ragged rows, and garbage where no row may look (the reference never sees it)."""
     paged = make_paged(block_size + t_new, batch=3, t_new=t_new, n_q=6, n_kv=2, head_dim=16,
                        block_size=block_size, max_blocks=3, garbage=True)
-    assert_close_scaled(reference(*paged), dense_oracle(paged), units=FORWARD_UNITS)
+    got = reference(*in_layout(paged, pool_layout), pool_layout=pool_layout)
+    assert_close_scaled(got, dense_oracle(paged), units=FORWARD_UNITS)
 
 
 def test_write_attend_commit_roundtrip():
@@ -213,10 +226,11 @@ def _case_id(case) -> str:
     return f"B{b}-T{t}-Hq{hq}-Hkv{hkv}-D{d}-bs{bs}-mb{mb}-{jnp.dtype(dtype).name}"
 
 
-def _run(paged: Paged, backend: str, tuning: int | None) -> jax.Array:
+def _run(paged: Paged, backend: str, tuning: int | None,
+         pool_layout: str = "token_major") -> jax.Array:
     knob = {"num_splits": tuning} if backend == "gpu" else {"pages_per_step": tuning}
     return paged_attention(*paged, backend=backend, interpret=not (ON_GPU and backend == "gpu"),
-                           **knob)
+                           pool_layout=pool_layout, **knob)
 
 
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
@@ -228,7 +242,20 @@ def test_kernel_matches_reference(case, backend):
 
 
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
-def test_garbage_in_unused_blocks_changes_nothing(backend):
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_head_major_pool_matches_token_major(case, backend):
+    """The engine's head-major pools, read in place: the token-major kernel's output and
+    the reference's, which is the same for both layouts."""
+    b, t, hq, hkv, d, bs, mb, dtype, tuning = case
+    paged = make_paged(bs * t + hq, b, t, hq, hkv, d, bs, mb, dtype, garbage=True)
+    out = _run(head_major(paged), backend, tuning, "head_major")
+    assert_close(out, _run(paged, backend, tuning))
+    assert_close(out, f32_reference(paged))
+
+
+@pytest.mark.parametrize("pool_layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_garbage_in_unused_blocks_changes_nothing(backend, pool_layout):
     """NaN/inf in unused blocks and stale slots, out-of-range ids in unused table entries:
     the output is bit for bit the one over a clean pool (the TPU interpreter also raises on
     any out-of-bounds read, and fills fresh VMEM with NaN)."""
@@ -236,9 +263,10 @@ def test_garbage_in_unused_blocks_changes_nothing(backend):
     dirty = make_paged(5, 3, 8, 8, 2, 64, 16, 4, garbage=True)
     used = jnp.arange(4)[None] * 16 < (clean.lengths + 8)[:, None]
     assert np.all(np.asarray(jnp.where(used, clean.tables == dirty.tables, True)))
-    out = _run(dirty, backend, 2)
+    out = _run(in_layout(dirty, pool_layout), backend, 2, pool_layout)
     assert np.all(np.isfinite(np.asarray(out)))
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(_run(clean, backend, 2)))
+    np.testing.assert_array_equal(
+        np.asarray(out), np.asarray(_run(in_layout(clean, pool_layout), backend, 2, pool_layout)))
 
 
 @settings(max_examples=3, deadline=None, derandomize=True)
@@ -250,12 +278,15 @@ def test_garbage_in_unused_blocks_changes_nothing(backend):
     block_size=st.sampled_from([16, 32]),
     max_blocks=st.integers(1, 4),
     backend=st.sampled_from(["gpu", "tpu"]),
+    pool_layout=st.sampled_from(["token_major", "head_major"]),
     seed=st.integers(0, 2**16),
 )
-def test_random_shapes(batch, t_new, group, n_kv, block_size, max_blocks, backend, seed):
+def test_random_shapes(batch, t_new, group, n_kv, block_size, max_blocks, backend, pool_layout,
+                       seed):
     paged = make_paged(seed, batch, t_new, group * n_kv, n_kv, 64, block_size, max_blocks,
                        garbage=True)
-    assert_close(_run(paged, backend, None), reference(*paged))
+    assert_close(_run(in_layout(paged, pool_layout), backend, None, pool_layout),
+                 reference(*paged))
 
 
 # --------------------------------------------------------------------- API and lowering
@@ -282,6 +313,10 @@ def test_bad_shapes_raise():
     kh, vh = jnp.swapaxes(kp, 1, 2), jnp.swapaxes(vp, 1, 2)
     with pytest.raises(ValueError, match="block_size"):
         run(q, kh, vh, tables, lengths, mask)
+    with pytest.raises(ValueError, match="block_size"):  # and a token-major one as head-major
+        run(q, kp, vp, tables, lengths, mask, pool_layout="head_major")
+    with pytest.raises(ValueError, match="pool_layout"):
+        run(q, kh, vh, tables, lengths, mask, pool_layout="bhsd")
 
 
 @pytest.mark.parametrize(
@@ -289,18 +324,21 @@ def test_bad_shapes_raise():
     [("cuda", "gpu", "jax._src.lib.triton"), ("tpu", "tpu", "jax._src.tpu_custom_call")],
 )
 @pytest.mark.parametrize("head_dim,block_size", [(128, 16), (64, 32)])
-def test_kernel_lowers_for_accelerator(platform, backend, module, head_dim, block_size):
+@pytest.mark.parametrize("pool_layout", ["token_major", "head_major"])
+def test_kernel_lowers_for_accelerator(platform, backend, module, head_dim, block_size,
+                                       pool_layout):
     """Cross-lower the compiled kernels from this host (Llama-3.1-8B heads, ragged rows of a
     1,000-block pool): Pallas lowering errors of the Triton / Mosaic paths show without the
     hardware, and the pool reaches the kernel as is (no gather, copy or pad of it)."""
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not available in this jaxlib")
     sds = jax.ShapeDtypeStruct
-    batch, t_new, pool = 4, 8, sds((1000, block_size, 8, head_dim), jnp.bfloat16)
+    page = (block_size, 8) if pool_layout == "token_major" else (8, block_size)
+    batch, t_new, pool = 4, 8, sds((1000, *page, head_dim), jnp.bfloat16)
     inputs = (sds((batch, t_new, 32, head_dim), jnp.bfloat16), pool, pool,
               sds((batch, 63), jnp.int32), sds((batch,), jnp.int32),
               sds((batch, t_new, t_new), jnp.bool_))
-    fn = functools.partial(paged_attention, backend=backend)
+    fn = functools.partial(paged_attention, backend=backend, pool_layout=pool_layout)
     text = jax.jit(fn).trace(*inputs).lower(lowering_platforms=(platform,)).as_text()
     assert ("triton" if backend == "gpu" else "tpu_custom_call") in text
     pool_type = "tensor<" + "x".join(map(str, pool.shape)) + "xbf16>"

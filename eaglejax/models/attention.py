@@ -40,24 +40,17 @@ def resolve_impl(impl: str) -> str:
 
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_lengths: jax.Array,
               k_new: jax.Array, v_new: jax.Array, mask: jax.Array, *,
-              impl: AttentionImpl = "auto", tables: jax.Array | None = None) -> jax.Array:
+              impl: AttentionImpl = "auto", tables: jax.Array | None = None,
+              staged: bool = False) -> jax.Array:
     """Queries q [B,T,Hq,D] over the cached prefix (k/v_cache [B,Hkv,S,D], lengths [B]) plus
     the new K/V [B,T,Hkv,D] under mask [B,T,T]. A cache of more rows than q (a serving
     batch's slots, of which the first B run) is read in place by the native kernel and
-    sliced to B rows for the other paths. With block `tables` [B,W], k/v_cache are a paged
-    cache's pools (`kv_cache.KVCache`): the native kernel reads them through the tables on
-    CPU; elsewhere the rows are gathered into a contiguous cache first."""
-    pallas = resolve_impl(impl) == "pallas"
+    sliced to B rows for the other paths. With block `tables` [B',W] (B' >= B), k/v_cache
+    are a paged cache's pools [N,Hkv,BS,D] (`kv_cache.KVCache`); see `paged_attention`."""
     if tables is not None:
-        def gathered(q, k_pool, v_pool, lengths, tables, k_new, v_new, mask):
-            return attention(q, kv_cache.gather_rows(k_pool, tables),
-                             kv_cache.gather_rows(v_pool, tables), lengths, k_new, v_new, mask,
-                             impl=impl)
-
-        args = (q, k_cache, v_cache, cache_lengths, tables, k_new, v_new, mask)
-        if not pallas and cache_attention.applies(q, k_cache):
-            return cache_attention.paged_attention(*args, reference=gathered)
-        return gathered(*args)
+        return paged_attention(q, k_cache, v_cache, cache_lengths, tables, k_new, v_new, mask,
+                               impl=impl, staged=staged)
+    pallas = resolve_impl(impl) == "pallas"
     if not pallas and cache_attention.applies(q, k_cache):
         reference = functools.partial(_rows_of_cache, functools.partial(
             pallas_kernels.tree_attention_reference, kv_layout="bhsd"))
@@ -79,35 +72,76 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_length
         q, k_cache, v_cache, cache_lengths, k_new, v_new, mask, kv_layout="bhsd")
 
 
+def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                    cache_lengths: jax.Array, tables: jax.Array, k_new: jax.Array,
+                    v_new: jax.Array, mask: jax.Array, *, impl: AttentionImpl = "auto",
+                    staged: bool = False) -> jax.Array:
+    """`attention` over pools [N,Hkv,BS,D] read through block tables [B',W] (B' >= B: the
+    first B rows run). `staged`: the new K/V are already in the pools at positions
+    cache_lengths[b] .. cache_lengths[b]+T-1 (`kv_cache.stage`, within the tables' W * BS).
+
+    Impl "pallas" with staged pools reads them in place with the paged Pallas kernel (off a
+    mesh; BS a power of two >= 16); a row whose entries name no block (outside [0, N), a
+    free slot) reads some block: garbage in that row alone. On CPU the native kernel
+    reads them through the tables; otherwise the rows are gathered into a contiguous cache
+    for `attention`."""
+    def gathered(q, k_pool, v_pool, lengths, tables, k_new, v_new, mask):
+        return attention(q, kv_cache.gather_rows(k_pool, tables),
+                         kv_cache.gather_rows(v_pool, tables), lengths, k_new, v_new, mask,
+                         impl=impl)
+
+    tables = tables[:q.shape[0]]
+    args = (q, k_pool, v_pool, cache_lengths, tables, k_new, v_new, mask)
+    if resolve_impl(impl) == "pallas":
+        if staged and _pages_fit_kernel(k_pool) and not over_mesh():
+            return _per_platform(functools.partial(pallas_kernels.paged_attention,
+                                                   pool_layout="head_major"),
+                                 q, k_pool, v_pool, tables, cache_lengths, mask)
+        return gathered(*args)
+    if cache_attention.applies(q, k_pool):
+        return cache_attention.paged_attention(*args, reference=gathered)
+    return gathered(*args)
+
+
+def _pages_fit_kernel(pool: jax.Array) -> bool:
+    """Whether the paged Pallas kernel takes the pool's blocks (a power of two >= 16)."""
+    block_size = pool.shape[2]
+    return block_size >= 16 and not block_size & (block_size - 1)
+
+
 def _rows_of_cache(reference: Callable[..., jax.Array], q: jax.Array, k_cache: jax.Array,
                    v_cache: jax.Array, *rest: jax.Array) -> jax.Array:
     """`reference` over the cache's first B rows (q [B,...])."""
     return reference(q, k_cache[:q.shape[0]], v_cache[:q.shape[0]], *rest)
 
 
-def _kernel_per_platform(*args: jax.Array) -> jax.Array:
-    """The tree-attention kernel of the platform being lowered for: Triton on GPUs, Mosaic
-    on TPUs, interpret mode elsewhere (so a program exported from a CPU host for "cuda" or
-    "tpu" carries the compiled kernel)."""
-    kernel = functools.partial(pallas_kernels.tree_attention, kv_layout="bhsd")
+def _per_platform(kernel: Callable[..., jax.Array], *args: jax.Array) -> jax.Array:
+    """`kernel` (a Pallas entry point) for the platform being lowered for: Triton on GPUs,
+    Mosaic on TPUs, interpret mode elsewhere (so a program exported from a CPU host for
+    "cuda" or "tpu" carries the compiled kernel)."""
     gpu = functools.partial(kernel, backend="gpu")
     return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu,
                                       tpu=functools.partial(kernel, backend="tpu"),
                                       default=functools.partial(kernel, interpret=True))
 
 
+def _tree_kernel(*args: jax.Array) -> jax.Array:
+    """The tree-attention kernel (head-major cache) of the platform being lowered for."""
+    return _per_platform(functools.partial(pallas_kernels.tree_attention, kv_layout="bhsd"),
+                         *args)
+
+
 def _pallas_over_local_heads(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask):
     """The Pallas kernel, run by each device on its own rows and heads when traced over a
     mesh (`shard_map`: a bare `pallas_call` has no partitioning rule). The heads split
     over `tp` only where the cache's KV heads do (`eaglejax.sharding.rules`)."""
-    kernel = _kernel_per_platform
     if not over_mesh():
-        return kernel(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask)
+        return _tree_kernel(q, k_cache, v_cache, cache_lengths, k_new, v_new, mask)
     mesh = jax.sharding.get_abstract_mesh()
     cache = logical_spec(("batch", "kv_heads", "cache_seq", "head_dim"), k_cache.shape, mesh)
     rows, heads = cache[0], cache[1]
     per_token = P(rows, None, heads, None)  # q, k_new, v_new: [B,T,heads,D]
-    return jax.shard_map(kernel, mesh=mesh, check_vma=False,
+    return jax.shard_map(_tree_kernel, mesh=mesh, check_vma=False,
                          in_specs=(per_token, cache, cache, P(rows), per_token, per_token,
                                    P(rows, None, None)),
                          out_specs=per_token)(q, k_cache, v_cache, cache_lengths, k_new, v_new,

@@ -328,13 +328,15 @@ def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax
 
     def attention_step(qkv, cos, sin, k_cache, v_cache, cache_lengths, mask, tables=None):
         q, k, v = rotated_heads(config, (cos[:, :, None], sin[:, :, None]), qkv, layer)
-        if stage and k_cache.shape[2]:
+        staged = stage and k_cache.shape[2] > 0
+        if staged:
             # Stage the new rows first so the attention reads the updated buffer: XLA then
-            # updates the cache in place instead of copying it.
+            # updates the cache in place instead of copying it (and a paged kernel reads
+            # the new rows from the pools).
             k_cache = stage_rows(k_cache, k, cache_lengths, tables)
             v_cache = stage_rows(v_cache, v, cache_lengths, tables)
         attn = attention(q, k_cache, v_cache, cache_lengths, k, v, mask, impl=impl,
-                         tables=tables)
+                         tables=tables, staged=staged)
         return attn, k_cache, v_cache, k, v
 
     def paged_step(qkv, cos, sin, k_pool, v_pool, cache_lengths, tables, mask):

@@ -270,7 +270,8 @@ def analysed(compiled: Any) -> tuple[float, float]:
 def fused_attention_traffic(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                             cache_lengths: jax.Array, k_new: jax.Array, v_new: jax.Array,
                             mask: jax.Array, *, impl: str = "auto",
-                            tables: jax.Array | None = None) -> jax.Array:
+                            tables: jax.Array | None = None, staged: bool = False
+                            ) -> jax.Array:
     """A stand-in for `attention` that moves what a fused kernel moves: q, the cache, the
     new K/V and the mask read once, an output of q's shape written (its value is
     meaningless; the FLOPs are taken from the real attention). Programs traced for the
