@@ -77,5 +77,10 @@ def _chunk_after(config: ModelConfig, cached: kv_cache.KVCache, chunk: int, leng
     a 2,176-row SmolLM2 slot took 102 ms in one block, 54 in blocks of 16); else `chunk`."""
     query = jax.ShapeDtypeStruct((1, 1, config.num_heads, config.head_dim), cached.k[0].dtype)
     if cache_attention.applies(query, cached.k[0]):
+        if cached.tables is not None and length <= cache_attention.MAX_QUERIES:
+            # At least two blocks over a paged slot's pools: in a program whose scan runs
+            # once, XLA:CPU copied every layer's pools (60 copies for SmolLM2; a 3-token
+            # rest after a prefix hit then took 435 ms, in two blocks ~25 ms).
+            return max(length // 2, 1)
         return min(cache_attention.MAX_QUERIES, length)
     return min(chunk, length)

@@ -120,41 +120,44 @@ def fill_cached(loop: Loop, weights: Weights, state: State, slot: jax.Array,
     [1] tokens) is prefilled: with the head (`head`), whose rows come from `head_pool`'s
     same blocks, or by the target alone (in a speculative batch the row then decodes
     plainly, as after `fill_target`). `pool` (and `head_pool`) None: the blocks are the
-    paged batch's own, target's and head's alike; those already in the slot's table are
-    shared with other rows (read, never written); a hit block the host gave the slot a block
-    of its own for instead (the head's last, whose last row this prompt's next token
-    changes) is copied into it."""
+    paged batch's own, target's and head's alike: the prefill reads the hit blocks already
+    in the slot's table in place (shared with other rows, never written) and writes the rest
+    into the slot's own blocks; the hit's last block, whose last row is prefilled again (the
+    head's row there consumes this prompt's next token), is copied into the slot's own block
+    at that entry first."""
     cache = state.target_cache
     if pool is not None:
-        return _fill_after_rows(loop, weights, state, slot, load_rows(
-            pool, blocks, cached, cache.capacity), head_pool if head else None, blocks, cached,
-            rest, rest_length, prompt, row_key, sampling, max_new_tokens, stop, greedy)
-    rows = load_rows(PrefixPool(cache.k, cache.v), blocks, cached, cache.capacity)
-    if head:
-        head_pool = PrefixPool(state.drafter.cache.k, state.drafter.cache.v)
-    width, nowhere = cache.tables.shape[1], cache.k[0].shape[0]
-    hit = jnp.arange(width) < -(-cached[0] // cache.k[0].shape[2])
-    shared = hit & (cache.tables[slot] == blocks[:width])
-    hidden = cache.tables.at[slot].set(jnp.where(shared, nowhere, cache.tables[slot]))
-    state = map_caches(state, lambda c: c._replace(tables=hidden))
-    state = _fill_after_rows(loop, weights, state, slot, rows, head_pool, blocks, cached, rest,
-                             rest_length, prompt, row_key, sampling, max_new_tokens, stop,
-                             greedy)
-    return map_caches(state, lambda c: c._replace(tables=cache.tables))
+        rows = load_rows(pool, blocks, cached, cache.capacity)
+        heads = (load_rows(head_pool, blocks, cached, state.drafter.cache.capacity) if head
+                 else None)
+        return _fill_after_rows(loop, weights, state, slot, rows, heads, rest, rest_length,
+                                prompt, row_key, sampling, max_new_tokens, stop, greedy)
+    # Paged: the prefill reads the shared blocks in place and writes the slot's own ones.
+    last = cached[0] // cache.k[0].shape[2]
+    table = jax.lax.dynamic_slice_in_dim(cache.tables, slot, 1, axis=0)
+
+    def with_last_block_copied(c: kv_cache.KVCache) -> kv_cache.KVCache:
+        copy = lambda pool: pool.at[table[0, last]].set(pool[blocks[last]])  # noqa: E731
+        return c._replace(k=tuple(map(copy, c.k)), v=tuple(map(copy, c.v)))
+
+    state = map_caches(state, with_last_block_copied)
+    view = lambda c: kv_cache.KVCache(c.k, c.v, cached.astype(jnp.int32), table)  # noqa: E731
+    return _fill_after_rows(loop, weights, state, slot, view(state.target_cache),
+                            view(state.drafter.cache) if head else None, rest, rest_length,
+                            prompt, row_key, sampling, max_new_tokens, stop, greedy)
 
 
 def _fill_after_rows(loop: Loop, weights: Weights, state: State, slot: jax.Array,
-                     rows: kv_cache.KVCache, head_pool: PrefixPool | None, blocks: jax.Array,
-                     cached: jax.Array, rest: jax.Array, rest_length: jax.Array,
-                     prompt: jax.Array, row_key: jax.Array, sampling: SamplingParams,
-                     max_new_tokens: jax.Array, stop: StopTable, greedy: bool) -> State:
-    """`fill_cached` after the hit's target `rows` (a one-row cache) were loaded; the head's
-    come from `head_pool` (None: the target alone prefills)."""
+                     rows: kv_cache.KVCache, heads: kv_cache.KVCache | None, rest: jax.Array,
+                     rest_length: jax.Array, prompt: jax.Array, row_key: jax.Array,
+                     sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable,
+                     greedy: bool) -> State:
+    """`fill_cached` after the hit: the target's `rows` and the head's `heads` (one-row
+    caches, or a paged slot's view of the pools; None: the target alone prefills)."""
     settings = (rest, rest_length, row_key, sampling, max_new_tokens, stop, greedy)
-    if head_pool is not None:
-        head = load_rows(head_pool, blocks, cached, state.drafter.cache.capacity)
+    if heads is not None:
         return _prefilled(loop, weights, state, slot, *settings,
-                          cached=speculative.Cached(rows, head, prompt))
+                          cached=speculative.Cached(rows, heads, prompt))
     if isinstance(state, speculative.SpecState):
         done = _prefilled(loop.target_alone(), weights, _target_part(state), slot, *settings,
                           cached=rows)

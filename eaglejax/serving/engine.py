@@ -520,8 +520,8 @@ class Engine:
         if self._suffix:
             self.models = self.models.with_current_history()
         slot_arg = self.models.put(np.int32(slot))
-        if self.blocks is not None:  # the hit's blocks themselves, read-only; a head's
-            self.blocks.share(slot, hit[:-1] if head else hit)  # last: copied (`fill_cached`)
+        if self.blocks is not None:  # the hit's blocks themselves, read-only; the last:
+            self.blocks.share(slot, hit[:-1])  # copied, its last row prefilled again
             if not self.blocks.grow(slot, n):
                 raise RuntimeError(f"slot {slot}: too few free KV blocks for {n} positions")
             self._sync_tables()
