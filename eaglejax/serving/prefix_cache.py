@@ -16,9 +16,9 @@ In a paged engine (`serving.kv_blocks`) nothing is copied: the index keeps block
 engine's own pool (one reference each; an EAGLE head's rows of a block are the same block
 of the head's pool, kept where the row that wrote them ran its head), a request's full
 blocks join it where they are, and a hit puts the cached blocks themselves in the request's
-block table (shared, never written again) and prefills the rest into blocks of its own (a
-hit with the head's rows: its last block copied into one of its own, since the head's row
-at its last position reads the token after it). Blocks only the index keeps are evicted,
+block table (shared, never written again) and prefills the rest into blocks of its own,
+in place (its last block copied into one of its own, since its last position is prefilled
+again: the head's row there reads the token after it). Blocks only the index keeps are evicted,
 least recently used, when the pool runs short or past the cache's size.
 """
 
