@@ -126,6 +126,31 @@ def test_cancel_frees_the_slot(target):
     assert engine.idle
 
 
+def test_a_burst_gets_its_first_tokens_as_its_prefills_finish(target, monkeypatch):
+    # a step prefills until FILL_TOKENS_PER_STEP prompt tokens, reports, and fills more
+    # at the next step before any decoding; each request still gets its tokens alone
+    from eaglejax.serving import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "FILL_TOKENS_PER_STEP", 30)
+    rng = np.random.default_rng(4)
+    requests = [Request(i, rng.integers(0, target.config.vocab_size, 20).tolist(), 6,
+                        ignore_eos=True) for i in range(3)]
+    engine = Engine(target, num_slots=3, capacity=CAPACITY)
+    for r in requests:
+        engine.submit(r)
+    tokens: dict[int, list[int]] = {r.key: [] for r in requests}
+    steps = []
+    while not engine.idle:
+        updates = engine.step()
+        steps.append(sorted((u.key, len(u.token_ids)) for u in updates))
+        for u in updates:
+            tokens[u.key].extend(u.token_ids)
+    assert steps[:2] == [[(0, 1), (1, 1)], [(2, 1)]]  # 20 + 20 >= 30 tokens, then the third
+    assert [key for key, _ in steps[2]] == [0, 1, 2]  # then all three decode
+    for r in requests:
+        assert tokens[r.key] == _alone(target, r)[0]
+
+
 def test_bad_requests_name_themselves(target, draft):
     engine = Engine(target, num_slots=2, capacity=CAPACITY)
     with pytest.raises(InputError, match=r"request 'big': prompt of 96 tokens; a slot holds "

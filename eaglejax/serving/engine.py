@@ -28,7 +28,7 @@ from tqdm import tqdm
 from eaglejax import validation
 from eaglejax.decoding import slots
 from eaglejax.decoding.autotune import PLAIN_WIDTH, AutoPlan
-from eaglejax.decoding.buckets import bucket
+from eaglejax.decoding.buckets import bucket, fine_bucket, fine_buckets
 from eaglejax.decoding.bundle import Bundle
 from eaglejax.decoding.drafters.head_state import HeadState
 from eaglejax.decoding.loops import State
@@ -68,6 +68,10 @@ MAX_STOP_TOKEN_IDS = 8  # a request's own end-of-reply tokens beside the model's
 # at its best (1.10x a 4-5 ms step) saves 0.4-0.5 ms a token.
 HIT_PER_REPLY_TOKEN = 0.5
 REPLY_WINDOW = 64  # a paged engine expects replies as long as the last this many (`_expected`)
+# Prompt tokens a step prefills before it reports (it fills one more request while under):
+# a burst of requests then gets its first tokens as its prefills finish, not all after the
+# last one (64 MT-bench prompts take ~10 s to prefill on 2 CPU cores).
+FILL_TOKENS_PER_STEP = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,16 +351,20 @@ class Engine:
                 return
 
     def step(self, now: float | None = None) -> list[Update]:
-        """Fill free slots from the queue (then report the new requests' first tokens), or
-        else run at most `rounds_per_call` rounds (fewer when a row finishes); report every
-        request that gained tokens or finished. Requests whose deadline is past `now`
-        (default: `time.monotonic()`) end first, queued or running."""
+        """Fill free slots from the queue (up to `FILL_TOKENS_PER_STEP` prompt tokens, then
+        report the new requests' first tokens), or else run at most `rounds_per_call` rounds
+        (fewer when a row finishes); report every request that gained tokens or finished.
+        Requests whose deadline is past `now` (default: `time.monotonic()`) end first, queued
+        or running."""
         expired = self._expire(time.monotonic() if now is None else now)
-        filled_now = False
+        filled_now, prefilled = False, 0
         for i in range(self.num_slots):
+            if prefilled >= FILL_TOKENS_PER_STEP:
+                break  # report these first tokens; the next step fills more
             if self.slots[i] is None and self.queue and self._admits(self.queue[0]):
                 self._fill_queued(i, self.queue.popleft())
                 filled_now = True
+                prefilled += len(self.slots[i].request.prompt) - self.slots[i].cached
         if self.idle:
             return expired
         if not filled_now and np.any(self._filled() & (self._finish() == FINISH_NONE)):
@@ -404,11 +412,7 @@ class Engine:
         active rows, greedy and sampled."""
         if not self.idle:
             raise InputError("warm up an idle engine (requests are queued or running)")
-        prompts, n = [], MIN_PROMPT_BUCKET
-        while n < self.capacity:
-            prompts.append(n)
-            n *= 2
-        prompts.append(self.capacity - 1)
+        prompts = fine_buckets(self.capacity, MIN_PROMPT_BUCKET) + [self.capacity - 1]
         row_counts = sorted({self._active_rows(np.arange(self.num_slots) == i)
                              for i in range(self.num_slots)})
         temperatures = [0.0]
@@ -511,7 +515,7 @@ class Engine:
         # The hit's last position is prefilled again: the head's row there consumes the
         # token after it (this prompt's, not the cached sequence's) and the target's feature.
         cached = max(BLOCK * len(hit) - 1, 0)
-        prompt = np.zeros((1, min(bucket(n - cached, MIN_PROMPT_BUCKET), self.capacity)),
+        prompt = np.zeros((1, min(fine_bucket(n - cached, MIN_PROMPT_BUCKET), self.capacity)),
                           np.int32)
         prompt[0, :n - cached] = request.prompt[cached:]
         row_args = self.models.put((prompt, np.array([n - cached], np.int32),
