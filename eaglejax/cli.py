@@ -423,8 +423,7 @@ def _add_serve_args(commands) -> None:
                             "the slots: each request holds only what it fills, so "
                             "--num-slots may be far larger at the same memory; when blocks "
                             "run out the newest request is preempted and resumed later "
-                            "(default: none, every slot holds --capacity positions; one "
-                            "process, no mesh)")
+                            "(default: none, every slot holds --capacity positions)")
     serve.add_argument("--max-waiting", type=int, default=MAX_WAITING,
                        help="requests that may wait for a slot; more are refused with 429 "
                             f"and Retry-After (default {MAX_WAITING})")

@@ -1,7 +1,8 @@
 """Multi-process decoding (`jax.distributed` on localhost, CPU collectives over gloo): two
 processes of two devices each run a tp=2 x dp=2 mesh and produce one process's tokens, with
 `generate` and with the serving engine in lockstep (`serving.lockstep`: process 0 schedules,
-submissions arriving while others run, a cancellation)."""
+submissions arriving while others run, a cancellation), its KV cache in slots and paged (a
+request preempted alike on every process)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from eaglejax.sharding.distributed import initialize
 
 HERE = Path(__file__).resolve().parent
 VOCAB = 96
+PAGED_KV_TOKENS = 4 * 32  # one request's blocks: r5 and r6 outgrow it together
 
 
 def _prompts() -> list[list[int]]:
@@ -48,9 +50,10 @@ def _decode_all(target) -> dict[str, list[list[int]]]:
 def _requests():
     from eaglejax.serving.engine import Request, SamplingOptions
 
-    lengths, limits = [3, 17, 9, 12, 5], [10, 6, 12, 1, 9]
+    lengths, limits = [3, 17, 9, 12, 5, 30, 28], [10, 6, 12, 1, 9, 34, 36]
     sampling = [SamplingOptions(), SamplingOptions(0.9, seed=4), SamplingOptions(),
-                SamplingOptions(1.2, 8, 0.9, 5), SamplingOptions()]
+                SamplingOptions(1.2, 8, 0.9, 5), SamplingOptions(),
+                SamplingOptions(0.7, seed=9), SamplingOptions(0.8, seed=6)]
     return [Request(f"r{i}", [(7 * i + 3 * j) % VOCAB for j in range(n)], limit, s)
             for i, (n, limit, s) in enumerate(zip(lengths, limits, sampling))]
 
@@ -78,13 +81,13 @@ def _serve(engine) -> dict[str, list]:
     return done
 
 
-def _engine(target):
+def _engine(target, kv_tokens=None):
     from eaglejax import SpecConfig
     from eaglejax.serving.engine import Engine
     from spec_helpers import self_draft
 
     return Engine(target, self_draft(target), speculative=SpecConfig.tree(3, 3, 8),
-                  num_slots=2, capacity=64, rounds_per_call=2)
+                  num_slots=2, capacity=64, rounds_per_call=2, kv_tokens=kv_tokens)
 
 
 def _free_port() -> int:
@@ -120,7 +123,7 @@ def test_two_processes_decode_like_one(tmp_path):
     one_device = eaglejax.load_target(tmp_path / "model")
     expected = _decode_all(one_device)
     served = _serve(_engine(one_device))
-    assert sorted(served) == [f"r{i}" for i in range(5)]
+    assert sorted(served) == [f"r{i}" for i in range(7)]
 
     port = _free_port()
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
@@ -148,6 +151,12 @@ def test_two_processes_decode_like_one(tmp_path):
         got = json.loads((tmp_path / f"tokens-{rank}.json").read_text())
         assert got == expected, rank
     assert json.loads((tmp_path / "served.json").read_text()) == served
+    # paged: every process's host block tables preempt the same request, which resumes with
+    # the tokens it had, and a tp-split pool serves the slots' tokens
+    assert json.loads((tmp_path / "paged.json").read_text()) == served
+    preemptions = [json.loads((tmp_path / f"preemptions-{rank}.json").read_text())
+                   for rank in range(2)]
+    assert preemptions[0] == preemptions[1] > 0
 
 
 if __name__ == "__main__":  # one process of test_two_processes_decode_like_one
@@ -169,10 +178,12 @@ if __name__ == "__main__":  # one process of test_two_processes_decode_like_one
     (directory / f"tokens-{rank}.json").write_text(json.dumps(_decode_all(target)))
     from eaglejax.serving.lockstep import LockstepEngine, follow
 
-    engine = _engine(target)
-    if rank == 0:
-        lockstep = LockstepEngine(engine)
-        (directory / "served.json").write_text(json.dumps(_serve(lockstep)))
-        lockstep.close()
-    else:
-        follow(engine)
+    for name, kv_tokens in (("served", None), ("paged", PAGED_KV_TOKENS)):
+        engine = _engine(target, kv_tokens)
+        if rank == 0:
+            lockstep = LockstepEngine(engine)
+            (directory / f"{name}.json").write_text(json.dumps(_serve(lockstep)))
+            lockstep.close()
+        else:
+            follow(engine)
+    (directory / f"preemptions-{rank}.json").write_text(json.dumps(engine.preemptions))

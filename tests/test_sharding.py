@@ -80,18 +80,17 @@ def test_cli_refuses_bad_mesh_flags(flags, match, capsys, monkeypatch):
 def test_meshes_decode_like_one_device(tmp_path):
     """tp=2, dp=2, tp=2 x dp=2 and tp=4 over 2 KV heads (widened), plus 3 KV heads on tp=2
     (attention replicated): plain, chain, dynamic and static trees, greedy and sampled; the
-    serving engine's prefix cache on a mesh."""
+    serving engine's prefix cache on a mesh, and a paged engine (preemption, a prefix hit)."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     env = dict(os.environ, XLA_FLAGS=flags,
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(HERE / "test_sharding.py"), str(tmp_path)],
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # 4 shapes on tp=2 x dp=2 and 2 on each other mesh, the engine's prefix cache and
-    # log-probabilities, sampled,
-    # the checkpoint and Target.on_mesh, replicated attention, a draft model, DFlash, the
-    # Pallas kernel
-    assert proc.stdout.count("identical") == 10 + 2 + 1 + 2 + 1 + 1 + 1 + 1, proc.stdout
+    # 4 shapes on tp=2 x dp=2 and 2 on each other mesh, the engine's prefix cache, a paged
+    # engine and log-probabilities, sampled, the checkpoint and Target.on_mesh, replicated
+    # attention, a draft model, DFlash, the Pallas kernel
+    assert proc.stdout.count("identical") == 10 + 3 + 1 + 2 + 1 + 1 + 1 + 1, proc.stdout
 
 
 # ------------------------------------------------------------ the 8-device subprocess
@@ -173,6 +172,7 @@ def _run_meshes(directory: Path) -> None:
     want = eaglejax.generate([again], target=one, max_new_tokens=12, ignore_eos=True)
     assert got.token_ids == want[0].token_ids
     print("identical prefix-cache hit on tp=2 dp=2", got.cached_tokens)
+    _paged_engine(engine.target, one, first, turn.token_ids, again, want[0].token_ids)
     # log-probabilities over the vocabulary split on tp: those of one device
     from tolerances import FORWARD_UNITS, assert_close_scaled
 
@@ -244,6 +244,31 @@ def _run_meshes(directory: Path) -> None:
                                  attn_impl="pallas")
     assert run(target, shapes[2]) == expected[2]
     print("identical pallas tp=4 dp=2")
+
+
+def _paged_engine(target, one, first, reply, again, again_reply) -> None:
+    """A paged engine on tp=2 x dp=2: pools whose KV heads split on tp (every block on every
+    device), ragged requests that outgrow the pool (the newest preempted, then resumed) and
+    a chat's next turn hitting the prefix cache's blocks of the pool decode as one device."""
+    import eaglejax
+    from eaglejax.serving.engine import Engine, Request
+
+    engine = Engine(target, num_slots=3, capacity=128, kv_tokens=4 * 32, rounds_per_call=2)
+    pools = engine.state.target_cache
+    assert tuple(pools.k[0].sharding.spec)[:2] == (None, "tp"), pools.k[0].sharding
+    assert pools.tables.sharding.is_fully_replicated and pools.lengths.sharding.is_fully_replicated
+    engine.run([Request(("short", i), [1, 2, 3], 1) for i in range(2)])  # replies expected
+    prompts = [[(11 * i + 5 * j) % VOCAB for j in range(n)] for i, n in enumerate((20, 26, 14))]
+    got = engine.run([Request(i, p, 16, ignore_eos=True) for i, p in enumerate(prompts)])
+    want = eaglejax.generate(prompts, target=one, max_new_tokens=16, ignore_eos=True)
+    assert [got[i].token_ids for i in range(3)] == [w.token_ids for w in want]
+    assert engine.preemptions > 0
+    chat = engine.run([Request("first", first, 12, ignore_eos=True)])["first"]
+    assert chat.token_ids == reply
+    chat = engine.run([Request("again", again, 12, ignore_eos=True)])["again"]
+    assert chat.cached_tokens >= 31 and chat.token_ids == again_reply
+    assert tuple(engine.state.target_cache.k[0].sharding.spec)[:2] == (None, "tp")
+    print("identical paged engine on tp=2 dp=2", engine.preemptions, chat.cached_tokens)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from eaglejax import compilation_cache
 from eaglejax.decoding.loops import Loop, PlainLoop, SpecLoop, State, Weights, empty_state
@@ -117,7 +117,9 @@ class Bundle:
     def empty_state(self, rows: int, *, capacity: int, max_tokens: int, stop: StopTable,
                     logprobs: int | None = None, paged: tuple[int, int] | None = None
                     ) -> State:
-        """`loops.empty_state` of this loop, placed on the mesh (replicated at first)."""
+        """`loops.empty_state` of this loop, placed on the mesh: replicated at first, but a
+        paged target cache's pools, created with their KV heads split (`kv_cache.
+        init_paged_cache`: a replicated pool would hold every head on every device)."""
         def free_slots() -> State:
             return empty_state(self.loop, self.weights, rows, capacity=capacity,
                                max_tokens=max_tokens, stop=stop, logprobs=logprobs,
@@ -126,8 +128,7 @@ class Bundle:
         if self.mesh is None:
             return free_slots()
         with mesh_context(self.mesh):  # global arrays (every process)
-            return jax.jit(free_slots,
-                           out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
+            return jax.jit(free_slots)()
 
     @staticmethod
     def fetch(tree: Any) -> Any:

@@ -41,6 +41,7 @@ from eaglejax.draft.config import DraftConfig
 from eaglejax.models import kv_cache
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.llama import Params
+from eaglejax.sharding.rules import constrain
 
 State = Union[plain.DecodeState, speculative.SpecState]
 Step = Callable[[State], State]
@@ -214,7 +215,8 @@ def empty_state(loop: Loop, weights: Weights, rows: int, *, capacity: int, max_t
     """A batch of `rows` free slots (every row finished, every value zero), shaped as
     `loop`'s prefill of `rows` prompts (traced abstractly, never run). `paged` (blocks,
     block size): the target's cache, and an EAGLE head's, are paged ones of that many blocks
-    each (`kv_cache`; the same block ids and tables), their tables pointing at none."""
+    each (`kv_cache`; the same block ids and tables), their tables pointing at none. Traced
+    over a mesh, every array is replicated but the target's pools (KV heads split)."""
     prompt = jnp.zeros((rows, 1), jnp.int32)  # the state's shapes do not depend on it
     keys = jax.vmap(jax.random.PRNGKey)(jnp.zeros((rows,), jnp.uint32))
     sampling = SamplingParams(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows))
@@ -222,20 +224,34 @@ def empty_state(loop: Loop, weights: Weights, rows: int, *, capacity: int, max_t
         w, prompt, jnp.ones((rows,), jnp.int32), keys, sampling, jnp.ones((rows,), jnp.int32),
         capacity=capacity, max_tokens=max_tokens, greedy=True, stop=stop, logprobs=logprobs),
         weights)
-    if paged is not None:
-        shapes = map_caches(shapes, lambda cache: _paged_like(cache, *paged))
-    state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    if paged is None:
+        state = _replicated_zeros(shapes)
+    else:
+        state = _with_paged_caches(_replicated_zeros(map_caches(shapes, lambda cache: None)),
+                                   shapes, *paged)
     finish = jnp.full((rows,), FINISH_LENGTH, jnp.int32)
-    state = state._replace(out=state.out._replace(finish=finish))
-    if paged is not None:
-        state = map_caches(state, lambda cache: cache._replace(
-            tables=jnp.full(cache.tables.shape, paged[0], jnp.int32)))
+    return state._replace(out=state.out._replace(finish=finish))
+
+
+def _replicated_zeros(shapes: Any) -> Any:
+    """Zeros of the shapes in the tree `shapes`, replicated over a mesh being traced over."""
+    return jax.tree.map(lambda s: constrain(jnp.zeros(s.shape, s.dtype), (None,) * s.ndim),
+                        shapes)
+
+
+def _with_paged_caches(state: State, shapes: State, blocks: int, size: int) -> State:
+    """`state` (without caches) with empty paged caches of `blocks` blocks of `size`
+    positions for the rows and layers of the contiguous caches `shapes` has: the target's,
+    its KV heads split over a mesh as a slot cache's are, and an EAGLE head's, replicated as
+    the head is (every device runs the head's attention whole; its one layer's pool is
+    small)."""
+    def paged(cache: kv_cache.KVCache, heads_axis: str | None) -> kv_cache.KVCache:
+        rows, kv, width, dim = cache.k[0].shape
+        return kv_cache.init_paged_cache(len(cache.k), rows, blocks, size, width // size, kv,
+                                         dim, cache.k[0].dtype, heads_axis)
+
+    state = state._replace(target_cache=paged(shapes.target_cache, "kv_heads"))
+    head = getattr(shapes, "drafter", None)
+    if isinstance(head, HeadState):
+        state = state._replace(drafter=state.drafter._replace(cache=paged(head.cache, None)))
     return state
-
-
-def _paged_like(cache: kv_cache.KVCache, blocks: int, size: int) -> kv_cache.KVCache:
-    """The shapes of a paged cache of `blocks` blocks of `size` positions for the rows and
-    layers of `cache` (shapes of a contiguous one)."""
-    rows, kv, width, dim = cache.k[0].shape
-    return jax.eval_shape(lambda: kv_cache.init_paged_cache(
-        len(cache.k), rows, blocks, size, width // size, kv, dim, cache.k[0].dtype))

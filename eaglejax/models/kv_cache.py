@@ -60,14 +60,19 @@ def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, he
 
 
 def init_paged_cache(num_layers: int, batch: int, blocks: int, block_size: int,
-                     table_width: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
-                     ) -> KVCache:
+                     table_width: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype,
+                     heads_axis: str | None = "kv_heads") -> KVCache:
     """An empty paged cache: pools of `blocks` blocks of `block_size` positions, `batch` rows
-    of `table_width` table entries, none pointing at a block yet."""
+    of `table_width` table entries, none pointing at a block yet. Traced over a device mesh,
+    the pools' heads are split along `heads_axis` (None: every device holds all heads) and
+    every device holds every block's rows of its heads; tables and lengths are replicated
+    (any row may use any block)."""
     shape = (blocks, num_kv_heads, block_size, head_dim)
-    pools = tuple(jnp.zeros(shape, dtype) for _ in range(2 * num_layers))
-    return KVCache(pools[:num_layers], pools[num_layers:], jnp.zeros((batch,), jnp.int32),
-                   jnp.full((batch, table_width), blocks, jnp.int32))
+    axes = ("kv_blocks", heads_axis, "cache_seq", "head_dim")
+    pools = tuple(constrain(jnp.zeros(shape, dtype), axes) for _ in range(2 * num_layers))
+    return KVCache(pools[:num_layers], pools[num_layers:],
+                   constrain(jnp.zeros((batch,), jnp.int32), (None,)),
+                   constrain(jnp.full((batch, table_width), blocks, jnp.int32), (None, None)))
 
 
 def paged_slots(tables: jax.Array, positions: jax.Array, blocks: int, block_size: int

@@ -175,8 +175,10 @@ class Engine:
     requests and not the memory (a draft model's or DFlash drafter's cache stays per slot);
     when a step's rows need more blocks than are free, the newest running request is
     preempted (its blocks freed, its prompt and tokens prefilled again later) and completes
-    with the tokens it would have produced (one process, no mesh). Not thread-safe: one
-    thread submits, cancels and steps."""
+    with the tokens it would have produced. On a mesh the pools split their KV heads as the
+    slots' caches do (`kv_cache.init_paged_cache`); across processes each runs the same
+    steps on the same block tables. Not thread-safe: one thread submits, cancels and
+    steps."""
 
     def __init__(self, target: Target, draft: "Draft | None" = None, *,
                  speculative: SpecConfig | str | None = None, num_slots: int = 8,
@@ -552,8 +554,6 @@ class Engine:
         if kv_tokens is None:
             return None
         validation.integer("kv_tokens", kv_tokens, 1)
-        if jax.process_count() > 1 or self.models.mesh is not None:
-            raise InputError("kv_tokens: a paged KV cache runs in one process without a mesh")
         width = self._cache_capacity // BLOCK
         if kv_tokens < width * BLOCK:
             raise InputError(f"kv_tokens {kv_tokens} is less than one request's "

@@ -7,7 +7,9 @@ holds only the blocks its prompt and reply so far fill, not a whole slot of `cap
 positions. The host gives a slot blocks before each compiled call for the positions that
 call may write (and a round's drafting may read back), takes them back when the
 request ends, is cancelled or is preempted, and hands the tables to the device when they
-changed (a free slot's entries point at no block: its rows' writes are dropped).
+changed (a free slot's entries point at no block: its rows' writes are dropped). In a
+multi-process run (`serving.lockstep`) every process keeps its own copy, the same one: each
+makes the same calls in the same order.
 
 Blocks are reference-counted: a full block may be in several slots' tables at once (a
 shared prompt prefix, `serving.prefix_cache`) and kept by the prefix cache after they end;

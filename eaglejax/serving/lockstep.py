@@ -6,12 +6,15 @@ wraps its engine in `LockstepEngine` (the `Engine` interface): each `step()` fir
 publishes that step's submissions and cancellations in the run's key-value store, then
 applies them and steps. Every other process runs `follow(engine)`, which reads the same
 messages in order and replays them on its own engine. Request keys must be strings or
-integers (they travel as JSON).
+integers (they travel as JSON). A process may run several such sessions one after another:
+the k-th `LockstepEngine` of process 0 and the k-th `follow` of every other process share
+the k-th session's messages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from collections.abc import Hashable
@@ -23,6 +26,7 @@ from eaglejax.sharding.distributed import forget, publish, receive
 
 PREFIX = "eaglejax/lockstep"
 KEEP_MESSAGES = 64  # a follower is at most one step behind: older messages are deleted
+_sessions = itertools.count()  # this process's lockstep sessions so far
 
 
 def _encode(request: Request) -> dict[str, Any]:
@@ -72,6 +76,7 @@ class LockstepEngine:
         self.engine = engine
         self._ops: list[dict[str, Any]] = []
         self._sent = 0
+        self._channel = f"{PREFIX}/{next(_sessions)}"
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -118,17 +123,17 @@ class LockstepEngine:
         self._send([{"op": "stop"}])
 
     def _send(self, ops: list[dict[str, Any]]) -> None:
-        publish(f"{PREFIX}/{self._sent}", json.dumps(ops))
+        publish(f"{self._channel}/{self._sent}", json.dumps(ops))
         if self._sent >= KEEP_MESSAGES:
-            forget(f"{PREFIX}/{self._sent - KEEP_MESSAGES}")
+            forget(f"{self._channel}/{self._sent - KEEP_MESSAGES}")
         self._sent += 1
 
 
 def follow(engine: Engine, poll_s: float = 10.0) -> None:
     """Replay process 0's messages on this process's `engine` until it closes."""
-    received = 0
+    channel, received = f"{PREFIX}/{next(_sessions)}", 0
     while True:
-        message = receive(f"{PREFIX}/{received}", poll_s)
+        message = receive(f"{channel}/{received}", poll_s)
         if message is None:
             continue
         received += 1

@@ -8,7 +8,7 @@ partitioning (`flax.linen.logical_to_mesh_axes`, the MaxText convention).
 | kv_heads | tp | `wqkv`'s KV-head groups (each with its query heads) and the KV cache |
 | heads | tp | `wo`'s input (the query heads, in the same groups) |
 | mlp | tp | `w_gate_up`'s output, `w_down`'s input |
-| everything else | (replicated) | embed, head_dim, norms, cache positions, draft heads |
+| everything else | (replicated) | embed, head_dim, norms, cache positions and blocks, draft heads |
 
 A dimension the mesh axis does not divide is replicated along that axis instead (e.g. a
 batch of 3 on dp=2, or 3 KV heads on tp=2); `eaglejax.models.placement` first widens
