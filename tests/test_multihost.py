@@ -1,8 +1,8 @@
 """Multi-process decoding (`jax.distributed` on localhost, CPU collectives over gloo): two
 processes of two devices each run a tp=2 x dp=2 mesh and produce one process's tokens, with
 `generate` and with the serving engine in lockstep (`serving.lockstep`: process 0 schedules,
-submissions arriving while others run, a cancellation), its KV cache in slots and paged (a
-request preempted alike on every process)."""
+submissions arriving while others run, a cancellation), its KV cache paged (a request
+preempted alike on every process), the tokens of one process's slot engine."""
 
 from __future__ import annotations
 
@@ -150,9 +150,9 @@ def test_two_processes_decode_like_one(tmp_path):
         assert proc.returncode == 0, f"process {rank}:\n{out[-3000:]}"
         got = json.loads((tmp_path / f"tokens-{rank}.json").read_text())
         assert got == expected, rank
-    assert json.loads((tmp_path / "served.json").read_text()) == served
-    # paged: every process's host block tables preempt the same request, which resumes with
-    # the tokens it had, and a tp-split pool serves the slots' tokens
+    # served in lockstep by a paged engine: every process's host block tables preempt the
+    # same request, which resumes with the tokens it had, and tp-split pools serve the
+    # tokens of one process's slot engine
     assert json.loads((tmp_path / "paged.json").read_text()) == served
     preemptions = [json.loads((tmp_path / f"preemptions-{rank}.json").read_text())
                    for rank in range(2)]
@@ -178,12 +178,11 @@ if __name__ == "__main__":  # one process of test_two_processes_decode_like_one
     (directory / f"tokens-{rank}.json").write_text(json.dumps(_decode_all(target)))
     from eaglejax.serving.lockstep import LockstepEngine, follow
 
-    for name, kv_tokens in (("served", None), ("paged", PAGED_KV_TOKENS)):
-        engine = _engine(target, kv_tokens)
-        if rank == 0:
-            lockstep = LockstepEngine(engine)
-            (directory / f"{name}.json").write_text(json.dumps(_serve(lockstep)))
-            lockstep.close()
-        else:
-            follow(engine)
+    engine = _engine(target, PAGED_KV_TOKENS)
+    if rank == 0:
+        lockstep = LockstepEngine(engine)
+        (directory / "paged.json").write_text(json.dumps(_serve(lockstep)))
+        lockstep.close()
+    else:
+        follow(engine)
     (directory / f"preemptions-{rank}.json").write_text(json.dumps(engine.preemptions))
