@@ -37,11 +37,6 @@ class KVCache(NamedTuple):
             return self.k[0].shape[2]
         return self.tables.shape[1] * self.k[0].shape[2]
 
-    @staticmethod
-    def logical_axes(num_layers: int) -> "KVCache":
-        kv = (("batch", "kv_heads", "cache_seq", "head_dim"),) * num_layers
-        return KVCache(k=kv, v=kv, lengths=("batch",))
-
 
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int,
                dtype: jnp.dtype, heads_axis: str | None = "kv_heads") -> KVCache:
