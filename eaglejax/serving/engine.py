@@ -113,10 +113,10 @@ class QueueFull(InputError):
 @dataclasses.dataclass(frozen=True)
 class Update:
     """A request's tokens new since its previous update; `finish_reason` ("eos", "stop",
-    "length", "timeout": its deadline passed) once it ended, else None. `rounds`: target forwards spent on it after the
-    prefill (verification rounds; plain decoding: one per token). `cached_tokens`: prompt
-    tokens copied from the prefix cache, not prefilled. `logprobs`: one entry per new token
-    (for a request that asked for them)."""
+    "length", "timeout": its deadline passed) once it ended, else None. `rounds`: target
+    forwards spent on it after the prefill (verification rounds; plain decoding: one per
+    token). `cached_tokens`: prompt tokens copied from the prefix cache, not prefilled.
+    `logprobs`: one entry per new token (for a request that asked for them)."""
 
     key: Hashable
     token_ids: list[int]
