@@ -10,8 +10,8 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 def fine_bucket(n: int, minimum: int = 16) -> int:
     """The next size >= n among `minimum` times 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two
-    and, from 3 x `minimum`, one and a half times them): at most a third of it padding,
-    against up to half with powers of two, for a few more programs."""
+    and, from 3 x `minimum`, one and a half times them): past 2 x `minimum`, at most a third
+    of it padding, against up to half with powers of two, for a few more programs."""
     power = bucket(n, minimum)
     between = 3 * power // 4
     return between if n <= between and between >= 3 * minimum else power

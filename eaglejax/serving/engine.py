@@ -70,7 +70,7 @@ HIT_PER_REPLY_TOKEN = 0.5
 REPLY_WINDOW = 64  # a paged engine expects replies as long as the last this many (`_expected`)
 # Prompt tokens a step prefills before it reports (it fills one more request while under):
 # a burst of requests then gets its first tokens as its prefills finish, not all after the
-# last one (64 MT-bench prompts take ~10 s to prefill on 2 CPU cores).
+# last one (64 MT-bench prompts took 8-9 s to prefill on 2 CPU cores, BENCHMARKS.md).
 FILL_TOKENS_PER_STEP = 256
 
 
