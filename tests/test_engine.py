@@ -151,6 +151,15 @@ def test_a_burst_gets_its_first_tokens_as_its_prefills_finish(target, monkeypatc
         assert tokens[r.key] == _alone(target, r)[0]
 
 
+def test_fills_are_padded_to_powers_of_two_and_one_and_a_half_times_them():
+    from eaglejax.decoding.buckets import fine_bucket, fine_buckets
+
+    assert fine_buckets(1024) == [16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768]
+    sizes = [fine_bucket(n) for n in range(1, 1025)]
+    assert sorted(set(sizes)) == fine_buckets(1024) + [1024]  # the warm-up's sizes, no other
+    assert all(n <= b and (n <= 32 or (b - n) * 3 <= b) for n, b in enumerate(sizes, 1))
+
+
 def test_bad_requests_name_themselves(target, draft):
     engine = Engine(target, num_slots=2, capacity=CAPACITY)
     with pytest.raises(InputError, match=r"request 'big': prompt of 96 tokens; a slot holds "
