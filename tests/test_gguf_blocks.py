@@ -14,7 +14,7 @@ import eaglejax
 from eaglejax import InputError, LoadError
 from eaglejax.loading.gguf_file import read_gguf
 from eaglejax.models import gguf_blocks
-from eaglejax.models.gguf_blocks import BlockMatrix, HostBlocks
+from eaglejax.models.gguf_blocks import BlockMatrix, HostBlocks, PartsMatrix
 from hf_oracle import hf_logits
 from test_block_matmul import kquant_bytes
 from test_gguf import _gguf_name, _hf_model, _write_tiny
@@ -23,7 +23,7 @@ from tolerances import FORWARD_UNITS, scaled_error
 
 Q = gguf.GGMLQuantizationType
 # each matrix's block type: layer 0 Q4_1, layer 1 Q4_0 (its k_proj Q4_1: q/k/v then differ
-# and their fused matrix is widened), embeddings and output head Q8_0
+# and their fused matrix is kept in parts), embeddings and output head Q8_0
 KINDS = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q8_0, "blk.1.attn_k.weight": Q.Q4_1}
 for _name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
     KINDS.setdefault(f"blk.0.{_name}.weight", Q.Q4_1)
@@ -60,23 +60,16 @@ def write_blocks_gguf(path):
 
 def test_blocks_are_the_files_values(tiny_gguf, smollm_path):
     """Every kept matrix dequantizes to exactly what the `gguf` package computes from the file
-    (also through the packed layout and an embedding lookup); matrices whose parts differ in
-    kind are widened; the default model's Q4_1 and Q8_0 tensors decode exactly too."""
+    (also through the packed layout and an embedding lookup); a fused matrix whose parts
+    differ in kind is kept in parts, none widened; the default model's Q4_1 and Q8_0 tensors
+    decode exactly too."""
     path, cfg, want = tiny_gguf
     target = eaglejax.load_target(path, weight_dtype="gguf")
     assert target.storage == "Q4_0 + Q4_1 + Q8_0 blocks" and target.weight_dtype == jnp.int8
     float_target = eaglejax.load_target(path)
-    layers = target.params["layers"]
     expect = {(0, "wqkv"): "Q4_1", (0, "w_down"): "Q4_1", (1, "wo"): "Q4_0",
-              (1, "w_gate_up"): "Q4_0", (1, "wqkv"): None}
-    for (i, key), kind in expect.items():
-        leaf = layers[i][key]
-        if kind is None:
-            assert not isinstance(leaf, BlockMatrix)
-            np.testing.assert_array_equal(leaf, float_target.params["layers"][i][key])
-            continue
-        assert isinstance(leaf, BlockMatrix) and leaf.kind == kind, (i, key)
-        np.testing.assert_array_equal(leaf.dequantized(), float_target.params["layers"][i][key])
+              (1, "w_gate_up"): "Q4_0", (1, "wqkv"): "Q4_0x2+Q4_1x1+Q4_0x1@1"}
+    _assert_kept(target, float_target, expect)
     for key in ("embed", "lm_head"):
         assert target.params[key].kind == "Q8_0"
         np.testing.assert_array_equal(target.params[key].dequantized(), float_target.params[key])
@@ -101,9 +94,25 @@ def test_blocks_match_transformers_computing_them(tiny_gguf):
     rounding of x / t on the other side of .5 moves a position by a quantization step, so
     75% of the positions must be within FORWARD_UNITS and all far closer than the float
     model computing the same weights is."""
-    _check_against_rounding_oracle(tiny_gguf, ("layers.1.self_attn.q_proj",
-                                               "layers.1.self_attn.k_proj",
-                                               "layers.1.self_attn.v_proj"))
+    _check_against_rounding_oracle(tiny_gguf, ())
+
+
+def _assert_kept(target, float_target, expect: dict) -> None:
+    """Each layer matrix (layer, key) of `target` kept as `expect` says (a block kind, a
+    `PartsMatrix`'s kind, or None: widened) with the float target's values exactly, and no
+    other matrix left wide (all of these files' other matrices are kept kinds)."""
+    for i, layer in enumerate(target.params["layers"]):
+        for key in ("wqkv", "wo", "w_gate_up", "w_down"):
+            leaf, wide = layer[key], float_target.params["layers"][i][key]
+            kind = expect.get((i, key), "kept")
+            if kind is None:
+                assert not isinstance(leaf, (BlockMatrix, PartsMatrix)), (i, key)
+                np.testing.assert_array_equal(leaf, wide)
+                continue
+            assert isinstance(leaf, (BlockMatrix, PartsMatrix)), (i, key)
+            assert kind in ("kept", leaf.kind), (i, key, leaf.kind)
+            assert leaf.shape == wide.shape
+            np.testing.assert_array_equal(leaf.dequantized(), wide)
 
 
 def _check_against_rounding_oracle(gguf, widened: tuple[str, ...]) -> None:
@@ -274,7 +283,7 @@ def test_block_checkpoints_reload_as_stored(tiny_gguf, hf_family, tmp_path):
 
 
 # a Q4_K_M-like mix: layer 0 Q4_K but w_down Q6_K; layer 1 Q6_K but v_proj Q4_K (q/k/v then
-# differ and their fused matrix is widened) and up_proj Q5_K (a kind not kept: gate/up
+# differ: their fused matrix is kept in parts) and up_proj Q5_K (a kind not kept: gate/up
 # widened); the embedding Q4_K, the output head Q6_K
 K_KINDS = {"token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K,
            "blk.1.attn_v.weight": Q.Q4_K, "blk.1.ffn_up.weight": Q.Q5_K}
@@ -306,21 +315,16 @@ def kquant_gguf(tmp_path_factory):
 def test_kquant_blocks_are_the_files_values_and_bad_data_is_named(kquant_gguf, tmp_path):
     """Q4_K and Q6_K matrices are kept as stored and dequantize to exactly the `gguf`
     package's values (through the packed layout and an embedding lookup too); a fused matrix
-    of both kinds, and one with a Q5_K part, is widened; a K-quant tensor whose bytes do not fit its shape is refused
-    naming the file and the tensor."""
+    of both kinds is kept in parts, one with a Q5_K part widened; a K-quant tensor whose bytes
+    do not fit its shape is refused naming the file and the tensor."""
     path, cfg, want = kquant_gguf
     target = eaglejax.load_target(path, weight_dtype="gguf")
     assert target.storage == "Q4_K + Q6_K blocks"
     float_target = eaglejax.load_target(path)
-    layers = target.params["layers"]
     expect = {(0, "wqkv"): "Q4_K", (0, "w_gate_up"): "Q4_K", (0, "w_down"): "Q6_K",
-              (1, "wo"): "Q6_K", (1, "w_down"): "Q6_K", (1, "wqkv"): None,
+              (1, "wo"): "Q6_K", (1, "w_down"): "Q6_K", (1, "wqkv"): "Q6_Kx3+Q4_Kx1@1",
               (1, "w_gate_up"): None}
-    for (i, key), kind in expect.items():
-        leaf, wide = layers[i][key], float_target.params["layers"][i][key]
-        assert kind is None or (isinstance(leaf, BlockMatrix) and leaf.kind == kind), (i, key)
-        np.testing.assert_array_equal(np.asarray(leaf if kind is None else leaf.dequantized()),
-                                      wide)
+    _assert_kept(target, float_target, expect)
     assert (target.params["embed"].kind, target.params["lm_head"].kind) == ("Q4_K", "Q6_K")
     for key in ("embed", "lm_head"):
         np.testing.assert_array_equal(target.params[key].dequantized(), float_target.params[key])
@@ -341,9 +345,8 @@ def test_kquant_model_matches_transformers_computing_it(kquant_gguf):
     """The oracle of `test_blocks_match_transformers_computing_them` for the K-quant file:
     transformers with its dequantized weights and int8-rounded inputs (blocks of 32) to every
     product kept in blocks."""
-    _check_against_rounding_oracle(kquant_gguf, (
-        "layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj", "layers.1.self_attn.v_proj",
-        "layers.1.mlp.gate_proj", "layers.1.mlp.up_proj"))
+    _check_against_rounding_oracle(kquant_gguf, ("layers.1.mlp.gate_proj",
+                                                 "layers.1.mlp.up_proj"))
 
 
 def test_kquant_checkpoints_reload_as_stored(kquant_gguf, tmp_path):

@@ -28,7 +28,7 @@ def test_quantized_meshes_decode_export_and_communicate_like_float(tmp_path):
     proc = subprocess.run([sys.executable, str(HERE / "test_quantized_mesh.py"), str(tmp_path)],
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("identical") == 5, proc.stdout
+    assert proc.stdout.count("identical") == 6, proc.stdout
     assert proc.stdout.count("exported ok") == 4 and "collectives ok" in proc.stdout, proc.stdout
 
 
@@ -83,7 +83,9 @@ def _quantized(target) -> dict:
 def _check_split(matrix, tp: int) -> bool:
     """Whether `matrix` is split over tp (each device 1/tp of the split dim of each array),
     its scales (and minimums, supers) split where its values are: the same dims of the rows' tiles
-    and of K's blocks. False where it is replicated."""
+    and of K's blocks (a matrix kept in parts: each part). False where it is replicated."""
+    if hasattr(matrix, "parts"):
+        return all([_check_split(part, tp) for part in matrix.parts])
     packed, *per_block = [a for a in matrix.tree_flatten()[0] if a.size]
     spec = tuple(packed.sharding.spec) + (None,) * packed.ndim
     rows = packed.ndim - 3  # the row dims, then K's groups of 4 or 8, then the tile's 16 x 4
@@ -159,6 +161,15 @@ def _decode_on_meshes(directory: Path) -> None:
     assert split["['embed']"] and split["['layers'][0]['wqkv']"] and split["['lm_head']"]
     assert tokens(sharded) == tokens(blocks)
     print("identical GGUF blocks tp=2")
+    # on tp=4 the 2 KV heads widen to 4: layer 1's wqkv, kept in parts of Q4_0 and Q4_1
+    # (q, k, v), widens part by part
+    widened = eaglejax.load_target(path, weight_dtype="gguf",
+                                   mesh=eaglejax.make_mesh(tp=4, devices=devices[:4]))
+    wqkv = widened.params["layers"][1]["wqkv"]
+    assert widened.config.num_kv_heads == 4 and wqkv.kind == "Q4_0x1+Q4_1x1+Q4_0x1@1"
+    assert wqkv.shape == (4, 3, 16, 64) and _check_split(wqkv, 4)
+    assert tokens(widened) == tokens(blocks)
+    print("identical GGUF blocks in parts tp=4 (KV heads widened)")
 
     # Q4_K / Q6_K super-blocks on tp=2: K splits between super-blocks of 256, so w_down
     # (K = 512) splits and wo (K = 256) is replicated

@@ -101,7 +101,7 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None = Non
     def stored(key, info):
         if blocks is not None:  # the saved blocks, the other matrices in the compute dtype
             kind = blocks.get(jax.tree_util.keystr(key))
-            return gguf_blocks.BlockMatrix.abstract(info.shape, kind) if kind else \
+            return gguf_blocks.abstract(info.shape, kind) if kind else \
                 jax.ShapeDtypeStruct(info.shape, saved_dtype)
         if int8 and info.matrix:  # int8 where the shape tiles, else as the compute dtype
             return Int8Matrix.abstract(info.shape) if tiles(info.shape) \
@@ -140,10 +140,13 @@ def _block_kinds(manifest: dict, config: ModelConfig, source: str) -> dict[str, 
     for key, kind in blocks.items():
         if key not in matrices:
             raise LoadError(f"{source}: 'blocks' names {key!r}, not a matrix of this model")
-        if kind not in gguf_blocks.KINDS:
+        try:
+            fits = gguf_blocks.fits(matrices[key], kind)
+        except ValueError as err:
             raise LoadError(f"{source}: 'blocks' gives {key!r} the kind {kind!r}; this "
-                            f"eaglejax reads {sorted(gguf_blocks.KINDS)}")
-        if not gguf_blocks.tiles(matrices[key], gguf_blocks.KINDS[kind].per_block):
+                            f"eaglejax reads {sorted(gguf_blocks.KINDS)} and parts of them "
+                            f"({err})") from None
+        if not fits:
             raise LoadError(f"{source}: {key!r} of shape {matrices[key]} cannot be kept in "
                             f"blocks")
     return blocks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from eaglejax.loading.files import require_regular_file
 from eaglejax.loading.gguf_file import read_gguf
 from eaglejax.loading.hf_dir import HFWeights, read_json
 from eaglejax.loading.hub import ResolvedSource, named_errors, resolve_source
-from eaglejax.loading.weights import Stored, fuse_matrix, params_from_hf
-from eaglejax.models.gguf_blocks import KINDS, BlockMatrix, HostBlocks, kinds, pack, tiles
+from eaglejax.loading.weights import FUSED_AXIS, Stored, fuse_matrix, fused_part, params_from_hf
+from eaglejax.models.gguf_blocks import (
+    KINDS, BlockMatrix, HostBlocks, PartsMatrix, kinds, pack, tiles)
 from eaglejax.models.quantized import any_int8
 from eaglejax.models.placement import TargetPlacement
 from eaglejax.native import build
@@ -214,13 +216,23 @@ def _load_gguf(path: Path, name: str, dtype: jnp.dtype, mesh: Mesh | None,
 
 
 def _stored_blocks(config: ModelConfig, blocks: dict[str, HostBlocks]) -> Stored:
-    """`params_from_hf`'s `stored`: a matrix whose HF parts are all blocks of one kind, in
-    the kernel's layout (`models.gguf_blocks.pack`) where its shape tiles."""
-    def stored(key: str, names: tuple[str, ...]) -> BlockMatrix | None:
+    """`params_from_hf`'s `stored`: a matrix whose HF parts are all blocks, in the kernel's
+    layout (`models.gguf_blocks.pack`) where its shape tiles; a fused one whose parts differ
+    in kind as a `PartsMatrix` of its runs of one kind (each run packed)."""
+    def stored(key: str, names: tuple[str, ...]) -> BlockMatrix | PartsMatrix | None:
         parts = [blocks.get(name) for name in names]
-        if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+        if any(p is None for p in parts):
             return None
-        fused = parts[0].map(lambda *a: fuse_matrix(config, key, list(a)), *parts[1:])
-        return pack(fused) if tiles(fused.shape, fused.kind.per_block) else None
+        if len({p.kind for p in parts}) == 1:
+            fused = parts[0].map(lambda *a: fuse_matrix(config, key, list(a)), *parts[1:])
+            return pack(fused) if tiles(fused.shape, fused.kind.per_block) else None
+        runs = []
+        for _, run in itertools.groupby(enumerate(parts), key=lambda ip: ip[1].kind):
+            run = [p.map(lambda a, i=i: fused_part(config, key, i, a)) for i, p in run]
+            runs.append(run[0].map(lambda *a: np.concatenate(a, axis=FUSED_AXIS[key]),
+                                   *run[1:]))
+        if not all(tiles(r.shape, r.kind.per_block) for r in runs):
+            return None
+        return PartsMatrix(tuple(pack(r) for r in runs), FUSED_AXIS[key])
 
     return stored

@@ -88,14 +88,27 @@ LAYER_MATRICES: dict[str, tuple[str, ...]] = {
 }
 
 
+# the axis of a fused matrix along which its HF parts lie side by side (`fused_part`)
+FUSED_AXIS: dict[str, int] = {"wqkv": 1, "w_gate_up": 0}
+
+
+def fused_part(config: ModelConfig, key: str, index: int, part: np.ndarray) -> np.ndarray:
+    """HF part `index` of the fused matrix `key` (`LAYER_MATRICES[key]`) in the fused
+    layout: its slice along `FUSED_AXIS[key]` (q [kv_heads, kv_group, head_dim, ...], k and
+    v [kv_heads, 1, head_dim, ...]; gate and up [1, ...])."""
+    if key == "wqkv":
+        per_kv = config.kv_group if index == 0 else 1
+        return part.reshape(config.num_kv_heads, per_kv, config.head_dim, *part.shape[1:])
+    return part[None]
+
+
 def fuse_matrix(config: ModelConfig, key: str, parts: list[np.ndarray]) -> np.ndarray:
     """The eaglejax matrix `key` from its HF parts (`LAYER_MATRICES[key]`, in order); the
     parts' last dim may be anything (rows are what is grouped)."""
-    if key == "wqkv":
-        return _group_qkv(config, *parts)
-    if key == "w_gate_up":
-        return np.stack(parts)
-    return parts[0]
+    if key not in FUSED_AXIS:
+        return parts[0]
+    return np.concatenate([fused_part(config, key, i, part) for i, part in enumerate(parts)],
+                          axis=FUSED_AXIS[key])
 
 
 def layer_params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray],

@@ -380,16 +380,156 @@ def quantize(weight: jax.Array) -> BlockMatrix:
     return pack(HostBlocks(KINDS["Q4_1"], q, scales, mins))
 
 
+@jax.tree_util.register_pytree_node_class
+class PartsMatrix(QuantizedMatrix):
+    """A fused matrix (`wqkv`, `w_gate_up`) whose HF parts a GGUF file stores in different
+    block kinds (a Q4_K_M file: q and k in Q4_K, v in Q6_K), each kept as stored: `parts`,
+    `BlockMatrix`es of the fused layout's shape but for their widths along `axis` (parts of
+    one kind next to each other merged), side by side along `axis`. A product is the parts'
+    products, their outputs put side by side (`joined`). `shape`: the logical shape (a
+    reshape keeps the parts as they are; by default the fused layout's)."""
+
+    def __init__(self, parts: tuple[BlockMatrix, ...], axis: int,
+                 shape: tuple[int, ...] | None = None):
+        self.parts, self.axis = tuple(parts), axis
+        self.shape = self.layout if shape is None else tuple(shape)
+
+    def tree_flatten(self):
+        return self.parts, (self.axis, self.shape)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(tuple(children), *aux)
+
+    @classmethod
+    def abstract(cls, shape: tuple[int, ...], kind: str) -> "PartsMatrix":
+        """The storage of a matrix of `shape` whose `kind` a `PartsMatrix.kind` names, as
+        shapes and dtypes only (`BlockMatrix.abstract`)."""
+        runs, axis = parts_of(kind)
+
+        def part_shape(width: int) -> tuple[int, ...]:
+            return (*shape[:axis], width, *shape[axis + 1:])
+
+        return cls(tuple(BlockMatrix.abstract(part_shape(w), k) for k, w in runs), axis, shape)
+
+    @property
+    def kind(self) -> str:
+        """The parts' kinds with their widths along `axis`, e.g. "Q4_Kx4+Q6_Kx1@1"."""
+        runs = "+".join(f"{p.kind}x{p.shape[self.axis]}" for p in self.parts)
+        return f"{runs}@{self.axis}"
+
+    def with_parts(self, parts: list[BlockMatrix]) -> "PartsMatrix":
+        return PartsMatrix(tuple(parts), self.axis, self.shape)
+
+    def flat(self) -> "PartsMatrix":
+        return self.with_parts([p.flat() for p in self.parts])
+
+    def split(self) -> "PartsMatrix":
+        return self.with_parts([p.split() for p in self.parts])
+
+    def savable(self) -> "PartsMatrix":
+        return self.with_parts([p.savable() for p in self.parts])
+
+    def restored(self) -> "PartsMatrix":
+        return self.with_parts([p.restored() for p in self.parts])
+
+    def reshape(self, *shape: int) -> "PartsMatrix":
+        """The same parts under another logical shape with the same last dim."""
+        return PartsMatrix(self.parts, self.axis, self.reshaped(*shape))
+
+    def __getitem__(self, index: int) -> QuantizedMatrix:
+        """The matrix at `index` of the fused layout's leading dim (`w_gate_up[0]`: the gate
+        projection, one part)."""
+        layout = self.layout
+        if len(layout) < 3 or not isinstance(index, int) or not 0 <= index < layout[0]:
+            raise TypeError(f"a quantized matrix {layout} is indexed by one int in "
+                            f"[0, {layout[0]}) on its leading dim, got {index!r}")
+        if self.axis > 0:
+            return PartsMatrix(tuple(p[index] for p in self.parts), self.axis - 1, layout[1:])
+        starts = np.cumsum([0] + [p.shape[0] for p in self.parts])
+        at = int(np.searchsorted(starts, index, side="right")) - 1
+        return self.parts[at][index - int(starts[at])]
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        """The fused matrix's shape as its parts lie side by side."""
+        shape = list(self.parts[0].shape)
+        shape[self.axis] = sum(p.shape[self.axis] for p in self.parts)
+        return tuple(shape)
+
+    @property
+    def k_block(self) -> int:
+        return max(p.k_block for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def joined(self, outputs: list[jax.Array]) -> jax.Array:
+        """The parts' products [..., N_part] put side by side along `axis`: [..., N]."""
+        lead = outputs[0].shape[:-1]
+        y = jnp.concatenate([out.reshape(*lead, *p.shape[:-1])
+                             for out, p in zip(outputs, self.parts)], axis=len(lead) + self.axis)
+        return y.reshape(*lead, -1)
+
+    def dequantized(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        """The file's weights in `dtype`, in the logical shape."""
+        wide = jnp.concatenate([p.dequantized(dtype) for p in self.parts], axis=self.axis)
+        return wide.reshape(self.shape)
+
+    def __repr__(self) -> str:
+        return f"PartsMatrix({self.kind}, shape={self.shape})"
+
+
+def parts_of(kind: str) -> tuple[list[tuple[str, int]], int]:
+    """A `PartsMatrix.kind` read back: ([(block kind, width)], axis); ValueError naming it
+    where it is not one."""
+    try:
+        runs, axis = kind.split("@")
+        parts = [(name, int(width)) for name, width in
+                 (run.rsplit("x", 1) for run in runs.split("+"))]
+        axis_ = int(axis)
+    except ValueError:
+        raise ValueError(f"{kind!r} is not a block kind or kinds of parts "
+                         f"(e.g. 'Q4_Kx4+Q6_Kx1@1')") from None
+    unknown = [name for name, _ in parts if name not in KINDS]
+    if unknown or len(parts) < 2 or axis_ < 0 or min(w for _, w in parts) < 1:
+        raise ValueError(f"{kind!r}: parts of block kinds in {sorted(KINDS)} of positive "
+                         f"widths along an axis, at least two (e.g. 'Q4_Kx4+Q6_Kx1@1')")
+    return parts, axis_
+
+
+def fits(shape: tuple[int, ...], kind: str) -> bool:
+    """Whether a matrix of `shape` can be kept as `kind`: a block kind (`tiles`), or a
+    `PartsMatrix`'s whose widths add up along its axis and whose parts tile; ValueError for
+    a kind that is neither."""
+    if kind in KINDS:
+        return tiles(shape, KINDS[kind].per_block)
+    runs, axis = parts_of(kind)
+    return axis < len(shape) - 1 and sum(w for _, w in runs) == shape[axis] and all(
+        tiles((*shape[:axis], w, *shape[axis + 1:]), KINDS[k].per_block) for k, w in runs)
+
+
+def abstract(shape: tuple[int, ...], kind: str) -> BlockMatrix | PartsMatrix:
+    """The storage of a matrix of `shape` kept as `kind` (a block kind, or a `PartsMatrix`'s)
+    as shapes and dtypes only."""
+    if kind in KINDS:
+        return BlockMatrix.abstract(shape, kind)
+    return PartsMatrix.abstract(shape, kind)
+
+
 def kinds_by_path(params: Any) -> dict[str, str]:
-    """`jax.tree_util.keystr` path -> block kind of every matrix of `params` kept in blocks."""
+    """`jax.tree_util.keystr` path -> block kind of every matrix of `params` kept in blocks
+    (a `PartsMatrix`'s kind for one kept in parts)."""
     leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_int8)[0]
     return {jax.tree_util.keystr(path): leaf.kind for path, leaf in leaves
-            if isinstance(leaf, BlockMatrix)}
+            if isinstance(leaf, (BlockMatrix, PartsMatrix))}
 
 
 def kinds(params: Any) -> list[str]:
     """The block kinds the matrices of the pytree `params` keep, sorted (none: [])."""
-    return sorted(set(kinds_by_path(params).values()))
+    return sorted({name for kind in kinds_by_path(params).values()
+                   for name in ([kind] if kind in KINDS else [k for k, _ in parts_of(kind)[0]])})
 
 
 def product(x: jax.Array, weight: BlockMatrix) -> jax.Array:

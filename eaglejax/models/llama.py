@@ -23,7 +23,7 @@ from eaglejax.models.kv_cache import KVCache, stage as stage_rows
 from eaglejax.models.rope import apply_rope, inverse_frequencies, rope_tables
 from eaglejax import native
 from eaglejax.models import gguf_blocks, quantized
-from eaglejax.models.gguf_blocks import BlockMatrix
+from eaglejax.models.gguf_blocks import BlockMatrix, PartsMatrix
 from eaglejax.models.quantized import Int8Matrix, QuantizedMatrix
 from eaglejax.native import cache_attention, embedding_rows as embedding_rows_kernel, few_row_matmul
 from eaglejax.native import block_matmul, int8_matmul
@@ -186,11 +186,16 @@ def linear(x: jax.Array, weight: jax.Array, *, norm: jax.Array | None = None,
     (verification blocks) markedly faster than with the weight on the right.
     A 16-bit weight under float32 activations is stored-only: see `split_precision_linear`;
     an int8 weight (`models.quantized`) or a GGUF file's blocks kept as stored
-    (`models.gguf_blocks`) multiply x quantized to int8 in blocks of 32.
+    (`models.gguf_blocks`) multiply x quantized to int8 in blocks of 32; a fused matrix
+    kept in parts of different block kinds (`gguf_blocks.PartsMatrix`) multiplies each.
     A few rows of float32 x on CPU go to the native kernels (`eaglejax.native.few_row_matmul`
     for float32 or bfloat16 weights, `native.int8_matmul` for int8, `native.block_matmul` for
     GGUF blocks), the surrounding operations with them.
     """
+    if isinstance(weight, PartsMatrix):  # each part its own product, side by side
+        y = weight.joined([linear(x, part.reshape(-1, part.shape[-1]), norm=norm, eps=eps,
+                                  gated=gated) for part in weight.parts])
+        return y if residual is None else residual + y
     if isinstance(weight, QuantizedMatrix):
         weight = weight.flat()  # as the products read it (a mesh may keep it split)
     if isinstance(weight, Int8Matrix):

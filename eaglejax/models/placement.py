@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eaglejax.config import ModelConfig
 from eaglejax.errors import ConfigError
+from eaglejax.models.gguf_blocks import PartsMatrix
 from eaglejax.models.llama import logical_axes
 from eaglejax.models.quantized import TILE, QuantizedMatrix, is_int8
 from eaglejax.sharding.rules import logical_spec
@@ -42,16 +43,22 @@ def kv_widening(config: ModelConfig, tp: int) -> int:
     return tp // kv
 
 
-def widen_kv_heads(grouped: np.ndarray, factor: int) -> np.ndarray:
+def widen_kv_heads(grouped: np.ndarray, factor: int, start: int = 0,
+                   width: int | None = None) -> np.ndarray:
     """[kv, group + 2, ...] -> [kv * factor, group / factor + 2, ...]: copy j of KV head g
-    carries query heads j * group / factor ... of g's group, then g's key and value."""
+    carries query heads j * group / factor ... of g's group, then g's key and value. With
+    `start` and `width`, `grouped` is the slice [start, start + n) along dim 1 of such a
+    matrix [kv, width, ...] (a part of a `gguf_blocks.PartsMatrix`), widened to the rows of
+    the widened matrix that come from it."""
     if factor == 1:
         return grouped
-    kv, width = grouped.shape[:2]
+    kv, n = grouped.shape[:2]
+    width = n if width is None else width
     share = (width - 2) // factor
-    copies = [np.concatenate([grouped[:, j * share:(j + 1) * share], grouped[:, -2:]], axis=1)
-              for j in range(factor)]
-    return np.stack(copies, axis=1).reshape(kv * factor, share + 2, *grouped.shape[2:])
+    picks = [[i - start for i in (*range(j * share, (j + 1) * share), width - 2, width - 1)
+              if start <= i < start + n] for j in range(factor)]
+    copies = [grouped[:, pick] for pick in picks]
+    return np.stack(copies, axis=1).reshape(kv * factor, len(picks[0]), *grouped.shape[2:])
 
 
 def on_mesh(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -112,13 +119,20 @@ class TargetPlacement:
             host = widen_kv_heads(np.asarray(host), self.factor)
         return on_mesh(host, self.sharding(path, np.shape(host)))
 
-    def place_quantized(self, path: tuple[str | int, ...],
-                        matrix: QuantizedMatrix) -> QuantizedMatrix:
+    def place_quantized(self, path: tuple[str | int, ...], matrix: QuantizedMatrix,
+                        start: int = 0, width: int | None = None) -> QuantizedMatrix:
         """A quantized matrix with its arrays in their `split` form, each split as the float
         matrix's logical axes split it: a column-parallel matrix by its tiles of 16 rows
         (their scales with them), a row-parallel one by its blocks of 32 along K (the blocks'
         scales and minimums with them); replicated along a mesh axis that does not divide
-        the tiles or the blocks. ConfigError for a matrix whose rows do not split."""
+        the tiles or the blocks; a matrix kept in parts (`gguf_blocks.PartsMatrix`) part by
+        part (`start`, `width`: a part's place along dim 1 of a `wqkv` of that width, for
+        widening its KV heads). ConfigError for a matrix whose rows do not split."""
+        if isinstance(matrix, PartsMatrix):
+            starts = np.cumsum([0] + [p.shape[matrix.axis] for p in matrix.parts])
+            return PartsMatrix(tuple(
+                self.place_quantized(path, part, int(at), matrix.layout[matrix.axis])
+                for part, at in zip(matrix.parts, starts)), matrix.axis)
         try:
             host = jax.tree.map(np.asarray, matrix.split())
         except ValueError as err:
@@ -126,10 +140,10 @@ class TargetPlacement:
             raise ConfigError(f"{name}: {err}, so it cannot be placed on a mesh; store it in "
                               f"a float dtype") from None
         if self.axes(path)[:2] == GROUPED_BY_KV_HEAD and self.factor > 1:
-            kv, width = host.shape[:2]
-            widened = [widen_kv_heads(a, self.factor) if a.ndim > 1 else a
+            kv, n = host.shape[:2]
+            widened = [widen_kv_heads(a, self.factor, start, width or n) if a.ndim > 1 else a
                        for a in host.tree_flatten()[0]]
-            host = host.rebuilt(widened, (kv * self.factor, (width - 2) // self.factor + 2,
+            host = host.rebuilt(widened, (kv * self.factor, widened[0].shape[1],
                                           *host.shape[2:]))
         arrays = host.tree_flatten()[0]
         return host.rebuilt([on_mesh(a, where) for a, where in
