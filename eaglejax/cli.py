@@ -65,12 +65,14 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
     parser.add_argument("--weight-dtype", default=weight_dtype,
-                        choices=["auto", "float32", "bfloat16", "float16", "int8", "int4", "gguf"],
+                        choices=["auto", "float32", "bfloat16", "float16", "int8", "int4", "int4-sym",
+                                 "gguf"],
                         help="store the weight matrices in this dtype and compute in --dtype "
                              "(bfloat16 halves the bytes a CPU decode step reads; int8 "
                              "quarters them and multiplies int8 activations, quantized in "
                              "blocks of 32; int4 stores 4-bit blocks of 32 with a scale and "
-                             "a minimum (5 bits a weight), multiplied the same way; gguf "
+                             "a minimum (5 bits a weight), multiplied the same way; int4-sym "
+                             "with a scale alone (4.5 bits, Q4_0's layout); gguf "
                              "keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored; see "
                              "BENCHMARKS.md for speed and agreement); auto: what decodes "
                              "fastest here (a GGUF file's blocks on CPUs with AVX-512 VNNI, "
@@ -385,10 +387,12 @@ def _parser() -> argparse.ArgumentParser:
                               "speculators package; dflash: DFlash drafters in the z-lab "
                               "layout (vLLM, SGLang); hf: SRC is a target model, written for "
                               "transformers and vLLM (config.json, safetensors, tokenizer)")
-    convert.add_argument("--quantize", default=None, choices=["int8", "int4", "gguf"],
+    convert.add_argument("--quantize", default=None,
+                         choices=["int8", "int4", "int4-sym", "gguf"],
                          help="instead, write the TARGET model SRC as an eaglejax checkpoint "
                               "with its matrices in int8 (per-row scales), int4 (4-bit "
-                              "blocks of 32 with a scale and a minimum) or, from a GGUF "
+                              "blocks of 32 with a scale and a minimum), int4-sym (with a "
+                              "scale alone) or, from a GGUF "
                               "file, its own Q4_0/Q4_1/Q8_0 blocks as stored; it loads "
                               "without quantizing again: --model DST")
     convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -693,7 +697,7 @@ def _convert_target(args: argparse.Namespace) -> None:
 
 
 def _quantize_target(args: argparse.Namespace) -> None:
-    """`convert SRC DST --quantize int8|int4|gguf`: the target model SRC as an eaglejax
+    """`convert SRC DST --quantize int8|int4|int4-sym|gguf`: the target model SRC as an eaglejax
     checkpoint with its matrices stored so (it loads without quantizing again)."""
     if args.target is not None or args.to != "eaglejax":
         raise InputError("--quantize writes the target model SRC as an eaglejax checkpoint: "

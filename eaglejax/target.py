@@ -23,8 +23,18 @@ from eaglejax.models.quantized import any_int8
 from eaglejax.tokenizer import Tokenizer
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-# How a target may store its matrices: a float dtype, or int8 (`models.quantized`).
-WEIGHT_DTYPES = (*FLOAT_DTYPES, "int8", "int4")
+# How a target may store its matrices: a float dtype, int8 (`models.quantized`), or 4-bit
+# blocks with a minimum (int4) or without (int4-sym: `models.gguf_blocks.quantize`).
+WEIGHT_DTYPES = (*FLOAT_DTYPES, "int8", "int4", "int4-sym")
+WeightStorage = jnp.dtype | str  # a dtype, or "int4-sym" (no dtype of its own)
+
+
+def weight_storage(name: str, value: jnp.dtype | str) -> WeightStorage:
+    """`value` among `WEIGHT_DTYPES` as a JAX dtype, or "int4-sym" as it is; InputError
+    naming argument `name` otherwise."""
+    if isinstance(value, str) and value in gguf_blocks.INT4_KINDS and value != "int4":
+        return value
+    return validation.dtype(name, value, WEIGHT_DTYPES)
 
 
 def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
@@ -92,16 +102,16 @@ class Target:
         compute dtype. bfloat16 halves the bytes a decode step reads; "int8" quarters them
         (`models.quantized`: per-row scales, products on int8 activations); "int4" stores
         4-bit blocks of 32 with a scale and a minimum (`models.gguf_blocks.quantize`, 5 bits
-        a weight, the same products). Matrices whose shape does not tile stay as they are.
-        On a mesh each matrix is quantized on the host and split as before
+        a weight, the same products), "int4-sym" with a scale alone (Q4_0's layout, 4.5 bits
+        a weight). Matrices whose shape does not tile stay as they are. On a mesh each
+        matrix is quantized on the host and split as before, one at a time
         (`TargetPlacement.place_quantized`)."""
-        dtype = validation.dtype("weight_dtype", dtype, WEIGHT_DTYPES)
+        dtype = weight_storage("weight_dtype", dtype)
         if self.weight_dtype == jnp.int8:
             raise InputError(f"this target's matrices are already quantized ({self.storage}); "
                              f"load the model again to store them another way")
-        params = store_matrices(param_info(self.config), self.params, dtype)
-        if self.mesh is not None:  # quantized on the host, each matrix placed again
-            params = TargetPlacement.plan(self.config, self.mesh).place_tree(params)
+        place = TargetPlacement.plan(self.config, self.mesh).place if self.mesh else None
+        params = store_matrices(param_info(self.config), self.params, dtype, place)
         return dataclasses.replace(self, params=params)
 
     def save(self, path: str) -> None:

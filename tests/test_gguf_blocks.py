@@ -161,41 +161,58 @@ def _assert_close_to_oracle(target, oracle, float_model, cfg) -> None:
 
 
 def test_int4_rounds_each_block_within_half_a_step():
-    """`gguf_blocks.quantize` (weight_dtype "int4"): every weight within half its block's
-    step of the stored value (plus float16's rounding of the minimum), the extremes of a
-    block exact up to that rounding, a constant block exact."""
+    """`gguf_blocks.quantize` (weight_dtype "int4": Q4_1; "int4-sym": Q4_0): every weight
+    within half its block's step of the stored value (plus float16's rounding of the
+    minimum or the scale), Q4_1's extremes exact up to that rounding, a constant block
+    exact (Q4_1) or within half a step (Q4_0: d = value / 7 or / -8), a zero block exact."""
     rng = np.random.default_rng(8)
     w = rng.standard_normal((48, 96)).astype(np.float32) * np.linspace(0.01, 3, 96)
-    w[5, :32] = 0.25  # a constant block: d = 0, every value equals the minimum
-    matrix = gguf_blocks.quantize(w)
-    assert matrix.kind == "Q4_1" and matrix.shape == (48, 96)
-    back = np.asarray(matrix.dequantized())
+    w[5, :32] = 0.25  # a constant block: Q4_1's d = 0, every value equals the minimum
+    w[6, 32:64] = 0.0
+    w[7, :32] = -np.abs(w[7, :32])  # one-signed blocks: Q4_0's d takes the sign that fits
+    w[8, :32] = np.abs(w[8, :32])
     blocks = w.reshape(48, 3, 32)
-    step = ((blocks.max(-1) - blocks.min(-1)) / 15).astype(np.float16).astype(np.float32)
-    slack = np.abs(blocks.min(-1)) * 2.0 ** -11 + step * 2.0 ** -10
-    error = np.abs(back - w).reshape(48, 3, 32).max(-1)
-    assert np.all(error <= step / 2 + slack)
-    assert np.all(back[5, :32] == 0.25)
-    assert np.abs(back - w).max() > 1e-3  # a negative control: 4 bits lose something
+    for kind in ("Q4_1", "Q4_0"):
+        matrix = gguf_blocks.quantize(w, kind)
+        assert matrix.kind == kind and matrix.shape == (48, 96)
+        back = np.asarray(matrix.dequantized())
+        error = np.abs(back - w).reshape(48, 3, 32).max(-1)
+        if kind == "Q4_1":
+            step = ((blocks.max(-1) - blocks.min(-1)) / 15).astype(np.float16).astype(np.float32)
+            slack = np.abs(blocks.min(-1)) * 2.0 ** -11 + step * 2.0 ** -10
+            assert np.all(back[5, :32] == 0.25)
+        else:
+            step = np.abs(np.asarray(matrix.row_scales()[0])).reshape(48, 3)
+            slack = np.abs(blocks).max(-1) * 2.0 ** -10  # d's float16 rounding, 8 steps out
+            assert step[7, 0] < np.abs(blocks[7, 0]).max() / 7.5  # -8 d reaches the extreme
+            assert step[8, 0] < np.abs(blocks[8, 0]).max() / 7.5
+        assert np.all(error <= step / 2 + slack), kind
+        assert np.all(back[6, 32:64] == 0.0)
+        assert np.abs(back - w).max() > 1e-3  # a negative control: 4 bits lose something
     with pytest.raises(ValueError, match="multiples of 16"):
         gguf_blocks.quantize(w[:40])
+    with pytest.raises(ValueError, match="Q4_1 or Q4_0, got 'Q8_0'"):
+        gguf_blocks.quantize(w, "Q8_0")
 
 
-def test_int4_target_matches_transformers_computing_it(hf_family, target_of):
-    """weight_dtype "int4" of a float model: transformers with every tiling matrix (the
-    embedding too) replaced by its 4-bit blocks' values and inputs of those products
-    rounded to int8 blocks (the oracle of `test_blocks_match_transformers_computing_them`)."""
+@pytest.mark.parametrize("weight_dtype,kind", [("int4", "Q4_1"), ("int4-sym", "Q4_0")])
+def test_int4_target_matches_transformers_computing_it(hf_family, target_of, weight_dtype,
+                                                       kind):
+    """weight_dtype "int4" / "int4-sym" of a float model: transformers with every tiling
+    matrix (the embedding too) replaced by its 4-bit blocks' values and inputs of those
+    products rounded to int8 blocks (the oracle of
+    `test_blocks_match_transformers_computing_them`)."""
     _, model = hf_family("llama")
-    target = target_of("llama").with_weight_dtype("int4")
-    assert target.storage == "Q4_1 blocks"
+    target = target_of("llama").with_weight_dtype(weight_dtype)
+    assert target.storage == f"{kind} blocks"
     oracle = type(model)(model.config).eval()
     oracle.load_state_dict(model.state_dict())
     with torch.no_grad():
         for module in oracle.modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) \
                     and gguf_blocks.tiles(tuple(module.weight.shape)):
-                module.weight.copy_(torch.as_tensor(np.asarray(
-                    gguf_blocks.quantize(module.weight.numpy()).dequantized())))
+                module.weight.copy_(torch.as_tensor(np.array(
+                    gguf_blocks.quantize(module.weight.numpy(), kind).dequantized())))
                 if isinstance(module, torch.nn.Linear):
                     module.register_forward_pre_hook(_round_input)
     float_model = type(model)(model.config).eval()
@@ -233,11 +250,11 @@ def test_decoding_on_blocks_and_clear_errors(tiny_gguf, hf_family, tmp_path):
 
 
 def test_block_checkpoints_reload_as_stored(tiny_gguf, hf_family, tmp_path):
-    """A GGUF file's blocks (Q4_0, Q4_1 and Q8_0: kinds with and without minimums) and int4
-    storage of a float model, saved (`Target.save`, `eaglejax convert --quantize gguf|int4`),
-    reload bit for bit without quantizing again, stay as saved under "auto", "gguf" (and
-    "int4" where all are Q4_1), load onto a mesh, and refuse another storage and a damaged
-    manifest with one clear error each."""
+    """A GGUF file's blocks (Q4_0, Q4_1 and Q8_0: kinds with and without minimums) and int4 /
+    int4-sym storage of a float model, saved (`Target.save`, `eaglejax convert --quantize
+    gguf|int4|int4-sym`), reload bit for bit without quantizing again, stay as saved under
+    "auto", "gguf" (and "int4" / "int4-sym" where all are Q4_1 / Q4_0), load onto a mesh,
+    and refuse another storage and a damaged manifest with one clear error each."""
     import json
 
     from eaglejax.cli import main
@@ -245,14 +262,18 @@ def test_block_checkpoints_reload_as_stored(tiny_gguf, hf_family, tmp_path):
     path, _, _ = tiny_gguf
     blocks = eaglejax.load_target(path, weight_dtype="gguf")
     int4 = eaglejax.load_target(hf_family("llama")[0], weight_dtype="int4")
+    sym = eaglejax.load_target(hf_family("llama")[0], weight_dtype="int4-sym")
     assert main(["convert", str(path), str(tmp_path / "gguf-ck"), "--quantize", "gguf"]) == 0
-    assert main(["convert", str(hf_family("llama")[0]), str(tmp_path / "int4-ck"),
-                 "--quantize", "int4"]) == 0
+    for name in ("int4", "int4-sym"):
+        assert main(["convert", str(hf_family("llama")[0]), str(tmp_path / f"{name}-ck"),
+                     "--quantize", name]) == 0
     blocks.save(str(tmp_path / "gguf-saved"))
     int4.save(str(tmp_path / "int4-saved"))
+    sym.save(str(tmp_path / "int4-sym-saved"))
     ids = [[5, 6, 7, 8, 9, 10]]
     for want, name, asks in ((blocks, "gguf", (None, "auto", "gguf")),
-                             (int4, "int4", (None, "auto", "gguf", "int4"))):
+                             (int4, "int4", (None, "auto", "gguf", "int4")),
+                             (sym, "int4-sym", (None, "auto", "gguf", "int4-sym"))):
         for directory in (f"{name}-ck", f"{name}-saved"):
             for weight_dtype in asks:
                 got = eaglejax.load_target(str(tmp_path / directory),
@@ -263,8 +284,11 @@ def test_block_checkpoints_reload_as_stored(tiny_gguf, hf_family, tmp_path):
                 assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in pairs)
             np.testing.assert_array_equal(got.logits(ids), want.logits(ids))
     assert blocks.storage == "Q4_0 + Q4_1 + Q8_0 blocks" and int4.storage == "Q4_1 blocks"
-    with pytest.raises(InputError, match="already quantized"):
-        eaglejax.load_target(str(tmp_path / "gguf-ck"), weight_dtype="int4")
+    assert sym.storage == "Q4_0 blocks"
+    for directory, other in (("gguf-ck", "int4"), ("int4-ck", "int4-sym"),
+                             ("int4-sym-ck", "int4")):
+        with pytest.raises(InputError, match="already quantized"):
+            eaglejax.load_target(str(tmp_path / directory), weight_dtype=other)
     on_mesh = eaglejax.load_target(str(tmp_path / "int4-ck"),
                                    mesh=eaglejax.make_mesh(tp=1, dp=1))
     assert on_mesh.mesh is not None and on_mesh.storage == "Q4_1 blocks"

@@ -241,3 +241,38 @@ def test_int8_checkpoint_reloads_as_stored(hf_family, target_of, tmp_path):
     assert main(["convert", str(hf_family("llama")[0]), str(tmp_path / "ck"),
                  "--quantize", "int8"]) != 0  # nothing saved is overwritten
 
+
+
+def test_quantizing_at_load_reads_no_float_matrix_onto_a_device(hf_family, target_of,
+                                                                monkeypatch):
+    """load_target(..., weight_dtype="int8" | "int4-sym"), with and without a mesh, quantizes
+    each matrix from the host array read from the file (never a device array: the float
+    model reaches no device) and keeps it on the host until it is placed; the values are
+    `with_weight_dtype`'s bit for bit. On a mesh `with_weight_dtype` places each matrix as it
+    is quantized."""
+    from eaglejax.models import gguf_blocks
+
+    seen = []
+    for module in (quantized, gguf_blocks):
+        def recording(weight, *args, original=module.quantize, **kwargs):
+            seen.append((type(weight), (args + tuple(kwargs.values()))[-1]))
+            return original(weight, *args, **kwargs)
+
+        monkeypatch.setattr(module, "quantize", recording)
+    directory = hf_family("llama")[0]
+    for weight_dtype in ("int8", "int4-sym"):
+        want = target_of("llama").with_weight_dtype(weight_dtype)
+        assert all(kind is not np.ndarray for kind, _ in seen)  # quantized from device arrays
+        for mesh in (None, eaglejax.make_mesh(tp=1, dp=1)):
+            seen.clear()
+            got = eaglejax.load_target(directory, weight_dtype=weight_dtype, mesh=mesh)
+            assert seen and all(kind is np.ndarray and host for kind, host in seen)
+            assert got.storage == want.storage and (got.mesh is None) == (mesh is None)
+            flat = [jax.tree.leaves(jax.tree.map(lambda x: x.flat() if quantized.is_int8(x)
+                                                 else x, t.params, is_leaf=quantized.is_int8))
+                    for t in (got, want)]  # a mesh keeps them `split`: the same bytes
+            assert len(flat[0]) == len(flat[1])
+            assert all(np.array_equal(a, b) for a, b in zip(*flat))
+        seen.clear()
+        target_of("llama").on_mesh(eaglejax.make_mesh(tp=1, dp=1)).with_weight_dtype(weight_dtype)
+        assert seen and all(host for _, host in seen)

@@ -26,7 +26,7 @@ from eaglejax.errors import InputError
 from eaglejax.models.llama import Params, store_matrices
 from eaglejax.models.placement import replicate
 from eaglejax.models.quantized import any_int8
-from eaglejax.target import WEIGHT_DTYPES, Target, default_tap_layers
+from eaglejax.target import Target, default_tap_layers, weight_storage
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attn_impl"))
@@ -134,7 +134,7 @@ class Draft:
     def with_weight_dtype(self, dtype: jnp.dtype | str) -> "Draft":
         """This head with its matrices stored in `dtype` (norms and other vectors keep the
         compute dtype), as `Target.with_weight_dtype` stores a target's."""
-        dtype = validation.dtype("weight_dtype", dtype, WEIGHT_DTYPES)
+        dtype = weight_storage("weight_dtype", dtype)
         if any_int8(self.params):
             raise InputError(f"{self.source}: this head's matrices are already quantized to "
                              f"int8; load it again to store them another way")

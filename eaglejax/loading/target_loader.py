@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import os
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +23,15 @@ from eaglejax.loading.files import require_regular_file
 from eaglejax.loading.gguf_file import read_gguf
 from eaglejax.loading.hf_dir import HFWeights, read_json
 from eaglejax.loading.hub import ResolvedSource, named_errors, resolve_source
-from eaglejax.loading.weights import FUSED_AXIS, Stored, fuse_matrix, fused_part, params_from_hf
+from eaglejax.loading.weights import (
+    FUSED_AXIS, Placer, Stored, fuse_matrix, fused_part, params_from_hf)
 from eaglejax.models.gguf_blocks import (
-    KINDS, BlockMatrix, HostBlocks, PartsMatrix, kinds, pack, tiles)
-from eaglejax.models.quantized import any_int8
+    INT4_KINDS, KINDS, BlockMatrix, HostBlocks, PartsMatrix, kinds, pack, tiles)
+from eaglejax.models.llama import is_quantizing, param_info, store_matrix
+from eaglejax.models.quantized import any_int8, is_int8
 from eaglejax.models.placement import TargetPlacement
 from eaglejax.native import build
-from eaglejax.target import FLOAT_DTYPES, WEIGHT_DTYPES, Target
+from eaglejax.target import FLOAT_DTYPES, Target, WeightStorage, weight_storage
 from eaglejax.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
@@ -78,7 +83,9 @@ def load_target(path_or_name: str | Path | ResolvedSource, *,
     `mesh` (`eaglejax.make_mesh`): every weight goes from the file straight into its
     sharding on the mesh (`eaglejax.models.placement`), never whole onto one device; a
     GGUF file's blocks and a quantized checkpoint's matrices split with their scales, and
-    int8/int4 quantize each float matrix on the host and split it the same way."""
+    int8/int4/int4-sym quantize each float matrix of a GGUF file or HF directory on the
+    host as it is read and split it the same way (without a mesh, each goes onto the
+    device quantized: the float model is never on a device)."""
     if not isinstance(path_or_name, (str, os.PathLike, ResolvedSource)):
         raise InputError(f"load_target wants a model name or path, got {path_or_name!r}")
     if dtype is not None:
@@ -91,33 +98,38 @@ def load_target(path_or_name: str | Path | ResolvedSource, *,
     if keep_blocks is True:
         weight_dtype = None
     elif weight_dtype is not None:
-        weight_dtype = validation.dtype("weight_dtype", weight_dtype, WEIGHT_DTYPES)
+        weight_dtype = weight_storage("weight_dtype", weight_dtype)
     if mesh is not None and not isinstance(mesh, Mesh):
         raise InputError(f"mesh must be a jax.sharding.Mesh (eaglejax.make_mesh), "
                          f"got {type(mesh).__name__}")
     if jax.default_backend() == "cpu":
         build.start_builds()  # the native kernels compile while the model loads
-    target = _load(path_or_name, dtype, mesh, keep_blocks)
+    quantize = weight_dtype if weight_dtype is not None and is_quantizing(weight_dtype) else None
+    target = _load(path_or_name, dtype, mesh, keep_blocks, quantize)
     if target.weight_dtype == jnp.int8 and (
             auto or _stored_as_asked(target, weight_dtype, keep_blocks is True)):
         return target  # a quantized checkpoint: stored as it asks, or as quantized on purpose
     return target if weight_dtype is None else target.with_weight_dtype(weight_dtype)
 
 
-def _stored_as_asked(target: Target, weight_dtype: jnp.dtype | None, blocks_asked: bool
+def _stored_as_asked(target: Target, weight_dtype: WeightStorage | None, blocks_asked: bool
                      ) -> bool:
-    """Whether a quantized checkpoint's matrices are what `weight_dtype` (int8, int4) or,
-    with `blocks_asked`, "gguf" asks for."""
+    """Whether a quantized target's matrices are what `weight_dtype` (int8, int4, int4-sym)
+    or, with `blocks_asked`, "gguf" asks for."""
     kept = kinds(target.params)
     if not kept:
-        return weight_dtype == jnp.int8
-    return blocks_asked or (weight_dtype == jnp.int4 and kept == ["Q4_1"])
+        return isinstance(weight_dtype, jnp.dtype) and weight_dtype == jnp.int8
+    name = "int4" if isinstance(weight_dtype, jnp.dtype) and weight_dtype == jnp.int4 \
+        else weight_dtype
+    return blocks_asked or (name in INT4_KINDS and kept == [INT4_KINDS[name]])
 
 
 def _load(path_or_name: str | Path | ResolvedSource, dtype: jnp.dtype | str | None,
-          mesh: Mesh | None, keep_blocks: bool | str = False) -> Target:
+          mesh: Mesh | None, keep_blocks: bool | str = False,
+          quantize: WeightStorage | None = None) -> Target:
     """`keep_blocks`: True keeps a GGUF file's blocks or refuses; "auto" keeps them where a
-    GGUF file has any."""
+    GGUF file has any. `quantize`: a GGUF file's or HF directory's matrices stored so as
+    they are read (`_storing`; a checkpoint loads as saved)."""
     source = path_or_name
     if not isinstance(source, ResolvedSource):
         builtin = resolve_builtin(source) if isinstance(source, str) else None
@@ -127,11 +139,12 @@ def _load(path_or_name: str | Path | ResolvedSource, dtype: jnp.dtype | str | No
         raise LoadError(f"{path}: no such file or directory, and not a built-in model name "
                         f"(built-in: smollm2-135m-instruct)")
     with named_errors(source):
-        return _load_path(path, source.name, dtype, mesh, keep_blocks)
+        return _load_path(path, source.name, dtype, mesh, keep_blocks, quantize)
 
 
 def _load_path(path: Path, name: str, dtype: jnp.dtype | str | None,
-               mesh: Mesh | None, keep_blocks: bool | str) -> Target:
+               mesh: Mesh | None, keep_blocks: bool | str,
+               quantize: WeightStorage | None) -> Target:
     dtype = jnp.dtype(dtype) if dtype is not None else None
     if path.is_dir() and checkpoint.is_checkpoint(path):
         config, params, tokenizer, eos_ids = checkpoint.load_checkpoint(path, dtype, mesh)
@@ -146,12 +159,12 @@ def _load_path(path: Path, name: str, dtype: jnp.dtype | str | None,
                             f"complete eaglejax checkpoint (its save was interrupted, or the "
                             f"manifest was deleted)")
         _not_gguf(path, keep_blocks)
-        return _load_hf_dir(path, name, dtype, mesh)
+        return _load_hf_dir(path, name, dtype, mesh, quantize)
     require_regular_file(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == GGUF_MAGIC or path.suffix == ".gguf":
-        return _load_gguf(path, name, dtype, mesh, keep_blocks)
+        return _load_gguf(path, name, dtype, mesh, keep_blocks, quantize)
     raise LoadError(f"{path}: not a GGUF file, Hugging Face directory or eaglejax checkpoint")
 
 
@@ -161,13 +174,14 @@ def _not_gguf(path: Path, keep_blocks: bool | str) -> None:
                          f"blocks, and this is not a GGUF file; pick int8 or a float dtype")
 
 
-def _load_hf_dir(path: Path, name: str, dtype: jnp.dtype, mesh: Mesh | None) -> Target:
+def _load_hf_dir(path: Path, name: str, dtype: jnp.dtype, mesh: Mesh | None,
+                 quantize: WeightStorage | None) -> Target:
     config_path = path / "config.json"
     config = ModelConfig.from_hf_dict(read_json(config_path), str(config_path))
     weights = HFWeights(path)
     placement = _placement(config, mesh)
     params = params_from_hf(weights.get, weights.shapes(), config, str(path), dtype,
-                            placement and placement.place)
+                            _storing(config, placement, quantize))
     config, mesh = (placement.config, placement.mesh) if placement else (config, None)
     if (path / "tokenizer.json").exists():
         tokenizer = Tokenizer.from_hf_dir(path)
@@ -184,6 +198,26 @@ def _placement(config: ModelConfig, mesh: Mesh | None):
     return TargetPlacement.plan(config, mesh)
 
 
+def _storing(config: ModelConfig, placement: TargetPlacement | None,
+             quantize: WeightStorage | None) -> Placer | None:
+    """`params_from_hf`'s `place`: each parameter onto `placement`'s mesh (None: the
+    default device), with `quantize` each matrix first quantized on the host from the float
+    array just read (`llama.store_matrix`), so that no float matrix reaches a device."""
+    if quantize is None:
+        return placement and placement.place
+    infos = param_info(config)
+
+    def place(path: tuple, host: Any) -> Any:
+        info = functools.reduce(operator.getitem, path, infos)
+        if info.matrix and not is_int8(host):
+            host = store_matrix(host, quantize, host=True)
+        if placement is not None:
+            return placement.place(path, host)
+        return jax.tree.map(jnp.asarray, host)
+
+    return place
+
+
 def _config_eos_ids(path: Path) -> tuple[int, ...]:
     """EOS ids from generation_config.json, else config.json (an int or a list)."""
     for name in ("generation_config.json", "config.json"):
@@ -195,7 +229,7 @@ def _config_eos_ids(path: Path) -> tuple[int, ...]:
 
 
 def _load_gguf(path: Path, name: str, dtype: jnp.dtype, mesh: Mesh | None,
-               keep_blocks: bool | str) -> Target:
+               keep_blocks: bool | str, quantize: WeightStorage | None) -> Target:
     model = read_gguf(path, keep_blocks=bool(keep_blocks))
     config = ModelConfig.from_hf_dict(model.config, str(path))
     shapes = {name: tuple(t.shape) for name, t in (*model.tensors.items(), *model.blocks.items())}
@@ -204,8 +238,10 @@ def _load_gguf(path: Path, name: str, dtype: jnp.dtype, mesh: Mesh | None,
     def get(name: str) -> np.ndarray:  # a matrix whose blocks stay stored is never asked for
         return model.tensors[name] if name in model.tensors else model.blocks[name].dequantized()
 
-    params = params_from_hf(get, shapes, config, str(path), dtype, placement and placement.place,
-                            stored=_stored_blocks(config, model.blocks) if keep_blocks else None)
+    params = params_from_hf(get, shapes, config, str(path), dtype,
+                            _storing(config, placement, quantize),
+                            stored=_stored_blocks(config, model.blocks, placement is not None)
+                            if keep_blocks else None)
     if keep_blocks is True and not any_int8(params):
         raise LoadError(f"{path}: weight_dtype {GGUF_BLOCKS!r}: no matrix is stored in a block "
                         f"type eaglejax computes with as stored ({', '.join(KINDS)}); load "
@@ -215,17 +251,18 @@ def _load_gguf(path: Path, name: str, dtype: jnp.dtype, mesh: Mesh | None,
                   tuple(model.tokenizer.eos_token_ids), mesh=mesh)
 
 
-def _stored_blocks(config: ModelConfig, blocks: dict[str, HostBlocks]) -> Stored:
+def _stored_blocks(config: ModelConfig, blocks: dict[str, HostBlocks], host: bool) -> Stored:
     """`params_from_hf`'s `stored`: a matrix whose HF parts are all blocks, in the kernel's
-    layout (`models.gguf_blocks.pack`) where its shape tiles; a fused one whose parts differ
-    in kind as a `PartsMatrix` of its runs of one kind (each run packed)."""
+    layout (`models.gguf_blocks.pack`; `host`: kept on the host, for a mesh) where its shape
+    tiles; a fused one whose parts differ in kind as a `PartsMatrix` of its runs of one kind
+    (each run packed)."""
     def stored(key: str, names: tuple[str, ...]) -> BlockMatrix | PartsMatrix | None:
         parts = [blocks.get(name) for name in names]
         if any(p is None for p in parts):
             return None
         if len({p.kind for p in parts}) == 1:
             fused = parts[0].map(lambda *a: fuse_matrix(config, key, list(a)), *parts[1:])
-            return pack(fused) if tiles(fused.shape, fused.kind.per_block) else None
+            return pack(fused, host) if tiles(fused.shape, fused.kind.per_block) else None
         runs = []
         for _, run in itertools.groupby(enumerate(parts), key=lambda ip: ip[1].kind):
             run = [p.map(lambda a, i=i: fused_part(config, key, i, a)) for i, p in run]
@@ -233,6 +270,6 @@ def _stored_blocks(config: ModelConfig, blocks: dict[str, HostBlocks]) -> Stored
                                    *run[1:]))
         if not all(tiles(r.shape, r.kind.per_block) for r in runs):
             return None
-        return PartsMatrix(tuple(pack(r) for r in runs), FUSED_AXIS[key])
+        return PartsMatrix(tuple(pack(r, host) for r in runs), FUSED_AXIS[key])
 
     return stored

@@ -339,8 +339,9 @@ def tiles(shape: tuple[int, ...], per_block: int = BLOCK) -> bool:
     return len(shape) >= 2 and math.prod(shape[:-1]) % TILE == 0 and shape[-1] % per_block == 0
 
 
-def pack(blocks: HostBlocks) -> BlockMatrix:
-    """`blocks` (values [..., K], any leading dims; N % 16 == 0) in the kernel's layout."""
+def pack(blocks: HostBlocks, host: bool = False) -> BlockMatrix:
+    """`blocks` (values [..., K], any leading dims; N % 16 == 0) in the kernel's layout, its
+    arrays on the default device (`host`: numpy arrays, for placing on a mesh)."""
     shape, kind = blocks.values.shape, blocks.kind
     if not tiles(shape, kind.per_block):
         raise ValueError(f"GGUF block storage needs rows in multiples of {TILE} and a last "
@@ -348,36 +349,53 @@ def pack(blocks: HostBlocks) -> BlockMatrix:
     n, k = math.prod(shape[:-1]), shape[-1]
     q = blocks.values.reshape(n // TILE, TILE, k // 4, 4).transpose(0, 2, 1, 3)
 
-    def per_tile(a: np.ndarray | None, trailing: int = 1) -> jax.Array:
+    def per_tile(a: np.ndarray | None, trailing: int = 1) -> np.ndarray:
         """[*rows, X, ...] (`trailing` dims after the rows) -> [N/16, X, ..., 16]."""
         if a is None:
-            return _empty()
+            return np.zeros((0,), np.float16)
         a = a.reshape(n // TILE, TILE, *a.shape[a.ndim - trailing:])
-        return jnp.asarray(np.ascontiguousarray(np.moveaxis(a, 1, -1)))
+        return np.ascontiguousarray(np.moveaxis(a, 1, -1))
 
     mins = None if blocks.mins is None else blocks.mins.astype(kind.scale_dtype)
-    return BlockMatrix(jnp.asarray(np.ascontiguousarray(packed_lines(q, kind.bits), np.uint8)),
-                       per_tile(blocks.scales.astype(kind.scale_dtype)), per_tile(mins),
-                       per_tile(blocks.supers, 2), shape, kind.name)
+    matrix = BlockMatrix(np.ascontiguousarray(packed_lines(q, kind.bits), np.uint8),
+                         per_tile(blocks.scales.astype(kind.scale_dtype)), per_tile(mins),
+                         per_tile(blocks.supers, 2), shape, kind.name)
+    return matrix if host else jax.tree.map(jnp.asarray, matrix)
 
 
-def quantize(weight: jax.Array) -> BlockMatrix:
-    """`weight` [..., K] (`tiles`) in 4-bit blocks of 32 with a scale and a minimum (Q4_1's
-    layout, what `weight_dtype="int4"` stores): per block m = min w, d = (max w - m) / 15,
-    both rounded to float16 first, then q = round((w - m) / d) in [0, 15]; computed on the
-    host in float32. |w - (d q + m)| <= d / 2 plus float16's rounding of m."""
+# `weight_dtype` names of 4-bit storage quantized from a float model -> the block kind kept
+INT4_KINDS = {"int4": "Q4_1", "int4-sym": "Q4_0"}
+
+
+def quantize(weight: Any, kind: str = "Q4_1", host: bool = False) -> BlockMatrix:
+    """`weight` [..., K] (`tiles`) in 4-bit blocks of 32, computed on the host in float32
+    (`host`: `pack`'s). Q4_1 (weight_dtype "int4"), a scale and a minimum: per block
+    m = min w, d = (max w - m) / 15, both rounded to float16 first, then
+    q = round((w - m) / d) in [0, 15]; |w - (d q + m)| <= d / 2 plus float16's rounding of
+    m. Q4_0 ("int4-sym"), a scale alone: w = d (q - 8) with q in [0, 15], d of either sign
+    (float16) the smaller in size of max(hi / 7, -lo / 8) and -max(-lo / 7, hi / 8) (lo, hi:
+    the block's extremes; llama.cpp takes extreme / -8, which may clip the other side by a
+    whole step), so |w - d (q - 8)| <= |d| / 2 up to float16's rounding of d."""
     w = np.asarray(jax.device_get(weight), np.float32)
+    if kind not in INT4_KINDS.values():
+        raise ValueError(f"4-bit storage of a float matrix is Q4_1 or Q4_0, got {kind!r}")
     if not tiles(w.shape):
         raise ValueError(f"4-bit storage needs rows in multiples of {TILE} and a last dim in "
                          f"multiples of {BLOCK}, got a matrix {w.shape}")
     blocks = w.reshape(*w.shape[:-1], -1, BLOCK)
     low, high = blocks.min(axis=-1), blocks.max(axis=-1)
-    mins = low.astype(np.float16)
-    scales = ((high - low) / np.float32(15)).astype(np.float16)
+    if kind == "Q4_1":
+        mins = low.astype(np.float16)
+        scales = ((high - low) / np.float32(15)).astype(np.float16)
+        base = mins.astype(np.float32)[..., None]
+    else:
+        up, down = np.maximum(high / 7, -low / 8), np.maximum(-low / 7, high / 8)
+        scales, mins = np.where(down < up, -down, up).astype(np.float16), None
+        base = np.float32(-8) * scales.astype(np.float32)[..., None]
     step = scales.astype(np.float32)[..., None]
-    q = np.rint((blocks - mins.astype(np.float32)[..., None]) / np.where(step == 0, 1, step))
+    q = np.rint((blocks - base) / np.where(step == 0, 1, step))
     q = np.clip(q, 0, 15).astype(np.uint8).reshape(w.shape)
-    return pack(HostBlocks(KINDS["Q4_1"], q, scales, mins))
+    return pack(HostBlocks(KINDS[kind], q, scales, mins), host)
 
 
 @jax.tree_util.register_pytree_node_class

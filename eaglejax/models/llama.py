@@ -126,20 +126,39 @@ def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.floa
     return random_params(param_info(config), key, dtype, scale)
 
 
-def store_matrices(infos: Params, params: Params, dtype: jnp.dtype) -> Params:
-    """`params` with every matrix (per its `ParamInfo` in `infos`) stored in `dtype` (int8:
-    `quantized.quantize`, int4: `gguf_blocks.quantize`, for the matrices whose shape tiles);
-    norms and other vectors as they are."""
-    def store(info: ParamInfo, leaf: jax.Array) -> Any:
+def store_matrix(leaf: Any, dtype: Any, host: bool = False) -> Any:
+    """One matrix stored in `dtype` (`WeightStorage`): int8 `quantized.quantize`, int4 and
+    "int4-sym" `gguf_blocks.quantize` (Q4_1, Q4_0) where its shape tiles (`host`: their
+    arrays kept on the host), else as it is; a float dtype cast."""
+    if isinstance(dtype, str) and dtype in gguf_blocks.INT4_KINDS or dtype == jnp.int4:
+        kind = gguf_blocks.INT4_KINDS[dtype if isinstance(dtype, str) else "int4"]
+        return gguf_blocks.quantize(leaf, kind, host) if gguf_blocks.tiles(leaf.shape) else leaf
+    if jnp.dtype(dtype) == jnp.int8:
+        return quantized.quantize(leaf, host) if quantized.tiles(leaf.shape) else leaf
+    return leaf.astype(dtype)
+
+
+def is_quantizing(dtype: Any) -> bool:
+    """Whether storing a matrix in `dtype` quantizes it (int8, int4, "int4-sym")."""
+    return isinstance(dtype, str) and dtype in gguf_blocks.INT4_KINDS or \
+        jnp.dtype(dtype) in (jnp.int8, jnp.int4)
+
+
+def store_matrices(infos: Params, params: Params, dtype: Any,
+                   place: Callable[[tuple, Any], Any] | None = None) -> Params:
+    """`params` with every matrix (per its `ParamInfo` in `infos`) stored in `dtype`
+    (`store_matrix`); norms and other vectors as they are. `place(path, matrix)` puts each
+    quantized matrix, quantized on the host, where it belongs (a mesh:
+    `placement.TargetPlacement.place`) as soon as it is made."""
+    def store(path: Any, info: ParamInfo, leaf: jax.Array) -> Any:
         if not info.matrix:
             return leaf
-        if jnp.dtype(dtype) == jnp.int8:
-            return quantized.quantize(leaf) if quantized.tiles(leaf.shape) else leaf
-        if jnp.dtype(dtype) == jnp.int4:
-            return gguf_blocks.quantize(leaf) if gguf_blocks.tiles(leaf.shape) else leaf
-        return leaf.astype(dtype)
+        stored = store_matrix(leaf, dtype, host=place is not None)
+        if place is None or not isinstance(stored, QuantizedMatrix):
+            return stored
+        return place(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path), stored)
 
-    return jax.tree.map(store, infos, params, is_leaf=is_param_info)
+    return jax.tree_util.tree_map_with_path(store, infos, params, is_leaf=is_param_info)
 
 
 def compute_dtype(params: Params) -> jnp.dtype:

@@ -205,9 +205,10 @@ def tiles(shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and math.prod(shape[:-1]) % TILE == 0 and shape[-1] % BLOCK == 0
 
 
-def quantize(weight: jax.Array) -> Int8Matrix:
+def quantize(weight: Any, host: bool = False) -> Int8Matrix:
     """`weight` [..., K] (N % 16 == K % 32 == 0: `tiles`) in int8 storage, rounded to
-    nearest (ties to even) with per-row scales; computed on the host in float32."""
+    nearest (ties to even) with per-row scales; computed on the host in float32, its arrays
+    put on the default device (`host`: kept numpy arrays, for placing on a mesh)."""
     w = np.asarray(jax.device_get(weight), np.float32)
     if not tiles(w.shape):
         raise ValueError(f"int8 storage needs rows in multiples of {TILE} and a last dim "
@@ -217,8 +218,8 @@ def quantize(weight: jax.Array) -> Int8Matrix:
     scales = np.abs(rows).max(axis=1) / np.float32(127)
     q = np.rint(rows / np.where(scales == 0, 1, scales)[:, None]).astype(np.int16)
     packed = (q + OFFSET).astype(np.uint8).reshape(n // TILE, TILE, k // 4, 4).transpose(0, 2, 1, 3)
-    return Int8Matrix(jnp.asarray(np.ascontiguousarray(packed)), jnp.asarray(scales),
-                      w.shape)
+    matrix = Int8Matrix(np.ascontiguousarray(packed), scales, w.shape)
+    return matrix if host else jax.tree.map(jnp.asarray, matrix)
 
 
 def quantized_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
