@@ -1,8 +1,9 @@
 """Quantized storage on device meshes: int8, int4 and a GGUF file's blocks (K-quants too)
 load split over tensor x data parallel meshes with their scales beside their values, and
-greedy decoding gives one device's tokens (K-quants: its logits); the decoding loops of int8 and int4 targets export for cuda and
-tpu on 1 and 8 devices with the stored int8 values entering the products, and tp=8 runs a
-float model's collectives per layer.
+greedy decoding gives one device's tokens (K-quants: its logits); the decoding loops of int8 and int4 targets (and
+their speculative loops with an EAGLE-3 head stored the same way) export for cuda and tpu on
+1 and 8 devices with the stored int8 values entering the products, and tp=8 runs a float
+model's collectives per layer.
 
 The checks run in one subprocess with 8 host CPU devices (the suite's own process has one).
 Exports and collective counts use Llama-3.1-8B's widths at 1 and 2 layers, as
@@ -33,10 +34,11 @@ def test_quantized_meshes_decode_export_and_communicate_like_float(tmp_path):
 
 
 def test_int8_dots_are_read_from_the_module():
-    """The export check's reader: an s8 x s8 -> s32 dot counts, a float dot and a widened
-    weight (an int8 array of weight size converted to float) are found."""
+    """The export check's reader: an s8 x s8 -> s32 dot counts with the rows it multiplies
+    (the block sums' [K/32, M, N/16, 16]), a float dot and a widened weight (an int8 array
+    of weight size converted to float) are found."""
     module = """
-  %1 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [1] : (tensor<1x64xi8>, tensor<32x64xi8>) -> tensor<1x32xi32>
+  %1 = stablehlo.dot_general %a, %b, batching_dims = [1] x [1], contracting_dims = [2, 3] x [2, 4] : (tensor<7x2x8x4xi8>, tensor<2x2x8x16x4xi8>) -> tensor<2x7x2x16xi32>
   %2 = stablehlo.convert %w : (tensor<32x64xui8>) -> tensor<32x64xbf16>
   %3 = stablehlo.dot_general %x, %2, contracting_dims = [1] x [1] : (tensor<1x64xbf16>, tensor<32x64xbf16>) -> tensor<1x32xf32>
   %4 = stablehlo.convert %r : (tensor<2x64xui8>) -> tensor<2x64xf32>
@@ -44,6 +46,22 @@ def test_int8_dots_are_read_from_the_module():
     dots, widened = int8_products(module, weight_size=32 * 64)
     assert dots == {("i8", "i8", "i32"): 1, ("bf16", "bf16", "f32"): 1}
     assert widened == ["32x64xui8"]  # the gathered rows [2, 64] are not a weight
+    assert product_rows(module) == [7]
+
+
+def _dots(module: str) -> list[tuple[str, str, str]]:
+    """(lhs, rhs, result) tensor types of every dot_general of a StableHLO module's text."""
+    import re
+
+    return re.findall(r"stablehlo\.dot_general .*: \(tensor<([^>]*)>, tensor<([^>]*)>\) "
+                      r"-> tensor<([^>]*)>", module)
+
+
+def product_rows(module: str) -> list[int]:
+    """The rows of x each s8 x s8 -> s32 dot of a StableHLO module multiplies: M of its
+    block sums [K/32, M, N/16, 16] (`models.quantized.block_sums`)."""
+    return [int(result.split("x")[1]) for _, _, result in _dots(module)
+            if result.endswith("xi32")]
 
 
 def int8_products(module: str, weight_size: int) -> tuple[dict, list[str]]:
@@ -56,9 +74,7 @@ def int8_products(module: str, weight_size: int) -> tuple[dict, list[str]]:
     def element(tensor: str) -> str:
         return tensor.rsplit("x", 1)[-1]
 
-    dots = re.findall(r"stablehlo\.dot_general .*: \(tensor<([^>]*)>, tensor<([^>]*)>\) "
-                      r"-> tensor<([^>]*)>", module)
-    counts = collections.Counter(tuple(map(element, dot)) for dot in dots)
+    counts = collections.Counter(tuple(map(element, dot)) for dot in _dots(module))
     converts = re.findall(r"stablehlo\.convert .*: \(tensor<([^>]*)>\) -> tensor<([^>]*)>",
                           module)
     widened = [a for a, b in converts if re.fullmatch(r"u?i(4|8)", element(a))
@@ -191,30 +207,46 @@ def _decode_on_meshes(directory: Path) -> None:
 
 
 def _exports(config) -> None:
-    """The plain loop (prefill, decode) of int8 and int4 storage for cuda and tpu on 1 and 8
-    devices: every product multiplies int8 weights (s8 x s8 -> s32: per layer wqkv, wo,
-    w_gate_up (gate and up apart on a mesh), w_down; the output head), no dot reads a
-    float weight, and no weight is widened (the only int8-to-float convert is the
-    embedding's gathered rows)."""
+    """The plain loop (prefill, decode) and the speculative one (spec_prefill, spec_loop:
+    chain K=5, an EAGLE-3 head stored as the target is) of int8 and int4 storage for cuda
+    and tpu on 1 and 8 devices: every product multiplies int8 weights (s8 x s8 -> s32: per
+    layer wqkv, wo, w_gate_up (gate and up apart on a mesh), w_down; the output head; the
+    draft head's fc, layer and lm_head), no dot reads a float weight, no weight is widened
+    (the only int8-to-float convert is the embedding's gathered rows), and no product
+    multiplies more than `quantized.ROWS` rows at once (the 128-row prefill goes through the
+    weights 16 rows at a time)."""
     import jax
 
+    from eaglejax.decoding.spec_config import SpecConfig
+    from eaglejax.models.quantized import ROWS
     from eaglejax.programs import export
     from eaglejax.sharding import make_mesh
 
     smallest = min(config.hidden_size, config.num_heads * config.head_dim) ** 2
+    int8 = ("i8", "i8", "i32")
     for weight_dtype in ("int8", "int4"):
         for mesh in (make_mesh(tp=1, devices=jax.devices()[:1]), make_mesh(tp=8)):
             programs = export.loop_programs(config, mesh, export.LoopShapes(1, 128, 64),
-                                            specs={}, weight_dtype=weight_dtype)
+                                            specs={"chain5": SpecConfig.chain(5)},
+                                            weight_dtype=weight_dtype)
             wqkv = programs[0].args[1].target["layers"][0]["wqkv"]  # (loop, weights, ...)
             assert wqkv.packed.dtype == "uint8" and wqkv.packed.ndim == 6  # split by KV head
             assert wqkv.packed.sharding.shard_shape(wqkv.packed.shape)[0] == 8 // mesh.size
+            fc = programs[2].args[1].draft["fc"]
+            assert fc.packed.dtype == "uint8" and fc.packed.sharding.is_fully_replicated
             products = 4 + 1 + (mesh.size > 1)  # the layers' (traced once) and the head's
+            head_products = products + 1  # fc, the layer's, lm_head
             for (name, platform), exported in export.export_programs(programs).items():
                 assert exported.nr_devices == mesh.size, (name, platform)
-                dots, widened = int8_products(exported.mlir_module(), smallest)
-                assert dots == {("i8", "i8", "i32"): products}, (name, platform, dots)
+                module = exported.mlir_module()
+                dots, widened = int8_products(module, smallest)
+                if name.startswith("spec"):  # the head's steps trace its products again
+                    assert set(dots) == {int8} and dots[int8] >= products + head_products, (
+                        name, platform, dots)
+                else:
+                    assert dots == {int8: products}, (name, platform, dots)
                 assert not widened, (name, platform, widened)
+                assert max(product_rows(module)) <= ROWS, (name, platform)
             print(f"{weight_dtype} {mesh.size} devices: exported ok")
 
 

@@ -53,7 +53,7 @@ import numpy as np
 
 from eaglejax.models import gguf_kquants
 from eaglejax.models.quantized import (
-    BLOCK, TILE, QuantizedMatrix, block_sums, is_int8, quantized_blocks)
+    BLOCK, TILE, QuantizedMatrix, block_sums, in_row_chunks, is_int8, quantized_blocks)
 
 SUPER = gguf_kquants.SUPER
 
@@ -556,16 +556,20 @@ def product(x: jax.Array, weight: BlockMatrix) -> jax.Array:
     (`quantized.block_sums`), scaled by s, summed over a block (Q6_K's two sub-blocks of 16),
     the block's mn times sum p added, then scaled by t and summed over the blocks in float32
     (the native kernel's values up to float32 rounding; prefill blocks, meshes and other
-    platforms)."""
-    weight, kind = weight.flat(), weight.block_kind
-    p, t = quantized_blocks(x.reshape(-1, x.shape[-1]))
-    sums = block_sums(p, weight.tile_values(), kind.sub).astype(jnp.float32)  # [K/sub, M, N]
-    scale, minimum = weight.row_scales()
-    block = sums * scale.T[:, None, :]
-    if kind.sub != BLOCK:  # the sub-blocks of each block of 32 together
-        block = jnp.sum(block.reshape(-1, BLOCK // kind.sub, *block.shape[1:]), axis=1)
-    if minimum is not None:  # in the same sum over blocks: one reduction (on a mesh, one
-        p_sums = jnp.sum(p, axis=-1, dtype=jnp.int32).T.astype(jnp.float32)  # all-reduce)
-        block = block + minimum.T[:, None, :] * p_sums[:, :, None]
-    y = jnp.sum(block * t.T[:, :, None], axis=0)
+    platforms), `quantized.ROWS` rows at a time (`quantized.in_row_chunks`)."""
+    kind = weight.block_kind
+    values, (scale, minimum) = weight.tile_values(), weight.row_scales()
+
+    def rows_times(rows: jax.Array) -> jax.Array:
+        p, t = quantized_blocks(rows)
+        sums = block_sums(p, values, kind.sub).astype(jnp.float32)  # [K/sub, M, N]
+        block = sums * scale.T[:, None, :]
+        if kind.sub != BLOCK:  # the sub-blocks of each block of 32 together
+            block = jnp.sum(block.reshape(-1, BLOCK // kind.sub, *block.shape[1:]), axis=1)
+        if minimum is not None:  # in the same sum over blocks: one reduction (on a mesh, one
+            p_sums = jnp.sum(p, axis=-1, dtype=jnp.int32).T.astype(jnp.float32)  # all-reduce)
+            block = block + minimum.T[:, None, :] * p_sums[:, :, None]
+        return jnp.sum(block * t.T[:, :, None], axis=0)
+
+    y = in_row_chunks(rows_times, x.reshape(-1, x.shape[-1]))
     return y.reshape(*x.shape[:-1], -1).astype(x.dtype)

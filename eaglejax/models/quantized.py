@@ -18,9 +18,13 @@ Each row is quantized on its own, so a verify block reproduces the single-token 
 XLA's product (`product`: meshes, GPU/TPU, and CPUs without the kernel) multiplies the same
 int8 values without widening them: an s8 x s8 -> s32 dot batched over the blocks of 32
 (`block_sums`) gives the integer block sums [K/32, M, N], then scaled and summed over the
-blocks in float32. Its scratch is those sums (4 M N K / 32 bytes: an eighth of the int8
-weights per row of x) and, where XLA does not fuse the unpacking into the dot, the int8
-values themselves.
+blocks in float32. Those sums cost 4 N K / 32 bytes a row of x (an eighth of the int8
+weights: 14.7 MB for Llama-3.1-8B's w_gate_up), so more than `ROWS` rows (prefill chunks,
+large verify batches) go through the weights `ROWS` at a time, as the native kernels do
+(`in_row_chunks`): the scratch stays that of `ROWS` rows whatever M (a 512-row prefill
+chunk of that matrix compiles to 0.6 GB of scratch on CPU instead of 15 GB), every row's
+values stay what it gets alone, and every product stays an integer dot. Where XLA does not
+fuse the unpacking into the dot, the int8 values themselves are scratch too.
 
 The values are kept in the kernel's layout: tiles of `TILE` (16) output rows, each 4
 consecutive k of the 16 rows in one 64-byte line, offset by 128 (unsigned, as the
@@ -33,6 +37,7 @@ their scales (`models.placement.TargetPlacement.place_quantized`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -42,6 +47,7 @@ import numpy as np
 BLOCK = 32  # x values sharing one scale
 TILE = 16  # output rows per packed tile (one 512-bit register of int32 sums)
 OFFSET = 128  # stored values are q + OFFSET
+ROWS = 16  # rows of x that XLA's products multiply at once (`in_row_chunks`)
 
 
 class QuantizedMatrix:
@@ -252,12 +258,33 @@ def block_sums(p: jax.Array, values: jax.Array, width: int = BLOCK) -> jax.Array
     return sums.reshape(blocks, p.shape[0], n_tiles * TILE)
 
 
+def in_row_chunks(rows_times: Callable[[jax.Array], jax.Array], rows: jax.Array) -> jax.Array:
+    """`rows_times(rows)` [M, N] for rows [M, K], computed at most `ROWS` rows at a time: in
+    one call up to `ROWS` rows, else over chunks of `ROWS` (`lax.map`; rows padded with
+    zeros), so that the scratch of a product is bounded whatever M. Chunk c holds rows c,
+    c + C, c + 2C, ... (C chunks): rows split over a mesh's data axis stay split inside each
+    chunk, and the loop runs over an axis no device holds a part of."""
+    m, k = rows.shape
+    if m <= ROWS:
+        return rows_times(rows)
+    count = -(-m // ROWS)
+    padded = jnp.pad(rows, ((0, ROWS * count - m), (0, 0)))
+    chunks = padded.reshape(ROWS, count, k).swapaxes(0, 1)  # [C, ROWS, K]
+    y = jax.lax.map(rows_times, chunks)  # [C, ROWS, N]
+    return y.swapaxes(0, 1).reshape(ROWS * count, -1)[:m]
+
+
 def product(x: jax.Array, weight: Int8Matrix) -> jax.Array:
     """x [..., K] times an int8 `weight` [N, K]^T with XLA's operations, in x's dtype: the
     block sums in integers (`block_sums`), scaled by t and s and summed over the blocks in
     float32 (the native kernel's values up to float32 rounding; prefill blocks, meshes and
-    other platforms)."""
-    p, t = quantized_blocks(x.reshape(-1, x.shape[-1]))
-    sums = block_sums(p, weight.tile_values())
-    y = jnp.sum(sums.astype(jnp.float32) * t.T[:, :, None], axis=0) * weight.flat().scales
+    other platforms), `ROWS` rows at a time (`in_row_chunks`)."""
+    values, scales = weight.tile_values(), weight.flat().scales
+
+    def rows_times(rows: jax.Array) -> jax.Array:
+        p, t = quantized_blocks(rows)
+        sums = block_sums(p, values)
+        return jnp.sum(sums.astype(jnp.float32) * t.T[:, :, None], axis=0) * scales
+
+    y = in_row_chunks(rows_times, x.reshape(-1, x.shape[-1]))
     return y.reshape(*x.shape[:-1], -1).astype(x.dtype)

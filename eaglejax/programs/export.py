@@ -52,8 +52,15 @@ def _abstract(shape: Sequence[int], dtype: Any, sharding: NamedSharding) -> jax.
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
 
 
-def _is_shape(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+QUANTIZED = {"int8": quantized.Int8Matrix.abstract,  # weight_dtype -> abstract storage
+             "int4": functools.partial(gguf_blocks.BlockMatrix.abstract, kind="Q4_1")}
+
+
+def _quantized(weight_dtype: str, shape: tuple[int, ...]) -> quantized.QuantizedMatrix:
+    """A matrix of `shape` stored as `weight_dtype` ("int8" or "int4", as
+    `models.llama.store_matrices` stores it) in shape structs, flat, as a loaded model holds
+    it."""
+    return jax.eval_shape(lambda m: m.restored(), QUANTIZED[weight_dtype](shape))
 
 
 def abstract_params(config: ModelConfig, mesh: Mesh, dtype: Any = jnp.bfloat16,
@@ -64,16 +71,13 @@ def abstract_params(config: ModelConfig, mesh: Mesh, dtype: Any = jnp.bfloat16,
     (`models.quantized`, `models.gguf_blocks` Q4_1 blocks), split as
     `TargetPlacement.place_quantized` splits them."""
     placement = TargetPlacement.plan(config, mesh)
-    quantized_as = {None: None, "int8": quantized.Int8Matrix.abstract,
-                    "int4": functools.partial(gguf_blocks.BlockMatrix.abstract, kind="Q4_1")}
-    if weight_dtype not in quantized_as:
+    if weight_dtype not in (None, *QUANTIZED):
         raise ValueError(f"weight_dtype must be None, 'int8' or 'int4', got {weight_dtype!r}")
 
     def leaf(path, info):
         keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
-        if quantized_as[weight_dtype] and info.matrix and quantized.tiles(info.shape):
-            split = jax.eval_shape(lambda m: m.restored().split(),  # as a loaded target's
-                                   quantized_as[weight_dtype](info.shape))
+        if weight_dtype and info.matrix and quantized.tiles(info.shape):
+            split = jax.eval_shape(lambda m: m.split(), _quantized(weight_dtype, info.shape))
             arrays = split.tree_flatten()[0]
             where = placement.quantized_shardings(keys, split)
             return split.rebuilt([_abstract(a.shape, a.dtype, s) for a, s in zip(arrays, where)],
@@ -84,13 +88,26 @@ def abstract_params(config: ModelConfig, mesh: Mesh, dtype: Any = jnp.bfloat16,
     return placement.config, jax.tree_util.tree_map_with_path(leaf, infos, is_leaf=is_param_info)
 
 
-def abstract_draft(draft_config: DraftConfig, mesh: Mesh,
-                   dtype: Any = jnp.bfloat16) -> tuple[Any, jax.ShapeDtypeStruct]:
+def abstract_draft(draft_config: DraftConfig, mesh: Mesh, dtype: Any = jnp.bfloat16,
+                   weight_dtype: Any = None) -> tuple[Any, jax.ShapeDtypeStruct]:
     """A draft head's parameters and d2t table as shape structs, replicated on `mesh` (as
-    `Draft.for_target` places a head)."""
+    `Draft.for_target` places a head). `weight_dtype` stores its matrices as
+    `Draft.with_weight_dtype` does: "int8" or "int4" those that tile (flat storage), a float
+    dtype all of them; None: in `dtype`. Norms and other vectors keep `dtype`."""
     everywhere = NamedSharding(mesh, PartitionSpec())
-    params = jax.tree.map(lambda shape: _abstract(shape, dtype, everywhere),
-                          head.param_shapes(draft_config), is_leaf=_is_shape)
+    stored = None if weight_dtype is None else jnp.dtype(weight_dtype).name
+
+    def leaf(info):
+        if not info.matrix:
+            return _abstract(info.shape, dtype, everywhere)
+        if stored in QUANTIZED:
+            if not quantized.tiles(info.shape):
+                return _abstract(info.shape, dtype, everywhere)
+            return jax.tree.map(lambda a: _abstract(a.shape, a.dtype, everywhere),
+                                _quantized(stored, info.shape))
+        return _abstract(info.shape, stored or dtype, everywhere)
+
+    params = jax.tree.map(leaf, head.param_info(draft_config), is_leaf=is_param_info)
     return params, _abstract((draft_config.draft_vocab_size,), jnp.int32, everywhere)
 
 
@@ -166,12 +183,14 @@ def loop_programs(config: ModelConfig, mesh: Mesh, shapes: LoopShapes = LoopShap
                   specs: dict[str, SpecConfig] | None = None,
                   draft_config: DraftConfig | None = None, attn_impl: str = "pallas",
                   dtype: Any = jnp.bfloat16, greedy: bool = True,
-                  weight_dtype: str | None = None) -> list[Program]:
+                  weight_dtype: str | None = None,
+                  draft_weight_dtype: Any = None) -> list[Program]:
     """The plain loop (prefill, decode_loop) and, for each named SpecConfig in `specs`, the
     speculative loop (spec_prefill, spec_loop with an EAGLE-3 head) of `config` placed on
     `mesh`, as abstract programs. Default specs: chain K=5 and a dynamic tree (8, 6, 60).
-    `weight_dtype`: the target's matrices quantized (`abstract_params`; the head stays in
-    `dtype`)."""
+    `weight_dtype`: the target's matrices quantized (`abstract_params`);
+    `draft_weight_dtype`: how the head stores its matrices (`abstract_draft`), by default as
+    the target does (as `load_draft` stores a head; `dtype` keeps it wide)."""
     if specs is None:
         specs = {"chain5": SpecConfig.chain(5), "tree60": SpecConfig.tree(8, 6, 60)}
     placed, params = abstract_params(config, mesh, dtype, weight_dtype)
@@ -203,7 +222,8 @@ def loop_programs(config: ModelConfig, mesh: Mesh, shapes: LoopShapes = LoopShap
     if not specs:
         return programs
     draft_config = draft_config or eagle3_head(config)
-    draft_params, d2t = abstract_draft(draft_config, mesh, dtype)
+    draft_params, d2t = abstract_draft(draft_config, mesh, dtype,
+                                       draft_weight_dtype or weight_dtype)
     for spec_name, spec in specs.items():
         add_loop((f"spec_prefill[{spec_name}]", f"spec_loop[{spec_name}]"),
                  SpecLoop(placed, draft_config, spec, attn_impl),
