@@ -1,5 +1,5 @@
-"""Float32 weights against narrower storage under float32 compute (16-bit, int8, a GGUF
-file's own blocks), side by side.
+"""Float32 weights against narrower storage under float32 compute (16-bit, int8, 4-bit
+blocks, a GGUF file's own blocks), side by side.
 
 Speed: one jitted target forward of 1 token (a plain decode step) and of 6 tokens (a K=5
 chain's verification), the two storages alternating, plus plain greedy decoding of the
@@ -9,7 +9,7 @@ share of positions whose argmax is float32's token), (b) free-running outputs id
 to float32's, and the mean length of the common prefix.
 
     python benchmarks/bench_weight_dtype.py --num-prompts 40 --max-new-tokens 64 --json
-    python benchmarks/bench_weight_dtype.py --weight-dtype bfloat16 int8 gguf
+    python benchmarks/bench_weight_dtype.py --weight-dtype bfloat16 int8 int4 int4-sym gguf
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--weight-dtype", nargs="+", default=["bfloat16"],
-                        choices=["bfloat16", "float16", "int8", "gguf"],
+                        choices=["bfloat16", "float16", "int8", "int4", "int4-sym", "gguf"],
                         help="storages measured beside float32 (gguf: the file's blocks)")
     parser.add_argument("--num-prompts", type=int, default=40)
     parser.add_argument("--speed-prompts", type=int, default=8)

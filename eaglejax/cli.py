@@ -72,7 +72,8 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
                              "quarters them and multiplies int8 activations, quantized in "
                              "blocks of 32; int4 stores 4-bit blocks of 32 with a scale and "
                              "a minimum (5 bits a weight), multiplied the same way; int4-sym "
-                             "with a scale alone (4.5 bits, Q4_0's layout); gguf "
+                             "with a scale alone (4.5 bits, Q4_0's layout); both keep the "
+                             "embedding and output head in 8-bit Q8_0 blocks; gguf "
                              "keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored; see "
                              "BENCHMARKS.md for speed and agreement); auto: what decodes "
                              "fastest here (a GGUF file's blocks on CPUs with AVX-512 VNNI, "
@@ -360,7 +361,7 @@ def _parser() -> argparse.ArgumentParser:
     roof.add_argument("--storage", default="bfloat16", choices=roofline.STORAGES,
                       help="the target's weight storage: bfloat16, int8 (a float32 scale per "
                            "output row) or int4 (4-bit blocks of 32 with a float16 scale and "
-                           "minimum), dequantized to bfloat16 in the matmuls (default: "
+                           "minimum; embedding and output head in Q8_0), dequantized to bfloat16 in the matmuls (default: "
                            "bfloat16)")
     roof.add_argument("--batch-size", type=int, nargs="+", default=[1, 8],
                       help="batch sizes (default: 1 8)")
@@ -392,7 +393,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="instead, write the TARGET model SRC as an eaglejax checkpoint "
                               "with its matrices in int8 (per-row scales), int4 (4-bit "
                               "blocks of 32 with a scale and a minimum), int4-sym (with a "
-                              "scale alone) or, from a GGUF "
+                              "scale alone; both keep the embedding and output head in "
+                              "Q8_0) or, from a GGUF "
                               "file, its own Q4_0/Q4_1/Q8_0 blocks as stored; it loads "
                               "without quantizing again: --model DST")
     convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],

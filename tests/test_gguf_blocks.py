@@ -161,10 +161,11 @@ def _assert_close_to_oracle(target, oracle, float_model, cfg) -> None:
 
 
 def test_int4_rounds_each_block_within_half_a_step():
-    """`gguf_blocks.quantize` (weight_dtype "int4": Q4_1; "int4-sym": Q4_0): every weight
-    within half its block's step of the stored value (plus float16's rounding of the
-    minimum or the scale), Q4_1's extremes exact up to that rounding, a constant block
-    exact (Q4_1) or within half a step (Q4_0: d = value / 7 or / -8), a zero block exact."""
+    """`gguf_blocks.quantize` (weight_dtype "int4": Q4_1; "int4-sym": Q4_0; their vocabulary
+    matrices: Q8_0): every weight within half its block's step of the stored value (plus
+    float16's rounding of the minimum or the scale), Q4_1's extremes exact up to that
+    rounding, a constant block exact (Q4_1) or within half a step (Q4_0: d = value / 7 or
+    / -8), a zero block exact."""
     rng = np.random.default_rng(8)
     w = rng.standard_normal((48, 96)).astype(np.float32) * np.linspace(0.01, 3, 96)
     w[5, :32] = 0.25  # a constant block: Q4_1's d = 0, every value equals the minimum
@@ -172,7 +173,7 @@ def test_int4_rounds_each_block_within_half_a_step():
     w[7, :32] = -np.abs(w[7, :32])  # one-signed blocks: Q4_0's d takes the sign that fits
     w[8, :32] = np.abs(w[8, :32])
     blocks = w.reshape(48, 3, 32)
-    for kind in ("Q4_1", "Q4_0"):
+    for kind in ("Q4_1", "Q4_0", "Q8_0"):
         matrix = gguf_blocks.quantize(w, kind)
         assert matrix.kind == kind and matrix.shape == (48, 96)
         back = np.asarray(matrix.dequantized())
@@ -181,6 +182,9 @@ def test_int4_rounds_each_block_within_half_a_step():
             step = ((blocks.max(-1) - blocks.min(-1)) / 15).astype(np.float16).astype(np.float32)
             slack = np.abs(blocks.min(-1)) * 2.0 ** -11 + step * 2.0 ** -10
             assert np.all(back[5, :32] == 0.25)
+        elif kind == "Q8_0":
+            step = (np.abs(blocks).max(-1) / 127).astype(np.float16).astype(np.float32)
+            slack = np.abs(blocks).max(-1) * 2.0 ** -10  # d's float16 rounding, 127 steps out
         else:
             step = np.abs(np.asarray(matrix.row_scales()[0])).reshape(48, 3)
             slack = np.abs(blocks).max(-1) * 2.0 ** -10  # d's float16 rounding, 8 steps out
@@ -191,28 +195,52 @@ def test_int4_rounds_each_block_within_half_a_step():
         assert np.abs(back - w).max() > 1e-3  # a negative control: 4 bits lose something
     with pytest.raises(ValueError, match="multiples of 16"):
         gguf_blocks.quantize(w[:40])
-    with pytest.raises(ValueError, match="Q4_1 or Q4_0, got 'Q8_0'"):
-        gguf_blocks.quantize(w, "Q8_0")
+    with pytest.raises(ValueError, match="Q4_1, Q4_0 or Q8_0, got 'Q4_K'"):
+        gguf_blocks.quantize(w, "Q4_K")
+
+
+def test_4_bit_storage_keeps_vocabulary_matrices_in_8_bits():
+    """int4 / int4-sym keep the embedding and an untied output head in Q8_0 blocks (as
+    llama.cpp's 4-bit files keep theirs in 8 bits or more) and the layers' matrices in
+    Q4_1 / Q4_0; the exported loops' abstract storage is the same."""
+    from eaglejax.config import ModelConfig
+    from eaglejax.models import llama
+    from eaglejax.programs import export
+
+    config = ModelConfig("llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                         tie_word_embeddings=False)
+    params = llama.init_params(config, jax.random.key(0))
+    one_device = eaglejax.make_mesh(tp=1, devices=jax.devices()[:1])
+    for weight_dtype, kind in gguf_blocks.INT4_KINDS.items():
+        stored = gguf_blocks.kinds_by_path(
+            llama.store_matrices(llama.param_info(config), params, weight_dtype))
+        assert stored["['embed']"] == stored["['lm_head']"] == "Q8_0"
+        assert {stored[k] for k in stored if "layers" in k} == {kind}
+        _, exported = export.abstract_params(config, one_device, weight_dtype=weight_dtype)
+        assert gguf_blocks.kinds_by_path(exported) == stored
 
 
 @pytest.mark.parametrize("weight_dtype,kind", [("int4", "Q4_1"), ("int4-sym", "Q4_0")])
 def test_int4_target_matches_transformers_computing_it(hf_family, target_of, weight_dtype,
                                                        kind):
     """weight_dtype "int4" / "int4-sym" of a float model: transformers with every tiling
-    matrix (the embedding too) replaced by its 4-bit blocks' values and inputs of those
-    products rounded to int8 blocks (the oracle of
+    matrix replaced by its 4-bit blocks' values (the embedding and output head: Q8_0's) and
+    inputs of those products rounded to int8 blocks (the oracle of
     `test_blocks_match_transformers_computing_them`)."""
     _, model = hf_family("llama")
     target = target_of("llama").with_weight_dtype(weight_dtype)
-    assert target.storage == f"{kind} blocks"
+    assert target.storage == f"{kind} blocks"  # the vocabulary (97) does not tile
     oracle = type(model)(model.config).eval()
     oracle.load_state_dict(model.state_dict())
     with torch.no_grad():
         for module in oracle.modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) \
                     and gguf_blocks.tiles(tuple(module.weight.shape)):
-                module.weight.copy_(torch.as_tensor(np.array(
-                    gguf_blocks.quantize(module.weight.numpy(), kind).dequantized())))
+                vocabulary = module.weight.shape[0] == model.config.vocab_size
+                stored = gguf_blocks.quantize(module.weight.numpy(), "Q8_0" if vocabulary
+                                              else kind)
+                module.weight.copy_(torch.as_tensor(np.array(stored.dequantized())))
                 if isinstance(module, torch.nn.Linear):
                     module.register_forward_pre_hook(_round_input)
     float_model = type(model)(model.config).eval()
@@ -253,7 +281,7 @@ def test_block_checkpoints_reload_as_stored(tiny_gguf, hf_family, tmp_path):
     """A GGUF file's blocks (Q4_0, Q4_1 and Q8_0: kinds with and without minimums) and int4 /
     int4-sym storage of a float model, saved (`Target.save`, `eaglejax convert --quantize
     gguf|int4|int4-sym`), reload bit for bit without quantizing again, stay as saved under
-    "auto", "gguf" (and "int4" / "int4-sym" where all are Q4_1 / Q4_0), load onto a mesh,
+    "auto", "gguf" (and "int4" / "int4-sym" where the layers' are Q4_1 / Q4_0), load onto a mesh,
     and refuse another storage and a damaged manifest with one clear error each."""
     import json
 
@@ -283,8 +311,8 @@ def test_block_checkpoints_reload_as_stored(tiny_gguf, hf_family, tmp_path):
                 assert len(pairs) == len(jax.tree.leaves(want.params))
                 assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in pairs)
             np.testing.assert_array_equal(got.logits(ids), want.logits(ids))
-    assert blocks.storage == "Q4_0 + Q4_1 + Q8_0 blocks" and int4.storage == "Q4_1 blocks"
-    assert sym.storage == "Q4_0 blocks"
+    assert blocks.storage == "Q4_0 + Q4_1 + Q8_0 blocks"
+    assert int4.storage == "Q4_1 blocks" and sym.storage == "Q4_0 blocks"
     for directory, other in (("gguf-ck", "int4"), ("int4-ck", "int4-sym"),
                              ("int4-sym-ck", "int4")):
         with pytest.raises(InputError, match="already quantized"):

@@ -160,7 +160,7 @@ def _decode_on_meshes(directory: Path) -> None:
     # int4 through Target.on_mesh on tp=4: the 2 KV heads widened to 4 with their scales
     int4 = eaglejax.load_target(directory / "hf", weight_dtype="int4")
     placed = int4.on_mesh(eaglejax.make_mesh(tp=4, devices=devices[:4]))
-    assert placed.config.num_kv_heads == 4 and placed.storage == "Q4_1 blocks"
+    assert placed.config.num_kv_heads == 4 and placed.storage == "Q4_1 + Q8_0 blocks"
     all_split(placed, 4)
     assert tokens(placed) == tokens(int4)
     print("identical int4 tp=4 (KV heads widened)")

@@ -26,8 +26,8 @@ from eaglejax.loading.hub import ResolvedSource, named_errors, resolve_source
 from eaglejax.loading.weights import (
     FUSED_AXIS, Placer, Stored, fuse_matrix, fused_part, params_from_hf)
 from eaglejax.models.gguf_blocks import (
-    INT4_KINDS, KINDS, BlockMatrix, HostBlocks, PartsMatrix, kinds, pack, tiles)
-from eaglejax.models.llama import is_quantizing, param_info, store_matrix
+    INT4_KINDS, KINDS, VOCABULARY_KIND, BlockMatrix, HostBlocks, PartsMatrix, kinds, pack, tiles)
+from eaglejax.models.llama import is_quantizing, is_vocabulary, param_info, store_matrix
 from eaglejax.models.quantized import any_int8, is_int8
 from eaglejax.models.placement import TargetPlacement
 from eaglejax.native import build
@@ -121,7 +121,8 @@ def _stored_as_asked(target: Target, weight_dtype: WeightStorage | None, blocks_
         return isinstance(weight_dtype, jnp.dtype) and weight_dtype == jnp.int8
     name = "int4" if isinstance(weight_dtype, jnp.dtype) and weight_dtype == jnp.int4 \
         else weight_dtype
-    return blocks_asked or (name in INT4_KINDS and kept == [INT4_KINDS[name]])
+    layers = [kind for kind in kept if kind != VOCABULARY_KIND]  # 4-bit: vocabulary in 8
+    return blocks_asked or (name in INT4_KINDS and layers == [INT4_KINDS[name]])
 
 
 def _load(path_or_name: str | Path | ResolvedSource, dtype: jnp.dtype | str | None,
@@ -210,7 +211,7 @@ def _storing(config: ModelConfig, placement: TargetPlacement | None,
     def place(path: tuple, host: Any) -> Any:
         info = functools.reduce(operator.getitem, path, infos)
         if info.matrix and not is_int8(host):
-            host = store_matrix(host, quantize, host=True)
+            host = store_matrix(host, quantize, host=True, vocabulary=is_vocabulary(info))
         if placement is not None:
             return placement.place(path, host)
         return jax.tree.map(jnp.asarray, host)

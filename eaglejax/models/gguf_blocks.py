@@ -365,36 +365,46 @@ def pack(blocks: HostBlocks, host: bool = False) -> BlockMatrix:
 
 # `weight_dtype` names of 4-bit storage quantized from a float model -> the block kind kept
 INT4_KINDS = {"int4": "Q4_1", "int4-sym": "Q4_0"}
+# The kind 4-bit storage keeps a vocabulary matrix in (embedding, output head), as llama.cpp's
+# 4-bit files keep theirs in 8 bits or more: on SmolLM2 a 4-bit tied embedding alone took
+# teacher-forced top-1 agreement with float32 from 97% to 87% (BENCHMARKS.md, session 41).
+VOCABULARY_KIND = "Q8_0"
 
 
 def quantize(weight: Any, kind: str = "Q4_1", host: bool = False) -> BlockMatrix:
-    """`weight` [..., K] (`tiles`) in 4-bit blocks of 32, computed on the host in float32
+    """`weight` [..., K] (`tiles`) in blocks of 32, computed on the host in float32
     (`host`: `pack`'s). Q4_1 (weight_dtype "int4"), a scale and a minimum: per block
     m = min w, d = (max w - m) / 15, both rounded to float16 first, then
     q = round((w - m) / d) in [0, 15]; |w - (d q + m)| <= d / 2 plus float16's rounding of
     m. Q4_0 ("int4-sym"), a scale alone: w = d (q - 8) with q in [0, 15], d of either sign
     (float16) the smaller in size of max(hi / 7, -lo / 8) and -max(-lo / 7, hi / 8) (lo, hi:
     the block's extremes; llama.cpp takes extreme / -8, which may clip the other side by a
-    whole step), so |w - d (q - 8)| <= |d| / 2 up to float16's rounding of d."""
+    whole step), so |w - d (q - 8)| <= |d| / 2 up to float16's rounding of d. Q8_0 (4-bit
+    storage's vocabulary matrices, `VOCABULARY_KIND`): w = d q, d = max |w| / 127 (float16),
+    q in [-127, 127]."""
     w = np.asarray(jax.device_get(weight), np.float32)
-    if kind not in INT4_KINDS.values():
-        raise ValueError(f"4-bit storage of a float matrix is Q4_1 or Q4_0, got {kind!r}")
+    if kind not in (*INT4_KINDS.values(), VOCABULARY_KIND):
+        raise ValueError(f"block storage of a float matrix is Q4_1, Q4_0 or Q8_0, got {kind!r}")
     if not tiles(w.shape):
-        raise ValueError(f"4-bit storage needs rows in multiples of {TILE} and a last dim in "
+        raise ValueError(f"block storage needs rows in multiples of {TILE} and a last dim in "
                          f"multiples of {BLOCK}, got a matrix {w.shape}")
     blocks = w.reshape(*w.shape[:-1], -1, BLOCK)
     low, high = blocks.min(axis=-1), blocks.max(axis=-1)
+    mins, top = None, 15
     if kind == "Q4_1":
         mins = low.astype(np.float16)
         scales = ((high - low) / np.float32(15)).astype(np.float16)
         base = mins.astype(np.float32)[..., None]
-    else:
+    elif kind == "Q4_0":
         up, down = np.maximum(high / 7, -low / 8), np.maximum(-low / 7, high / 8)
-        scales, mins = np.where(down < up, -down, up).astype(np.float16), None
+        scales = np.where(down < up, -down, up).astype(np.float16)
         base = np.float32(-8) * scales.astype(np.float32)[..., None]
+    else:  # Q8_0, kept as q + 128
+        scales = (np.maximum(high, -low) / np.float32(127)).astype(np.float16)
+        base, top = np.float32(-128) * scales.astype(np.float32)[..., None], 255
     step = scales.astype(np.float32)[..., None]
     q = np.rint((blocks - base) / np.where(step == 0, 1, step))
-    q = np.clip(q, 0, 15).astype(np.uint8).reshape(w.shape)
+    q = np.clip(q, 0, top).astype(np.uint8).reshape(w.shape)
     return pack(HostBlocks(KINDS[kind], q, scales, mins), host)
 
 

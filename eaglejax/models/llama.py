@@ -126,16 +126,24 @@ def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.floa
     return random_params(param_info(config), key, dtype, scale)
 
 
-def store_matrix(leaf: Any, dtype: Any, host: bool = False) -> Any:
+def store_matrix(leaf: Any, dtype: Any, host: bool = False, vocabulary: bool = False) -> Any:
     """One matrix stored in `dtype` (`WeightStorage`): int8 `quantized.quantize`, int4 and
-    "int4-sym" `gguf_blocks.quantize` (Q4_1, Q4_0) where its shape tiles (`host`: their
+    "int4-sym" `gguf_blocks.quantize` (Q4_1, Q4_0; a `vocabulary` matrix, the embedding or
+    an output head, in `gguf_blocks.VOCABULARY_KIND`) where its shape tiles (`host`: their
     arrays kept on the host), else as it is; a float dtype cast."""
     if isinstance(dtype, str) and dtype in gguf_blocks.INT4_KINDS or dtype == jnp.int4:
-        kind = gguf_blocks.INT4_KINDS[dtype if isinstance(dtype, str) else "int4"]
+        kind = gguf_blocks.VOCABULARY_KIND if vocabulary else \
+            gguf_blocks.INT4_KINDS[dtype if isinstance(dtype, str) else "int4"]
         return gguf_blocks.quantize(leaf, kind, host) if gguf_blocks.tiles(leaf.shape) else leaf
     if jnp.dtype(dtype) == jnp.int8:
         return quantized.quantize(leaf, host) if quantized.tiles(leaf.shape) else leaf
     return leaf.astype(dtype)
+
+
+def is_vocabulary(info: ParamInfo) -> bool:
+    """Whether `info` is a matrix over a vocabulary (embedding, output head, a draft head's
+    output over its draft vocabulary), which 4-bit storage keeps in 8 bits."""
+    return info.matrix and any(axis in ("vocab", "draft_vocab") for axis in info.axes)
 
 
 def is_quantizing(dtype: Any) -> bool:
@@ -153,7 +161,8 @@ def store_matrices(infos: Params, params: Params, dtype: Any,
     def store(path: Any, info: ParamInfo, leaf: jax.Array) -> Any:
         if not info.matrix:
             return leaf
-        stored = store_matrix(leaf, dtype, host=place is not None)
+        stored = store_matrix(leaf, dtype, host=place is not None,
+                              vocabulary=is_vocabulary(info))
         if place is None or not isinstance(stored, QuantizedMatrix):
             return stored
         return place(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path), stored)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -35,7 +34,7 @@ from eaglejax.draft import head
 from eaglejax.draft.config import DraftConfig
 from eaglejax.models import kv_cache
 from eaglejax.models import gguf_blocks, quantized
-from eaglejax.models.llama import is_param_info, param_info
+from eaglejax.models.llama import ParamInfo, is_param_info, is_vocabulary, param_info
 from eaglejax.models.placement import TargetPlacement
 from eaglejax.programs import hlo
 from eaglejax.programs.reference import eagle3_head
@@ -52,32 +51,37 @@ def _abstract(shape: Sequence[int], dtype: Any, sharding: NamedSharding) -> jax.
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
 
 
-QUANTIZED = {"int8": quantized.Int8Matrix.abstract,  # weight_dtype -> abstract storage
-             "int4": functools.partial(gguf_blocks.BlockMatrix.abstract, kind="Q4_1")}
+QUANTIZED = ("int8", *gguf_blocks.INT4_KINDS)  # the weight_dtype names exported quantized
 
 
-def _quantized(weight_dtype: str, shape: tuple[int, ...]) -> quantized.QuantizedMatrix:
-    """A matrix of `shape` stored as `weight_dtype` ("int8" or "int4", as
-    `models.llama.store_matrices` stores it) in shape structs, flat, as a loaded model holds
-    it."""
-    return jax.eval_shape(lambda m: m.restored(), QUANTIZED[weight_dtype](shape))
+def _quantized(weight_dtype: str, info: ParamInfo) -> quantized.QuantizedMatrix:
+    """The matrix `info` stored as `weight_dtype` (one of `QUANTIZED`, as
+    `models.llama.store_matrix` stores it: 4-bit storage keeps vocabulary matrices in
+    `gguf_blocks.VOCABULARY_KIND`) in shape structs, flat, as a loaded model holds it."""
+    if weight_dtype == "int8":
+        stored = quantized.Int8Matrix.abstract(info.shape)
+    else:
+        kind = gguf_blocks.VOCABULARY_KIND if is_vocabulary(info) \
+            else gguf_blocks.INT4_KINDS[weight_dtype]
+        stored = gguf_blocks.BlockMatrix.abstract(info.shape, kind)
+    return jax.eval_shape(lambda m: m.restored(), stored)
 
 
 def abstract_params(config: ModelConfig, mesh: Mesh, dtype: Any = jnp.bfloat16,
                     weight_dtype: str | None = None) -> tuple[ModelConfig, Any]:
     """The target as placed on `mesh` (KV heads widened where tp exceeds them) and its
     parameters as shape structs in their shardings (`TargetPlacement`). `weight_dtype`
-    "int8" or "int4" stores the matrices that tile as `Target.with_weight_dtype` does
-    (`models.quantized`, `models.gguf_blocks` Q4_1 blocks), split as
+    "int8", "int4" or "int4-sym" stores the matrices that tile as `Target.with_weight_dtype`
+    does (`models.quantized`, `models.gguf_blocks` Q4_1 / Q4_0 blocks), split as
     `TargetPlacement.place_quantized` splits them."""
     placement = TargetPlacement.plan(config, mesh)
     if weight_dtype not in (None, *QUANTIZED):
-        raise ValueError(f"weight_dtype must be None, 'int8' or 'int4', got {weight_dtype!r}")
+        raise ValueError(f"weight_dtype must be None or one of {QUANTIZED}, got {weight_dtype!r}")
 
     def leaf(path, info):
         keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
         if weight_dtype and info.matrix and quantized.tiles(info.shape):
-            split = jax.eval_shape(lambda m: m.split(), _quantized(weight_dtype, info.shape))
+            split = jax.eval_shape(lambda m: m.split(), _quantized(weight_dtype, info))
             arrays = split.tree_flatten()[0]
             where = placement.quantized_shardings(keys, split)
             return split.rebuilt([_abstract(a.shape, a.dtype, s) for a, s in zip(arrays, where)],
@@ -92,10 +96,11 @@ def abstract_draft(draft_config: DraftConfig, mesh: Mesh, dtype: Any = jnp.bfloa
                    weight_dtype: Any = None) -> tuple[Any, jax.ShapeDtypeStruct]:
     """A draft head's parameters and d2t table as shape structs, replicated on `mesh` (as
     `Draft.for_target` places a head). `weight_dtype` stores its matrices as
-    `Draft.with_weight_dtype` does: "int8" or "int4" those that tile (flat storage), a float
+    `Draft.with_weight_dtype` does: one of `QUANTIZED` those that tile (flat storage), a float
     dtype all of them; None: in `dtype`. Norms and other vectors keep `dtype`."""
     everywhere = NamedSharding(mesh, PartitionSpec())
-    stored = None if weight_dtype is None else jnp.dtype(weight_dtype).name
+    stored = weight_dtype if weight_dtype in QUANTIZED or weight_dtype is None \
+        else jnp.dtype(weight_dtype).name
 
     def leaf(info):
         if not info.matrix:
@@ -104,7 +109,7 @@ def abstract_draft(draft_config: DraftConfig, mesh: Mesh, dtype: Any = jnp.bfloa
             if not quantized.tiles(info.shape):
                 return _abstract(info.shape, dtype, everywhere)
             return jax.tree.map(lambda a: _abstract(a.shape, a.dtype, everywhere),
-                                _quantized(stored, info.shape))
+                                _quantized(stored, info))
         return _abstract(info.shape, stored or dtype, everywhere)
 
     params = jax.tree.map(leaf, head.param_info(draft_config), is_leaf=is_param_info)

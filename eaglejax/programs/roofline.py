@@ -146,11 +146,15 @@ class WeightBytes:
 def _stored_bytes(info: llama.ParamInfo, storage: str) -> float:
     """Bytes of one parameter in `storage` as the library stores it: int8 1 a weight and a
     float32 scale per output row, int4 5/8 a weight (4-bit values, a float16 scale and
-    minimum per 32); vectors, and matrices whose shape does not tile, 2 a weight."""
+    minimum per 32) but vocabulary matrices 34/32 (Q8_0: 8-bit values and a float16 scale
+    per 32, `llama.is_vocabulary`); vectors, and matrices whose shape does not tile, 2 a
+    weight."""
     n = math.prod(info.shape)
     if not info.matrix or storage == "bfloat16" or not quantized.tiles(info.shape):
         return STORAGE_BYTES * n
-    return n + 4 * (n // info.shape[-1]) if storage == "int8" else n * 5 / 8
+    if storage == "int8":
+        return n + 4 * (n // info.shape[-1])
+    return n * 34 / 32 if llama.is_vocabulary(info) else n * 5 / 8
 
 
 def weight_bytes(config: ModelConfig, storage: str = "bfloat16", params: Any = None
