@@ -276,3 +276,30 @@ def test_quantizing_at_load_reads_no_float_matrix_onto_a_device(hf_family, targe
         seen.clear()
         target_of("llama").on_mesh(eaglejax.make_mesh(tp=1, dp=1)).with_weight_dtype(weight_dtype)
         assert seen and all(host for _, host in seen)
+
+
+def test_a_quantized_checkpoint_is_read_to_the_host_for_a_mesh(target_of, tmp_path,
+                                                               monkeypatch):
+    """A quantized checkpoint loaded onto a mesh is read into host memory and split from
+    there (no device holds the whole model first), and decodes as the target it saved."""
+    from eaglejax.loading import checkpoint
+
+    target = target_of("llama").with_weight_dtype("int8")
+    target.save(str(tmp_path / "ck"))
+    read = []
+    original = checkpoint.restore_tree
+
+    def recording(directory, abstract):
+        tree = original(directory, abstract)
+        read.extend(type(leaf) for leaf in jax.tree.leaves(tree))
+        return tree
+
+    monkeypatch.setattr(checkpoint, "restore_tree", recording)
+    on_mesh = eaglejax.load_target(str(tmp_path / "ck"), mesh=eaglejax.make_mesh(tp=1, dp=1))
+    assert read and set(read) == {np.ndarray}
+    assert on_mesh.mesh is not None and on_mesh.storage == target.storage
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(on_mesh.params))
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    want, got = (eaglejax.generate(prompts, target=t, max_new_tokens=8, ignore_eos=True)
+                 for t in (target, on_mesh))
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]

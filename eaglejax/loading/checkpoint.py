@@ -21,6 +21,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
@@ -80,7 +81,8 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None = Non
     `mesh`, each parameter is read straight into its sharding there (orbax reads only each
     device's slice) unless the model's KV heads must be widened for the mesh first or the
     matrices are quantized (saved `flat`, split on a mesh: `eaglejax.models.placement`):
-    then the caller places them."""
+    then they are read into host memory (numpy) and the caller places them, so that no
+    device holds the whole model."""
     manifest = read_json(path / MANIFEST)
     if manifest.get("format") != FORMAT:
         raise LoadError(f"{path / MANIFEST}: format is {manifest.get('format')!r}, "
@@ -110,12 +112,12 @@ def load_checkpoint(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None = Non
 
     abstract = jax.tree_util.tree_map_with_path(stored, param_info(config),
                                                 is_leaf=is_param_info)
-    if mesh is not None and not int8:  # quantized matrices: the caller splits them
-        if TargetPlacement.plan(config, mesh).factor == 1:
-            where = shardings(mesh, logical_axes(config), abstract)
-            abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                                      sharding=s),
-                                    abstract, where)
+    if mesh is not None and not int8 and TargetPlacement.plan(config, mesh).factor == 1:
+        where = shardings(mesh, logical_axes(config), abstract)
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                abstract, where)
+    elif mesh is not None:  # the caller splits them: read to the host, never whole on a device
+        abstract = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
     params: Params = _blocks_as(restore_tree(path / "params", abstract), "restored")
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
         params = jax.tree.map(lambda a: a if is_int8(a) else a.astype(dtype), params,
