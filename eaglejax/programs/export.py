@@ -99,8 +99,8 @@ def abstract_draft(draft_config: DraftConfig, mesh: Mesh, dtype: Any = jnp.bfloa
     `Draft.with_weight_dtype` does: one of `QUANTIZED` those that tile (flat storage), a float
     dtype all of them; None: in `dtype`. Norms and other vectors keep `dtype`."""
     everywhere = NamedSharding(mesh, PartitionSpec())
-    stored = weight_dtype if weight_dtype in QUANTIZED or weight_dtype is None \
-        else jnp.dtype(weight_dtype).name
+    stored = weight_dtype if weight_dtype is None or isinstance(weight_dtype, str) \
+        and weight_dtype in QUANTIZED else jnp.dtype(weight_dtype).name
 
     def leaf(info):
         if not info.matrix:
