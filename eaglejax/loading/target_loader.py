@@ -26,8 +26,9 @@ from eaglejax.loading.hub import ResolvedSource, named_errors, resolve_source
 from eaglejax.loading.weights import (
     FUSED_AXIS, Placer, Stored, fuse_matrix, fused_part, params_from_hf)
 from eaglejax.models.gguf_blocks import (
-    INT4_KINDS, KINDS, VOCABULARY_KIND, BlockMatrix, HostBlocks, PartsMatrix, kinds, pack, tiles)
-from eaglejax.models.llama import is_quantizing, is_vocabulary, param_info, store_matrix
+    KINDS, VOCABULARY_KIND, BlockMatrix, HostBlocks, PartsMatrix, kinds, pack, tiles)
+from eaglejax.models.llama import (
+    four_bit_kind, is_quantizing, is_vocabulary, param_info, store_matrix)
 from eaglejax.models.quantized import any_int8, is_int8
 from eaglejax.models.placement import TargetPlacement
 from eaglejax.native import build
@@ -119,10 +120,9 @@ def _stored_as_asked(target: Target, weight_dtype: WeightStorage | None, blocks_
     kept = kinds(target.params)
     if not kept:
         return isinstance(weight_dtype, jnp.dtype) and weight_dtype == jnp.int8
-    name = "int4" if isinstance(weight_dtype, jnp.dtype) and weight_dtype == jnp.int4 \
-        else weight_dtype
     layers = [kind for kind in kept if kind != VOCABULARY_KIND]  # 4-bit: vocabulary in 8
-    return blocks_asked or (name in INT4_KINDS and layers == [INT4_KINDS[name]])
+    asked = None if weight_dtype is None else four_bit_kind(weight_dtype)
+    return blocks_asked or (asked is not None and layers == [asked])
 
 
 def _load(path_or_name: str | Path | ResolvedSource, dtype: jnp.dtype | str | None,

@@ -126,14 +126,22 @@ def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.floa
     return random_params(param_info(config), key, dtype, scale)
 
 
+def four_bit_kind(dtype: Any) -> str | None:
+    """The block kind 4-bit storage `dtype` keeps layer matrices in (int4: Q4_1, "int4-sym":
+    Q4_0: `gguf_blocks.INT4_KINDS`); None for any other storage."""
+    if isinstance(dtype, str):
+        return gguf_blocks.INT4_KINDS.get(dtype)
+    return gguf_blocks.INT4_KINDS["int4"] if jnp.dtype(dtype) == jnp.int4 else None
+
+
 def store_matrix(leaf: Any, dtype: Any, host: bool = False, vocabulary: bool = False) -> Any:
     """One matrix stored in `dtype` (`WeightStorage`): int8 `quantized.quantize`, int4 and
-    "int4-sym" `gguf_blocks.quantize` (Q4_1, Q4_0; a `vocabulary` matrix, the embedding or
-    an output head, in `gguf_blocks.VOCABULARY_KIND`) where its shape tiles (`host`: their
+    "int4-sym" `gguf_blocks.quantize` (`four_bit_kind`; a `vocabulary` matrix, the embedding
+    or an output head, in `gguf_blocks.VOCABULARY_KIND`) where its shape tiles (`host`: their
     arrays kept on the host), else as it is; a float dtype cast."""
-    if isinstance(dtype, str) and dtype in gguf_blocks.INT4_KINDS or dtype == jnp.int4:
-        kind = gguf_blocks.VOCABULARY_KIND if vocabulary else \
-            gguf_blocks.INT4_KINDS[dtype if isinstance(dtype, str) else "int4"]
+    kind = four_bit_kind(dtype)
+    if kind is not None:
+        kind = gguf_blocks.VOCABULARY_KIND if vocabulary else kind
         return gguf_blocks.quantize(leaf, kind, host) if gguf_blocks.tiles(leaf.shape) else leaf
     if jnp.dtype(dtype) == jnp.int8:
         return quantized.quantize(leaf, host) if quantized.tiles(leaf.shape) else leaf
@@ -148,8 +156,7 @@ def is_vocabulary(info: ParamInfo) -> bool:
 
 def is_quantizing(dtype: Any) -> bool:
     """Whether storing a matrix in `dtype` quantizes it (int8, int4, "int4-sym")."""
-    return isinstance(dtype, str) and dtype in gguf_blocks.INT4_KINDS or \
-        jnp.dtype(dtype) in (jnp.int8, jnp.int4)
+    return four_bit_kind(dtype) is not None or jnp.dtype(dtype) == jnp.int8
 
 
 def store_matrices(infos: Params, params: Params, dtype: Any,
