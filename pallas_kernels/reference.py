@@ -24,12 +24,14 @@ def tree_attention_reference(
     *,
     scale: float | None = None,
     kv_layout: KVLayout = "bshd",
+    cache_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of new queries over a per-row cached prefix plus the masked new tokens.
 
     q [B,T,Hq,D]; k_cache/v_cache [B,S,Hkv,D] (or [B,Hkv,S,D] with kv_layout="bhsd");
     cache_lengths [B] int32; k_new/v_new [B,T,Hkv,D]; mask [B,T,T] bool. Query t of row b
-    attends to cache positions < cache_lengths[b] and to new position j iff mask[b,t,j].
+    attends to cache positions < cache_lengths[b] (and, given `cache_mask` [B,T,S] bool,
+    where cache_mask[b,t] allows) and to new position j iff mask[b,t,j].
     Returns [B,T,Hq,D] in q's dtype; everything is computed in float32, the softmax over both parts
     jointly, without concatenating the cache and the new keys (no cache copy).
     """
@@ -53,8 +55,11 @@ def tree_attention_reference(
     # in their stored layout (no transposed copy of the cache).
     scores_cache = jnp.einsum(f"{cache_dims},bkqd->bksq", k_cache, queries) * scale
     scores_new = jnp.einsum("bskd,bkqd->bksq", k_new, queries) * scale
-    cache_visible = jnp.arange(s_cache)[None, :] < cache_lengths[:, None]
-    scores_cache = jnp.where(cache_visible[:, None, :, None], scores_cache, -jnp.inf)
+    cache_visible = (jnp.arange(s_cache)[None, :] < cache_lengths[:, None])[..., None]
+    if cache_mask is not None:  # [B,S,T*G], as the scores lay the queries out
+        cache_visible = cache_visible & jnp.repeat(jnp.swapaxes(cache_mask.astype(bool), 1, 2),
+                                                   group, axis=2)
+    scores_cache = jnp.where(cache_visible[:, None], scores_cache, -jnp.inf)
     new_visible = jnp.repeat(jnp.swapaxes(mask.astype(bool), 1, 2), group, axis=2)  # [B,key,T*G]
     scores_new = jnp.where(new_visible[:, None], scores_new, -jnp.inf)
 

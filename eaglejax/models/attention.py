@@ -41,12 +41,22 @@ def resolve_impl(impl: str) -> str:
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_lengths: jax.Array,
               k_new: jax.Array, v_new: jax.Array, mask: jax.Array, *,
               impl: AttentionImpl = "auto", tables: jax.Array | None = None,
-              staged: bool = False) -> jax.Array:
+              staged: bool = False, cache_mask: jax.Array | None = None) -> jax.Array:
     """Queries q [B,T,Hq,D] over the cached prefix (k/v_cache [B,Hkv,S,D], lengths [B]) plus
     the new K/V [B,T,Hkv,D] under mask [B,T,T]. A cache of more rows than q (a serving
     batch's slots, of which the first B run) is read in place by the native kernel and
     sliced to B rows for the other paths. With block `tables` [B',W] (B' >= B), k/v_cache
-    are a paged cache's pools [N,Hkv,BS,D] (`kv_cache.KVCache`); see `paged_attention`."""
+    are a paged cache's pools [N,Hkv,BS,D] (`kv_cache.KVCache`); see `paged_attention`.
+    `cache_mask` [B,T,S] hides cache keys from some queries besides the lengths (a DFlash
+    layer's sliding window): only the XLA reference takes one, so it runs whatever `impl`
+    says, over a contiguous cache."""
+    if cache_mask is not None:
+        if tables is not None:
+            raise ValueError("a cache mask needs a contiguous cache, not a paged one")
+        rows = q.shape[0]
+        return pallas_kernels.tree_attention_reference(
+            q, k_cache[:rows], v_cache[:rows], cache_lengths, k_new, v_new, mask,
+            kv_layout="bhsd", cache_mask=cache_mask)
     if tables is not None:
         return paged_attention(q, k_cache, v_cache, cache_lengths, tables, k_new, v_new, mask,
                                impl=impl, staged=staged)

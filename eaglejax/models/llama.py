@@ -357,13 +357,14 @@ def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax
                   layer: Params, k_cache: jax.Array, v_cache: jax.Array,
                   cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl,
                   attn_input: jax.Array | None = None, stage: bool = True,
-                  tables: jax.Array | None = None):
+                  tables: jax.Array | None = None, cache_mask: jax.Array | None = None):
     """One pre-norm decoder layer over residual h [B,T,H]; returns (h, k, v, k_buf, v_buf).
     `attn_input`: see `qkv_block`. On CPU, a few new tokens over a cache take the attention
     step (rotation, staging, attention) in one native call. `stage=False` leaves the cache
     as it is (k_buf, v_buf are the caches given): for a caller that drops the staged cache,
     which would otherwise cost XLA a copy of the cache for each call that writes it. With
-    block `tables`, k/v_cache are a paged cache's pools (`kv_cache.KVCache`)."""
+    block `tables`, k/v_cache are a paged cache's pools (`kv_cache.KVCache`). `cache_mask`
+    [B,T,S]: cache keys each query may see besides the lengths (`attention`)."""
     qkv = qkv_block(config, h, layer, attn_input)
 
     def attention_step(qkv, cos, sin, k_cache, v_cache, cache_lengths, mask, tables=None):
@@ -376,7 +377,7 @@ def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax
             k_cache = stage_rows(k_cache, k, cache_lengths, tables)
             v_cache = stage_rows(v_cache, v, cache_lengths, tables)
         attn = attention(q, k_cache, v_cache, cache_lengths, k, v, mask, impl=impl,
-                         tables=tables, staged=staged)
+                         tables=tables, staged=staged, cache_mask=cache_mask)
         return attn, k_cache, v_cache, k, v
 
     def paged_step(qkv, cos, sin, k_pool, v_pool, cache_lengths, tables, mask):
@@ -384,7 +385,7 @@ def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax
 
     args = (qkv, rope[0][:, :, 0], rope[1][:, :, 0], k_cache, v_cache, cache_lengths)
     if not (stage and not config.qk_norm and resolve_impl(impl) != "pallas"
-            and cache_attention.rope_applies(qkv, k_cache)):
+            and cache_mask is None and cache_attention.rope_applies(qkv, k_cache)):
         attn, k_cache, v_cache, k, v = attention_step(*args, mask, tables)
     elif tables is None:
         attn, k_cache, v_cache, k, v = cache_attention.rope_attention(
@@ -399,7 +400,8 @@ def decoder_layer(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax
 def decoder_layer_call(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h: jax.Array,
                        layer: Params, k_cache: jax.Array, v_cache: jax.Array,
                        cache_lengths: jax.Array, mask: jax.Array, impl: AttentionImpl,
-                       kernels: bool, stage: bool = True, tables: jax.Array | None = None):
+                       kernels: bool, stage: bool = True, tables: jax.Array | None = None,
+                       cache_mask: jax.Array | None = None):
     """`decoder_layer` as a nested program: a model's layers share one shape, so a forward
     traces one layer and calls it per layer (30x less tracing for SmolLM2; XLA inlines the
     calls, so the program runs as the unrolled one). `kernels` (`native.kernels_allowed()`)
@@ -407,7 +409,7 @@ def decoder_layer_call(config: ModelConfig, rope: tuple[jax.Array, jax.Array], h
     swaps a function or constant the layer reads calls `decoder_layer_call.clear_cache()`."""
     del kernels
     return decoder_layer(config, rope, h, layer, k_cache, v_cache, cache_lengths, mask, impl,
-                         stage=stage, tables=tables)
+                         stage=stage, tables=tables, cache_mask=cache_mask)
 
 
 def rope_for(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
