@@ -12,8 +12,18 @@ from which every layer takes that position's key and value directly (`k_norm(k_p
 rotated at the position, `v_proj(ctx)`; no input norm, and the layers never update ctx): the
 drafter's cache holds those context keys and values (`context_kv`). A round fills one block:
 the last accepted token, then `block_size - 1` mask tokens, at the positions after the
-context; each block token sees the whole context and the whole block (no causal mask), and
-slots 1.. propose the next `block_size - 1` tokens at once (`block_logits`).
+context, and slots 1.. propose the next `block_size - 1` tokens at once (`block_logits`).
+
+What a block query sees is each layer's (`DraftConfig.layer_attention`, read from the
+layouts' `layer_types`: `formats.dflash`). A plain ("full_attention") layer: the whole
+context and the whole block. A causal layer: no block key after the query. A layer with a
+sliding window w: no key, context or block, w or more positions before the query, and, when
+not causal, none w or more after it (`visible`). That is z-lab's rule (their reference
+`dflash/model.py`), and what vLLM and SGLang run (a per-query window of w - 1 keys back,
+and forward too when not causal, e.g. flash-attention's `window_size`); speculators' trainer
+windows the context relative to the block's anchor instead (its keys from anchor - w on, for
+every slot), which shows a slot up to `block_size` keys more or fewer at the window's edge.
+The cache's slot p holds position p (a drafter's context starts at position 0).
 """
 
 from __future__ import annotations
@@ -21,11 +31,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from eaglejax.draft.config import DraftConfig
+from eaglejax import native
+from eaglejax.draft.config import DraftConfig, LayerAttention
 from eaglejax.models.attention import AttentionImpl
 from eaglejax.models.kv_cache import KVCache
 from eaglejax.models.llama import (
-    ParamInfo, Params, compute_dtype, forward, linear, lm_head,
+    ParamInfo, Params, compute_dtype, decoder_layer_call, embedding_rows, linear, lm_head,
     param_info as decoder_info, rms_norm, rope_for)
 from eaglejax.models.rope import apply_rope
 
@@ -89,20 +100,45 @@ def context_kv(params: Params, config: DraftConfig, features: jax.Array,
     return tuple(keys), tuple(values)
 
 
+def visible(kind: LayerAttention, query_positions: jax.Array,
+            key_positions: jax.Array) -> jax.Array:
+    """Which keys queries see in a layer of `kind` (module docstring): [..., Q, K] bool from
+    query positions [..., Q] and key positions [..., K]."""
+    ahead = key_positions[..., None, :] - query_positions[..., :, None]  # > 0: key after
+    seen = jnp.ones(ahead.shape, bool)
+    if kind.causal:
+        seen &= ahead <= 0
+    if kind.window is not None:
+        seen &= -ahead < kind.window
+        if not kind.causal:
+            seen &= ahead < kind.window
+    return seen
+
+
 def block_logits(params: Params, config: DraftConfig, target_params: Params,
                  tokens: jax.Array, positions: jax.Array, cache: KVCache,
                  attn_impl: AttentionImpl = "auto") -> tuple[jax.Array, KVCache]:
     """Draft-vocabulary logits [B,T-1,DV] (`readout`; DV = V for a full-vocabulary
     drafter) proposed by block slots 1.. for a block of tokens [B,T] (the last accepted
     token, then mask tokens) at positions [B,T], over the context keys and values in
-    `cache` (every block token sees the whole context and the block);
-    and the cache with the block's rows staged past its valid prefix (lengths unchanged:
-    keeping it rather than the input spares a copy of the cache)."""
-    batch, width = tokens.shape
-    model = {"embed": target_params["embed"], "layers": params["layers"],
-             "final_norm": params["final_norm"]}
-    everywhere = jnp.ones((batch, width, width), bool)
-    out = forward(model, config.decoder, tokens, positions, cache, mask=everywhere,
-                  attn_impl=attn_impl)
-    return readout(params, config, target_params, out.hidden[:, 1:]), out.cache
-
+    `cache`, each layer's queries seeing what its kind lets them (`visible`); and the
+    cache with the block's rows staged past its valid prefix (lengths unchanged: keeping it
+    rather than the input spares a copy of the cache). A windowed layer's attention takes
+    the XLA path, the only one that hides cache keys by position (`attention`)."""
+    d = config.decoder
+    rope = rope_for(d, positions)
+    h = embedding_rows(target_params["embed"], tokens, compute_dtype(params))
+    slots = jnp.arange(cache.k[0].shape[2])
+    k_bufs, v_bufs = [], []
+    for i, (layer, k_cache, v_cache) in enumerate(zip(params["layers"], cache.k, cache.v)):
+        kind = config.layer(i)
+        context = None if kind.window is None else visible(kind, positions, slots)
+        h, _, _, k_buf, v_buf = decoder_layer_call(
+            d, rope, h, layer, k_cache, v_cache, cache.lengths,
+            visible(kind, positions, positions), attn_impl, native.kernels_allowed(),
+            tables=cache.tables, cache_mask=context)
+        k_bufs.append(k_buf)
+        v_bufs.append(v_buf)
+    hidden = rms_norm(h, params["final_norm"], d.rms_norm_eps)
+    staged = KVCache(tuple(k_bufs), tuple(v_bufs), cache.lengths, cache.tables)
+    return readout(params, config, target_params, hidden[:, 1:]), staged
