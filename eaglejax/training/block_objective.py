@@ -6,7 +6,9 @@ An anchor a is a supervised position whose successor is supervised in the same s
 of decoding drafts after committing x_a: the tokens [x_a, mask x (block_size - 1)] at
 positions pos_a .. pos_a + block_size - 1, every block token seeing the context keys and
 values of its segment's positions strictly before a (x_a's own target features do not
-exist yet at decoding time) and the whole block. Slot k >= 1 proposes x_{a+k}; it is
+exist yet at decoding time) and the whole block, or, in a typed layer, what its kind lets it
+see of them (`dflash.visible` over the tokens' positions, as decoding runs it). Slot k >= 1
+proposes x_{a+k}; it is
 supervised by the target's distribution at a+k-1 (KL divergence, as speculators trains
 DFlash), weighted exp(-(k-1)/gamma), where a+k is supervised and in a's segment. A
 drafter with a reduced vocabulary is supervised by that distribution restricted to its
@@ -22,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from eaglejax.draft.config import DraftConfig
-from eaglejax.draft.dflash import context_kv
+from eaglejax.draft.dflash import context_kv, visible
 from eaglejax.draft.head import head_logits
 from eaglejax.models.llama import (
     Params, attention_output_and_mlp, compute_dtype, embedding_rows, qkv_projection,
@@ -75,9 +77,14 @@ def anchored_blocks(params: Params, config: DraftConfig, target_params: Params,
         blocks = jnp.broadcast_to(blocks, (n_rows, n_anchors, size, size, *x.shape[2:]))
         return blocks.reshape(n_rows, n_anchors * size, size, *x.shape[2:])
 
-    for layer, k_ctx, v_ctx in zip(params["layers"], keys, values):
+    for i, (layer, k_ctx, v_ctx) in enumerate(zip(params["layers"], keys, values)):
+        kind = config.layer(i)
+        seen, in_block = context_mask, None
+        if not kind.plain:  # positions: the context's own, and each query's block slots'
+            seen = context_mask & visible(kind, positions, batch.positions)
+            in_block = jnp.tile(visible(kind, slots, slots), (n_anchors, 1))[None]  # [1,Q,size]
         q, k, v = qkv_projection(d, rope, h, layer)
-        attn = ttt_attention(q, k_ctx, v_ctx, context_mask, own_block(k), own_block(v))
+        attn = ttt_attention(q, k_ctx, v_ctx, seen, own_block(k), own_block(v), in_block)
         h = attention_output_and_mlp(d, h, layer, attn)
     hidden = rms_norm(h, params["final_norm"], d.rms_norm_eps)
     return hidden.reshape(n_rows, n_anchors, size, -1)

@@ -84,9 +84,11 @@ def target_signal(target_params: Params, target_config: ModelConfig, batch: Batc
 
 
 def ttt_attention(q: jax.Array, k0: jax.Array, v0: jax.Array, mask: jax.Array,
-                  k_diag: jax.Array, v_diag: jax.Array) -> jax.Array:
+                  k_diag: jax.Array, v_diag: jax.Array,
+                  diag_mask: jax.Array | None = None) -> jax.Array:
     """Query t [B,T,Hq,D] attends to k0/v0 [B,S,Hkv,D] where mask [B,T,S] allows and to its
-    own n keys k_diag/v_diag [B,T,n,Hkv,D]; one float32 softmax over both; [B,T,Hq,D]."""
+    own n keys k_diag/v_diag [B,T,n,Hkv,D] (those diag_mask [B,T,n] allows, if given); one
+    float32 softmax over both; [B,T,Hq,D]."""
     batch, length, n_heads, head_dim = q.shape
     n_kv = k0.shape[2]
     f32 = jnp.float32
@@ -94,6 +96,8 @@ def ttt_attention(q: jax.Array, k0: jax.Array, v0: jax.Array, mask: jax.Array,
     scores0 = jnp.einsum("btkgd,bskd->bkgts", q, k0.astype(f32))
     scores0 = jnp.where(mask[:, None, None], scores0, -jnp.inf)
     scores_diag = jnp.einsum("btkgd,btnkd->bkgtn", q, k_diag.astype(f32))
+    if diag_mask is not None:
+        scores_diag = jnp.where(diag_mask[:, None, None], scores_diag, -jnp.inf)
     weights = jax.nn.softmax(jnp.concatenate([scores0, scores_diag], axis=-1), axis=-1)
     shared = k0.shape[1]
     out = (jnp.einsum("bkgts,bskd->btkgd", weights[..., :shared], v0.astype(f32))
