@@ -6,13 +6,18 @@ composed with torch's fc, norms and rotary tables into one block proposal the wa
 public inference loops run it (the last accepted token, then mask tokens, at the positions
 after the context, every block token seeing the context and the whole block). A random
 drafter saved in the z-lab layout and in the speculators layout loads through
-`load_draft` and proposes the oracle's logits within float32 noise units. Greedy DFlash
-speculation is plain decoding; sampled output follows the target's exact distribution;
-the layouts' mistakes are refused in one line.
+`load_draft` and proposes the oracle's logits within float32 noise units. So does one whose
+layers are typed (a sliding layer with a window of 4 over 9 context tokens and a block of
+6, then a full one), its layers run under speculators' own block mask
+(`create_anchor_block_mask_mod`: which layers are causal in the block) and the per-query
+window of z-lab's published rule (reimplemented here: `_z_lab_window`). Greedy DFlash
+speculation is plain decoding, with typed layers too; sampled output follows the target's
+exact distribution; the layouts' mistakes are refused in one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -22,6 +27,7 @@ import pytest
 import eaglejax
 from eaglejax import ConfigError, SpecConfig
 from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.draft.config import LayerAttention
 from eaglejax.draft.dflash import block_logits, context_kv
 from eaglejax.draft.draft import new_dflash_draft, new_eagle3_draft
 from eaglejax.models import kv_cache
@@ -30,6 +36,7 @@ from tolerances import FORWARD_UNITS, assert_close_scaled
 
 V, MASK, BLOCK = 97, 96, 6
 TARGET_LAYER_IDS = [0, 1]  # layer outputs tapped (z-lab's ids): entering-layer taps (1, 2)
+TYPES, WINDOW = ["sliding_attention", "full_attention"], 4  # the typed drafter's layers
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +51,26 @@ def target(target_dir):
     return eaglejax.load_target(target_dir)
 
 
-def _torch_drafter(seed: int):
-    """A random DFlash drafter from speculators' layers (2 layers, the target's shapes)."""
+@pytest.fixture(scope="module")
+def hf_target(target_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target_dir).float().eval()
+
+
+def _torch_drafter(seed: int, layer_types: list[str] | None = None):
+    """A random DFlash drafter from speculators' layers (2 layers, the target's shapes);
+    with `layer_types`, typed so (sliding layers with a window of WINDOW)."""
     import torch
     from speculators.models.dflash.model_definitions import Qwen3DFlashDecoderLayer
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
+    typed = {} if layer_types is None else dict(layer_types=layer_types, sliding_window=WINDOW,
+                                                use_sliding_window=True)
     config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                         vocab_size=V, max_position_embeddings=512, rms_norm_eps=1e-6)
+                         vocab_size=V, max_position_embeddings=512, rms_norm_eps=1e-6, **typed)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     drafter = torch.nn.Module()
@@ -68,7 +85,8 @@ def _torch_drafter(seed: int):
     return drafter.float().eval(), config
 
 
-def _save(drafter, config, directory, layout: str):
+def _save(drafter, config, directory, layout: str, **top_level):
+    """The drafter in `layout`, with `top_level` entries added to its config.json."""
     from safetensors.torch import save_file
 
     directory.mkdir()
@@ -83,11 +101,48 @@ def _save(drafter, config, directory, layout: str):
                "transformer_layer_config": layer, "block_size": BLOCK, "draft_vocab_size": V,
                "aux_hidden_state_layer_ids": [i + 1 for i in TARGET_LAYER_IDS],
                "mask_token_id": MASK}
-    (directory / "config.json").write_text(json.dumps(cfg))
+    (directory / "config.json").write_text(json.dumps({**cfg, **top_level}))
 
 
-def _oracle_block(drafter, config, hf_target, context: list[int], root: int) -> np.ndarray:
-    """speculators' layers over one block after `context`: logits [B-1, V] of slots 1.."""
+def _z_lab_window(n: int, causal: bool):
+    """[B, n+B] bool: the keys (context 0..n-1, then the block) inside the sliding window of
+    each block query (at n..n+B-1). A reimplementation, for this test only, of the rule
+    z-lab publishes (z-lab/dflash `dflash/model.py`, `_attention_mask`): a key at most
+    WINDOW - 1 positions before the query, or after it when the layer is not causal."""
+    import torch
+
+    ahead = torch.arange(n + BLOCK)[None, :] - (n + torch.arange(BLOCK))[:, None]
+    return (-ahead < WINDOW) & ((ahead < WINDOW) | causal)
+
+
+def _oracle_masks(n: int, non_causal: bool) -> list:
+    """Per layer of the typed drafter, its additive float mask [1, 1, B, n+B] over one block
+    after n context tokens: speculators' anchor block mask (its eager path's float mask) for
+    the layer's type, the sliding layer's window the per-query one (`_z_lab_window`) in
+    place of speculators' anchor-relative one."""
+    import torch
+    from speculators.models.attention import create_float_mask
+    from speculators.models.dflash.attention import create_anchor_block_mask_mod
+
+    masks = []
+    for kind in TYPES:
+        sliding = kind == "sliding_attention"
+        mask_mod, q_len, kv_len = create_anchor_block_mask_mod(
+            torch.zeros(n, dtype=torch.long), n, torch.tensor([n]), BLOCK,
+            sliding_window=n + BLOCK if sliding else None,  # a window that hides nothing
+            sliding_window_non_causal=non_causal)
+        mask = create_float_mask(mask_mod, Q_LEN=q_len, KV_LEN=kv_len, device="cpu",
+                                 dtype=torch.float32)
+        if sliding:
+            mask = mask.masked_fill(~_z_lab_window(n, not non_causal), float("-inf"))
+        masks.append(mask)
+    return masks
+
+
+def _oracle_block(drafter, config, hf_target, context: list[int], root: int,
+                  masks: list | None = None) -> np.ndarray:
+    """speculators' layers over one block after `context`: logits [B-1, V] of slots 1..;
+    layer i under masks[i] (None: every key seen)."""
     import torch
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
@@ -99,8 +154,9 @@ def _oracle_block(drafter, config, hf_target, context: list[int], root: int) -> 
         h = hf_target.model.embed_tokens(block)
         positions = torch.arange(len(context) + BLOCK)[None]
         rope = Qwen3RotaryEmbedding(config)(h, positions)
-        for layer in drafter.layers:
-            h = layer(hidden_states=h, target_hidden=ctx, attention_mask=None,
+        for i, layer in enumerate(drafter.layers):
+            h = layer(hidden_states=h, target_hidden=ctx,
+                      attention_mask=None if masks is None else masks[i],
                       position_embeddings=rope)
         return hf_target.lm_head(drafter.norm(h))[0, 1:].numpy()
 
@@ -121,15 +177,13 @@ def _proposals(draft, target, context: list[int], root: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("layout", ["z-lab", "speculators"])
-def test_block_proposals_equal_the_oracle(target, target_dir, layout, tmp_path):
-    from transformers import AutoModelForCausalLM
-
+def test_block_proposals_equal_the_oracle(target, hf_target, layout, tmp_path):
     drafter, config = _torch_drafter(seed=4)
     _save(drafter, config, tmp_path / "drafter", layout)
     draft = eaglejax.load_draft(tmp_path / "drafter", target=target)
     assert draft.config.kind == "dflash" and draft.config.block_size == BLOCK
     assert draft.config.tap_layers == (1, 2) and draft.config.mask_token_id == MASK
-    hf_target = AutoModelForCausalLM.from_pretrained(target_dir).float().eval()
+    assert draft.config.layer_attention == ()  # every layer "full_attention": plain
     rs = np.random.RandomState(0)
     for n in (1, 9):
         context, root = rs.randint(0, MASK, size=n).tolist(), int(rs.randint(0, MASK))
@@ -137,6 +191,27 @@ def test_block_proposals_equal_the_oracle(target, target_dir, layout, tmp_path):
         got = _proposals(draft, target, context, root)
         assert_close_scaled(got, want, units=FORWARD_UNITS, depth=2 + 3,
                             what=f"DFlash block logits after {n} tokens ({layout})")
+
+
+@pytest.mark.parametrize("layout, causality", [
+    ("z-lab", {}), ("z-lab", {"is_causal": False}),
+    ("speculators", {}), ("speculators", {"sliding_window_non_causal": True})])
+def test_typed_layers_propose_what_their_masks_give(target, hf_target, layout, causality,
+                                                    tmp_path):
+    """A sliding layer (causal in the block by each layout's default) and a full one: the
+    window hides context keys and, as WINDOW < BLOCK, block keys."""
+    drafter, config = _torch_drafter(seed=6, layer_types=TYPES)
+    _save(drafter, config, tmp_path / "drafter", layout, **causality)
+    draft = eaglejax.load_draft(tmp_path / "drafter", target=target)
+    non_causal = bool(causality)
+    assert draft.config.layer_attention == (LayerAttention(WINDOW, not non_causal),
+                                            LayerAttention())
+    rs = np.random.RandomState(1)
+    context, root = rs.randint(0, MASK, size=9).tolist(), int(rs.randint(0, MASK))
+    want = _oracle_block(drafter, config, hf_target, context, root,
+                         _oracle_masks(len(context), non_causal))
+    assert_close_scaled(_proposals(draft, target, context, root), want, units=FORWARD_UNITS,
+                        depth=2 + 3, what=f"typed DFlash block logits ({layout}, {causality})")
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +232,11 @@ def test_greedy_dflash_is_plain_decoding(target, dflash):
                                 max_new_tokens=12, ignore_eos=True)
         assert [g.token_ids for g in out] == [g.token_ids for g in plain], spec
     assert out[0].metrics.speculative.startswith("auto")
+    typed = dataclasses.replace(dflash, config=dataclasses.replace(
+        dflash.config, layer_attention=(LayerAttention(4, True), LayerAttention())))
+    out = eaglejax.generate(_prompts(), target=target, draft=typed, max_new_tokens=12,
+                            speculative=SpecConfig.dflash_tree(3, 4, 10), ignore_eos=True)
+    assert [g.token_ids for g in out] == [g.token_ids for g in plain], "typed layers"
 
 
 def test_sampling_with_dflash_is_exact(target, dflash):
@@ -183,15 +263,38 @@ def test_shapes_and_heads_must_agree(target, dflash):
                           speculative=SpecConfig.dflash(BLOCK))
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda c: c["dflash_config"].pop("target_layer_ids"), "tapped target layers are missing"),
-    (lambda c: c["dflash_config"].update(mask_token_id=V), "mask token id must be a token"),
-    (lambda c: c.update(block_size=1), "'block_size' must be an integer >= 2"),
-    (lambda c: c.update(num_hidden_layers=3), "layers.2"),
+def _layers(cfg: dict) -> dict:
+    """The layer entries of a config.json of either layout."""
+    return cfg.get("transformer_layer_config", cfg)
+
+
+@pytest.mark.parametrize("layout, edit, match", [
+    ("z-lab", lambda c: c["dflash_config"].pop("target_layer_ids"),
+     "tapped target layers are missing"),
+    ("z-lab", lambda c: c["dflash_config"].update(mask_token_id=V),
+     "mask token id must be a token"),
+    ("z-lab", lambda c: c.update(block_size=1), "'block_size' must be an integer >= 2"),
+    ("z-lab", lambda c: c.update(num_hidden_layers=3), "layers.2"),
+    ("z-lab", lambda c: c.update(layer_types=TYPES[:1]),
+     "config.json: 'layer_types' must list one type for each of the 2 layers"),
+    ("speculators", lambda c: _layers(c).update(layer_types=["full_attention", "chunked"]),
+     r"\(transformer_layer_config\): 'layer_types'\[1\] is 'chunked'"),
+    ("z-lab", lambda c: c.update(layer_types=TYPES),  # use_sliding_window false: no window
+     "layer 0 is 'sliding_attention' but the config holds no window"),
+    ("speculators", lambda c: _layers(c).update(layer_types=TYPES, use_sliding_window=True,
+                                                sliding_window=0),
+     "'sliding_window' must be a positive integer"),
+    ("z-lab", lambda c: c.update(is_causal="yes"), "'is_causal' must be true or false"),
+    ("speculators", lambda c: c.update(sliding_window_non_causal=1),
+     "'sliding_window_non_causal' must be true or false"),
+    ("z-lab", lambda c: c["dflash_config"].update(is_causal=True),
+     "'dflash_config.is_causal' is True but the top level's 'is_causal' reads as None"),
+    ("z-lab", lambda c: c["dflash_config"].update(use_swa=True),
+     "'dflash_config.use_swa' \\(vLLM's switch\\) is not read"),
 ])
-def test_layout_mistakes_are_refused_in_one_line(target, tmp_path, edit, match):
+def test_layout_mistakes_are_refused_in_one_line(target, tmp_path, layout, edit, match):
     drafter, config = _torch_drafter(seed=5)
-    _save(drafter, config, tmp_path / "drafter", "z-lab")
+    _save(drafter, config, tmp_path / "drafter", layout)
     cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
     edit(cfg)
     (tmp_path / "drafter" / "config.json").write_text(json.dumps(cfg))

@@ -7,7 +7,10 @@ package loads our speculators export with its own `DFlashDraftModel.from_pretrai
 (embedding and output head from the verifier, i.e. our target directory), and its modules
 composed over one block after a context (as tests/test_dflash.py composes its layers)
 propose eaglejax's `block_logits` within float32 noise units; its own z-lab converter turns
-our z-lab export into its layout, which eaglejax reads back equal. The CLI writes both
+our z-lab export into its layout, which eaglejax reads back equal. A drafter with typed
+layers writes them as it read them, in both layouts: it loads back equal, and the
+consumers' own config classes (transformers' Qwen3Config for z-lab's, speculators'
+DFlashSpeculatorConfig) see its layer types, window and causality. The CLI writes both
 layouts and refuses the others in one line.
 """
 
@@ -24,6 +27,7 @@ import pytest
 import eaglejax
 from eaglejax import ConfigError
 from eaglejax.cli import main
+from eaglejax.draft.config import LayerAttention
 from eaglejax.draft.dflash import block_logits, context_kv
 from eaglejax.draft.draft import new_dflash_draft, new_eagle3_draft
 from eaglejax.draft.formats import export_dflash, export_reference, export_speculators
@@ -83,6 +87,43 @@ def test_exports_reload_identical(target, draft, exported, layout):
         assert cfg["speculators_model_type"] == "dflash"
         assert cfg["aux_hidden_state_layer_ids"] == [2, 4]
     _assert_same(eaglejax.load_draft(exported[layout], target=target), draft)
+
+
+def _typed(draft, kinds: tuple, window: int | None):
+    """The drafter with layer kinds `kinds` under a decoder of sliding window `window`."""
+    decoder = dataclasses.replace(draft.config.decoder, sliding_window=window)
+    return dataclasses.replace(draft, config=dataclasses.replace(
+        draft.config, decoder=decoder, layer_attention=kinds))
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize("kinds, window, z_lab_causal, non_causal", [
+    ((LayerAttention(4, True), LayerAttention()), 4, None, False),  # the types' defaults
+    ((LayerAttention(4), LayerAttention(4)), 4, False, True),  # non-causal sliding layers
+    ((), 64, None, True),  # plain layers under a windowed decoder: typed full, not sliding
+])
+def test_typed_layers_export_as_read(target, draft, tmp_path, kinds, window, z_lab_causal,
+                                     non_causal):
+    from speculators.models.dflash import DFlashSpeculatorConfig
+    from transformers import Qwen3Config
+
+    typed = _typed(draft, kinds, window)
+    types = [SLIDING if typed.config.layer(i).window else FULL for i in range(DRAFT_LAYERS)]
+    typed.save(str(tmp_path / "native"))
+    _assert_same(eaglejax.load_draft(tmp_path / "native", target=target), typed)
+    for layout, write in WRITERS.items():
+        out = write(typed, tmp_path / layout)
+        _assert_same(eaglejax.load_draft(out, target=target), typed)
+        if layout == "z-lab":
+            layers = Qwen3Config.from_pretrained(out)
+            assert getattr(layers, "is_causal", None) == z_lab_causal
+        else:
+            config = DFlashSpeculatorConfig.from_pretrained(out)
+            assert config.sliding_window_non_causal == non_causal
+            layers = config.transformer_layer_config
+        assert layers.layer_types == types and layers.sliding_window == window, layout
 
 
 def test_bfloat16_exports_keep_their_dtype(target_dir, draft, tmp_path):
@@ -202,3 +243,12 @@ def test_api_refusals_name_the_drafter_and_why(target, draft, tmp_path):
         export_speculators(dataclasses.replace(
             draft, config=dataclasses.replace(draft.config, decoder=biased)),
             tmp_path / "speculators")
+    two_windows = _typed(draft, (LayerAttention(4), LayerAttention(8)), 4)
+    for write in WRITERS.values():
+        with pytest.raises(ConfigError, match=r"windows of \[4, 8\] positions"):
+            write(two_windows, tmp_path / "two-windows")
+    causal_full = _typed(draft, (LayerAttention(None, True), LayerAttention()), None)
+    with pytest.raises(ConfigError, match="neither the layer types' default"):
+        export_dflash(causal_full, tmp_path / "z-lab-causal")
+    with pytest.raises(ConfigError, match="its layers are causal full, non-causal full"):
+        export_speculators(causal_full, tmp_path / "speculators-causal")

@@ -6,8 +6,9 @@ builds it, its layers and readout; `compute_metrics` with its KL loss and slot d
 drafter it saved itself (`save_pretrained`) and eaglejax loaded: with the full vocabulary,
 and with a reduced one (its own lm_head, targets restricted to the draft vocabulary). The
 training forward proposes, for every anchor, what decoding's block forward proposes after
-that context; a
-short run on the tiny target raises the acceptance length of DFlash decoding.
+that context, with typed layers (sliding windows, causal or not, that hide context and
+block keys); a short run on the tiny target raises the acceptance length of DFlash
+decoding.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 import eaglejax
 from eaglejax import InputError
 from eaglejax.cli import main
+from eaglejax.draft.config import LayerAttention
 from eaglejax.draft.dflash import block_logits, context_kv
 from eaglejax.draft.draft import new_dflash_draft
 from eaglejax.draft.head import head_logits
@@ -176,11 +178,14 @@ def test_anchors_are_distinct_valid_positions():
 
 def test_training_forward_proposes_what_decoding_proposes():
     """Every anchor's block in the training forward gives the logits decoding's block
-    forward gives over a cache holding the context before the anchor."""
+    forward gives over a cache holding the context before the anchor; its layers typed (a
+    non-causal window of 3 < BLOCK, then a causal one of 5), so that the windows hide keys
+    of the context and of the block."""
     target = make_tiny_target()
     draft = new_dflash_draft(target, num_layers=2, block_size=BLOCK, mask_token_id=TINY_V - 1,
                              seed=1, scale=0.1)
-    c = draft.config
+    c = dataclasses.replace(draft.config, layer_attention=(LayerAttention(3),
+                                                           LayerAttention(5, True)))
     rs = np.random.RandomState(2)
     length = 24
     tokens = rs.randint(0, TINY_V, (1, length)).astype(np.int32)
