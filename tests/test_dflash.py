@@ -127,12 +127,16 @@ def _oracle_masks(n: int, non_causal: bool) -> list:
     masks = []
     for kind in TYPES:
         sliding = kind == "sliding_attention"
+        # One document of the n context tokens and the block's anchor token x_n (its
+        # features exist only at training time, and its block hides them: key n is dropped).
         mask_mod, q_len, kv_len = create_anchor_block_mask_mod(
-            torch.zeros(n, dtype=torch.long), n, torch.tensor([n]), BLOCK,
+            torch.zeros(n + 1, dtype=torch.long), n + 1, torch.tensor([n]), BLOCK,
             sliding_window=n + BLOCK if sliding else None,  # a window that hides nothing
             sliding_window_non_causal=non_causal)
         mask = create_float_mask(mask_mod, Q_LEN=q_len, KV_LEN=kv_len, device="cpu",
                                  dtype=torch.float32)
+        assert torch.all(mask[..., n] == float("-inf"))
+        mask = torch.cat([mask[..., :n], mask[..., n + 1:]], dim=-1)
         if sliding:
             mask = mask.masked_fill(~_z_lab_window(n, not non_causal), float("-inf"))
         masks.append(mask)
@@ -274,7 +278,7 @@ def _layers(cfg: dict) -> dict:
     ("z-lab", lambda c: c["dflash_config"].update(mask_token_id=V),
      "mask token id must be a token"),
     ("z-lab", lambda c: c.update(block_size=1), "'block_size' must be an integer >= 2"),
-    ("z-lab", lambda c: c.update(num_hidden_layers=3), "layers.2"),
+    ("z-lab", lambda c: c.update(num_hidden_layers=3, layer_types=None), "layers.2"),
     ("z-lab", lambda c: c.update(layer_types=TYPES[:1]),
      "config.json: 'layer_types' must list one type for each of the 2 layers"),
     ("speculators", lambda c: _layers(c).update(layer_types=["full_attention", "chunked"]),

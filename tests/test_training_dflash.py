@@ -194,7 +194,8 @@ def test_training_forward_proposes_what_decoding_proposes():
     batch = Batch(jnp.asarray(tokens), jnp.ones((1, length), jnp.int32), positions,
                   jnp.ones((1, length), bool))
     anchors = jnp.array([[3, 11, 17]])
-    hidden = anchored_blocks(draft.params, c, target.params, batch, features, anchors)
+    hidden = jax.jit(anchored_blocks, static_argnums=1)(draft.params, c, target.params, batch,
+                                                        features, anchors)
     got = head_logits(draft.params, c, target.params, hidden[:, :, 1:])
     d = c.decoder
     keys, values = context_kv(draft.params, c, features, positions)

@@ -7,10 +7,10 @@ of decoding drafts after committing x_a: the tokens [x_a, mask x (block_size - 1
 positions pos_a .. pos_a + block_size - 1, every block token seeing the context keys and
 values of its segment's positions strictly before a (x_a's own target features do not
 exist yet at decoding time) and the whole block, or, in a typed layer, what its kind lets it
-see of them (`dflash.visible` over the tokens' positions, as decoding runs it). Slot k >= 1
-proposes x_{a+k}; it is
-supervised by the target's distribution at a+k-1 (KL divergence, as speculators trains
-DFlash), weighted exp(-(k-1)/gamma), where a+k is supervised and in a's segment. A
+see of them (`dflash.visible` over the tokens' positions, as decoding runs it: per query,
+not speculators' anchor-relative window). Slot k >= 1 proposes x_{a+k}; it is supervised
+by the target's distribution at a+k-1 (KL divergence, as speculators trains DFlash),
+weighted exp(-(k-1)/gamma), where a+k is supervised and in a's segment. A
 drafter with a reduced vocabulary is supervised by that distribution restricted to its
 tokens and renormalised (as speculators and EAGLE-3 training do). All of a row's blocks
 run in one forward (queries N x block_size, keys S + own block).
