@@ -20,9 +20,10 @@ context and the whole block. A causal layer: no block key after the query. A lay
 sliding window w: no key, context or block, w or more positions before the query, and, when
 not causal, none w or more after it (`visible`). That is z-lab's rule (their reference
 `dflash/model.py`), and what vLLM and SGLang run (a per-query window of w - 1 keys back,
-and forward too when not causal, e.g. flash-attention's `window_size`); speculators' trainer
-windows the context relative to the block's anchor instead (its keys from anchor - w on, for
-every slot), which shows a slot up to `block_size` keys more or fewer at the window's edge.
+and forward too when not causal, e.g. flash-attention's `window_size`). speculators' trainer
+(`create_anchor_block_mask_mod`) windows the context relative to the block's anchor instead
+(keys from anchor - w on, for every slot: slot i sees up to i + 1 more context keys than
+here) and never windows the block itself (which differs only when w < block_size).
 The cache's slot p holds position p (a drafter's context starts at position 0).
 """
 
