@@ -21,9 +21,13 @@ os.environ.setdefault("EAGLEJAX_AUTOTUNE_CACHE", "0")
 # passes were ~20% of its CPU time (BENCHMARKS.md, CI time). Code generated without them
 # computes the same operations (tolerances are noise units, see tolerances.py); a level the
 # caller's XLA_FLAGS names is kept. Subprocesses the tests start inherit it.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_backend_optimization_level=0").strip()
+# XLA:CPU's newer fusion emitters (one MLIR-lowered LLVM module per fusion) took about twice
+# the legacy emitters' compile time for the decode loops: a paged engine test's compiles 13.4
+# -> 6.9 s, the test 17.8 -> 11.1 s; SmolLM2's forwards ran no slower (BENCHMARKS.md, CI
+# time, session 42). A choice the caller's XLA_FLAGS makes is kept.
+for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+    if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 import pytest  # noqa: E402
 
