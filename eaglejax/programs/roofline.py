@@ -274,10 +274,10 @@ def analysed(compiled: Any) -> tuple[float, float]:
 def fused_attention_traffic(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                             cache_lengths: jax.Array, k_new: jax.Array, v_new: jax.Array,
                             mask: jax.Array, *, impl: str = "auto",
-                            tables: jax.Array | None = None, staged: bool = False
-                            ) -> jax.Array:
+                            tables: jax.Array | None = None, staged: bool = False,
+                            cache_mask: jax.Array | None = None) -> jax.Array:
     """A stand-in for `attention` that moves what a fused kernel moves: q, the cache, the
-    new K/V and the mask read once, an output of q's shape written (its value is
+    new K/V and the masks read once, an output of q's shape written (its value is
     meaningless; the FLOPs are taken from the real attention). Programs traced for the
     roofline keep slot caches (`tables` None)."""
     if tables is not None:
@@ -285,6 +285,8 @@ def fused_attention_traffic(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     group = q.shape[2] // k_new.shape[2]
     summary = jnp.sum(k_cache, axis=2) + jnp.sum(v_cache, axis=2) + jnp.sum(k_new + v_new, 1)
     seen = jnp.sum(mask, axis=-1).astype(q.dtype)[..., None, None]  # [B,T,1,1]
+    if cache_mask is not None:
+        seen = seen + jnp.sum(cache_mask, axis=-1).astype(q.dtype)[..., None, None]
     return q * seen + jnp.repeat(summary, group, axis=1)[:, None].astype(q.dtype)
 
 
