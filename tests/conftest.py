@@ -1,6 +1,7 @@
 """Shared test set-up: CPU float32, small random Hugging Face models as parity oracles."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -24,10 +25,27 @@ os.environ.setdefault("EAGLEJAX_AUTOTUNE_CACHE", "0")
 # XLA:CPU's newer fusion emitters (one MLIR-lowered LLVM module per fusion) took about twice
 # the legacy emitters' compile time for the decode loops: a paged engine test's compiles 13.4
 # -> 6.9 s, the test 17.8 -> 11.1 s; SmolLM2's forwards ran no slower (BENCHMARKS.md, CI
-# time, session 42). A choice the caller's XLA_FLAGS makes is kept.
-for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
-    if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+# time, session 42). XLA aborts on a flag it does not know, so this one is set only where
+# the installed jaxlib names it. A choice the caller's XLA_FLAGS makes is kept.
+
+
+def _jaxlib_knows(flag: str) -> bool:
+    import importlib.util
+    import mmap
+
+    spec = importlib.util.find_spec("jaxlib")
+    library = Path(spec.origin).parent / "libjax_common.so" if spec and spec.origin else None
+    if library is None or not library.is_file():
+        return False
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return m.find(flag.encode()) >= 0
+
+
+for flag, value in (("xla_backend_optimization_level", "0"),
+                    ("xla_cpu_use_fusion_emitters", "false")):
+    if flag not in os.environ.get("XLA_FLAGS", "") and (
+            flag == "xla_backend_optimization_level" or _jaxlib_knows(flag)):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --{flag}={value}").strip()
 
 import pytest  # noqa: E402
 
