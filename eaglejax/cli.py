@@ -46,7 +46,8 @@ from eaglejax.training.trainer import SCHEDULES, TrainConfig, train
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MAX_WAITING = 256  # `serve`'s requests waiting for a slot before more are refused
-SPECULATION_FLAGS = ("num_draft_tokens", "parallel", "tree", "static_tree", "auto_tree", "lookup")
+SPECULATION_FLAGS = ("num_draft_tokens", "parallel", "tree", "static_tree", "auto_tree", "lookup",
+                     "lookup_replaces", "lookup_history")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -119,6 +120,10 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
     parser.add_argument("--lookup-replaces", action="store_true",
                         help="--lookup keeps the node count: where all G tokens matched, the "
                              "branch replaces the head's N lowest-ranked nodes")
+    parser.add_argument("--lookup-history", action="store_true",
+                        help="--lookup also copies from the replies decoded before in this "
+                             "process or server (as suffix drafting does): a request that "
+                             "repeats or edits an earlier one copies from its reply")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.add_argument("--no-compilation-cache", action="store_true",
                         help="do not keep compiled programs in eaglejax's persistent cache "
@@ -200,13 +205,15 @@ def _speculation(args: argparse.Namespace):
         if args.draft_model is not None and isinstance(shape, SpecConfig):
             shape = shape.drafted_by_model()
     if args.lookup is None:
-        if args.lookup_replaces:
-            raise InputError("--lookup-replaces needs --lookup N")
+        for flag in ("lookup_replaces", "lookup_history"):
+            if getattr(args, flag):
+                raise InputError(f"{validation.cli_flag(flag)} needs --lookup N")
         return shape
     if not isinstance(shape, SpecConfig):
         raise InputError("--lookup needs the shape it extends: --num-draft-tokens, --parallel, "
                          "--tree or --static-tree")
-    return shape.with_lookup(args.lookup, args.lookup_ngram, args.lookup_replaces)
+    return shape.with_lookup(args.lookup, args.lookup_ngram, args.lookup_replaces,
+                             args.lookup_history)
 
 
 def _speculation_shape(args: argparse.Namespace):

@@ -211,6 +211,6 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
         entries = None if kept is None else row_logprobs(
             tokens[i], kept.chosen[i], kept.top_ids[i], kept.top[i], 0, len(ids), logprobs)
         results.append(Generation(text, ids, reason, metrics, entries))
-    if (speculative == AUTO and draft is None) or getattr(speculative, "method", "") == "suffix":
-        shared_history().add(r.token_ids for r in results)  # later suffix drafters search them
+    if speculative == AUTO or getattr(speculative, "uses_history", False):
+        shared_history().add(r.token_ids for r in results)  # later drafts search them
     return results

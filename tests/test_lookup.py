@@ -9,48 +9,78 @@ import pytest
 import eaglejax
 from eaglejax import SpecConfig
 from eaglejax.decoding import lookup
+from eaglejax.decoding.suffix_history import SEPARATOR
 from eaglejax.decoding.tree import chain_tree, tree_from_parents
 from eaglejax.errors import InputError
 from spec_helpers import random_eagle3, self_draft
 
 
 def reference_continuation(context: list[int], ngram: int, count: int) -> tuple[list[int], int]:
-    """The rule, written plainly: the longest suffix match (<= ngram tokens) ending before
-    the last token, latest first; its followers, repeated with the match's period; and the
-    match's length."""
+    """The rule, written plainly: the longest suffix match (<= ngram tokens, separators
+    matching nothing) ending before the last token and not right before a separator, latest
+    first; its followers, repeated with the match's period, the last token from a separator
+    on; and the match's length."""
     last = len(context) - 1
     best, best_len = None, -1
     for i in range(last):
+        if context[i + 1] == SEPARATOR:
+            continue
         length = 0
-        while length < ngram and i - length >= 0 and context[i - length] == context[last - length]:
+        while (length < ngram and i - length >= 0 and context[last - length] != SEPARATOR
+               and context[i - length] == context[last - length]):
             length += 1
         if length >= best_len:
             best, best_len = i, length
     if best is None:
         return [context[0]] * count, 0
     period = last - best
-    return [context[best + 1 + t % period] for t in range(count)], best_len
+    copied = [context[best + 1 + t % period] for t in range(count)]
+    if SEPARATOR in copied:
+        cut = copied.index(SEPARATOR)
+        copied = copied[:cut] + [context[last]] * (count - cut)
+    return copied, best_len
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_continuation_follows_the_rule(seed):
+    """Odd seeds search a history of earlier replies too (separators among them)."""
     rs = np.random.RandomState(seed)
     vocab = [3, 5, 40][seed % 3]  # few symbols: many and long matches
     lengths = rs.randint(1, 60, size=5)
     width = 64
     context = np.zeros((5, width), np.int32)
+    history = np.where(rs.rand(24) < 0.2, SEPARATOR, rs.randint(0, vocab, size=24))
+    history = history[:0] if seed % 2 == 0 else np.append(history, SEPARATOR).astype(np.int32)
     rows = []
     for b, n in enumerate(lengths):
         row = rs.randint(0, vocab, size=n).tolist()
         context[b, :n] = row
         context[b, n:] = rs.randint(0, vocab, size=width - n)  # garbage past the end
-        rows.append(row)
+        rows.append(history.tolist() + row)
+    searched, last = lookup.with_history(jnp.asarray(history), jnp.asarray(context),
+                                         jnp.asarray(lengths - 1))
     for ngram in (1, 3):
-        got, matched = lookup.continuation(jnp.asarray(context), jnp.asarray(lengths - 1),
-                                           ngram, 9)
+        got, matched = lookup.continuation(searched, last, ngram, 9)
         want = [reference_continuation(row, ngram, 9) for row in rows]
         assert np.asarray(got).tolist() == [tokens for tokens, _ in want]
         assert np.asarray(matched).tolist() == [length for _, length in want]
+
+
+def test_continuation_over_the_history_of_earlier_replies():
+    """Longest match, then latest, over [history | own context]: a match only an earlier
+    reply holds is copied up to its separator (then the last token), an equally long one
+    in the row's own context wins, a longer one in the history wins, and a match right
+    before a separator is none."""
+    history = jnp.asarray([0, 1, 2, 6, 6, SEPARATOR, 4, 1, 2, 3, 4, SEPARATOR])
+    context = jnp.asarray([[5, 6, 7, 4, 1, 2, 0],    # "4 1 2" only in the history
+                           [0, 1, 2, 8, 0, 1, 2],    # "0 1 2" in both: its own wins
+                           [7, 1, 2, 9, 0, 1, 2],    # own "1 2" shorter than history's "0 1 2"
+                           [5, 6, 4, 0, 0, 0, 0]])   # 4: the history's last one ends a reply
+    got, matched = lookup.continuation(*lookup.with_history(
+        history, context, jnp.asarray([5, 6, 6, 2])), 3, 5)
+    assert np.asarray(got).tolist() == [[3, 4, 2, 2, 2], [8, 0, 1, 2, 8], [6, 6, 2, 2, 2],
+                                        [1, 2, 3, 4, 4]]
+    assert np.asarray(matched).tolist() == [3, 3, 3, 1]
 
 
 def test_continuation_follows_a_loop_past_the_end():

@@ -64,16 +64,18 @@ class Bundle:
     def of(cls, target: "Target", draft: "Draft | None" = None,
            spec: SpecConfig | None = None) -> "Bundle":
         """The plain loop of `target` (no `spec`), or its speculative loop with `draft` (None
-        for a method that drafts without a head)."""
+        for a method that drafts without a head); a shape that reads the history of earlier
+        replies (`SpecConfig.uses_history`) with the history as it is now."""
         if spec is None:
             return cls(PlainLoop(target.config, target.attn_impl), Weights(target.params),
                        target.mesh)
         if draft is None:
             models = cls(SpecLoop(target.config, None, spec, target.attn_impl),
                          Weights(target.params), target.mesh)
-            return models.with_current_history() if spec.method == "suffix" else models
-        return cls(SpecLoop(target.config, draft.config, spec, target.attn_impl),
-                   Weights(target.params, draft.params, draft.d2t), target.mesh)
+        else:
+            models = cls(SpecLoop(target.config, draft.config, spec, target.attn_impl),
+                         Weights(target.params, draft.params, draft.d2t), target.mesh)
+        return models.with_current_history() if spec.uses_history else models
 
     def with_loop(self, loop: Loop) -> "Bundle":
         """The same weights and mesh under another loop (e.g. another speculative shape)."""
@@ -83,11 +85,11 @@ class Bundle:
         return self.with_loop(self.loop.with_spec(spec))
 
     def with_current_history(self) -> "Bundle":
-        """For suffix drafting: the process's shared history of earlier replies as it is now
-        (`decoding.suffix_history`) in place of the draft weights (one shape: a prefill
-        reads it, nothing recompiles)."""
-        history = self.put({"history": shared_history().tokens})
-        return dataclasses.replace(self, weights=self.weights._replace(draft=history))
+        """For suffix drafting or a lookup branch with history: the process's shared history
+        of earlier replies as it is now (`decoding.suffix_history`) in the weights (one
+        shape: nothing recompiles)."""
+        history = self.put(shared_history().tokens)
+        return dataclasses.replace(self, weights=self.weights._replace(history=history))
 
     def put(self, tree: Any) -> Any:
         """Host values as device arrays; on a mesh, global arrays replicated over it (every

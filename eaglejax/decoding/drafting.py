@@ -36,14 +36,17 @@ class Drafted(NamedTuple):
 
 def draft_round(head: Head, state: Any, token: jax.Array, spec: SpecConfig, greedy: bool,
                 sampling: SamplingParams, keys: jax.Array, vocab: int, context: jax.Array,
-                context_lengths: jax.Array) -> Drafted:
+                context_lengths: jax.Array, history: jax.Array | None = None) -> Drafted:
     """The draft `spec` asks for, from its drafter's `state`, rooted at `token` [B] (the last
     accepted one); with `spec.lookup`, a branch copied from each row's context [B,C]
-    (x_0..x_n, n = `context_lengths`) grafted on or fitted in."""
+    (x_0..x_n, n = `context_lengths`), after the `history` of earlier replies [H] with
+    `spec.lookup_history` (None: no history), grafted on or fitted in."""
     tree, probs = drafter(spec.method).draft(head, state, token, spec, greedy, sampling, keys,
                                              vocab)
     if not spec.lookup:
         return Drafted(tree, probs, None)
+    if spec.lookup_history and history is not None:
+        context, context_lengths = lookup.with_history(history, context, context_lengths)
     copied, matched = lookup.continuation(context, context_lengths, spec.lookup_ngram,
                                           spec.draft_depth + spec.lookup)
     matched = matched >= spec.lookup_ngram

@@ -7,6 +7,13 @@ searched for the most recent earlier position whose last tokens match the contex
 followed it are the continuation. Past x_n the continuation repeats with the match's
 period, so a loop is followed as far as it goes. No head forward is needed.
 
+With history (`SpecConfig.lookup_history`), the search runs over the replies decoded before
+(`decoding.suffix_history`: each followed by a separator, -1) placed before x_0, by the
+same rule, as suffix drafting searches them: a longer match in an earlier reply wins, an
+equally long one in the row's own context (the latest) wins over it. A continuation stops
+at a separator (what follows is the root token again), and a match right before one is
+none.
+
 The continuation is grafted onto the round's draft tree: it walks down the tree while a
 child holds its next token, and the rest hangs as a chain under the deepest such node, so
 it never duplicates a sibling (greedy acceptance and recursive rejection both stay exact:
@@ -19,14 +26,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from eaglejax.decoding.suffix_history import SEPARATOR
 from eaglejax.decoding.tree import Tree, tree_from_parents
+
+
+def with_history(history: jax.Array, context: jax.Array, last: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The history of earlier replies [H] (ending with a separator) before each row's
+    context [B,C], and the index of each row's last token there ([B,H+C], last + H)."""
+    batch = context.shape[0]
+    searched = jnp.concatenate(
+        [jnp.broadcast_to(history[None].astype(context.dtype), (batch, history.shape[0])),
+         context], axis=1)
+    return searched, last + history.shape[0]
 
 
 def continuation(context: jax.Array, last: jax.Array, ngram: int,
                  count: int) -> tuple[jax.Array, jax.Array]:
     """([B,count] tokens following the latest earlier occurrence of the longest suffix of
     context [B,C] (valid through index last [B]) matching up to `ngram` tokens, that match's
-    length [B]); a row with no match at all proposes its last token again."""
+    length [B]); a row with no match at all proposes its last token again. The context may
+    hold separators (`with_history`): they match nothing, no match ends right before one,
+    and a continuation reaching one proposes the last token from there on."""
     batch, width = context.shape
     rows = jnp.arange(batch)[:, None]
     ends = jnp.arange(width)[None, :]  # candidate position i of the occurrence's last token
@@ -35,14 +56,18 @@ def continuation(context: jax.Array, last: jax.Array, ngram: int,
     for j in range(ngram):
         suffix = context[jnp.arange(batch), jnp.maximum(last - j, 0)]
         earlier = jnp.roll(context, j, axis=1)  # earlier[:, i] = context[:, i - j]
-        matched = matched & (ends >= j) & (last[:, None] >= j) & (earlier == suffix[:, None])
+        matched = (matched & (ends >= j) & (last[:, None] >= j) & (earlier == suffix[:, None])
+                   & (suffix != SEPARATOR)[:, None])
         length = length + matched
-    score = jnp.where(ends < last[:, None], length * width + ends, -1)
+    followed = jnp.roll(context, -1, axis=1) != SEPARATOR  # by a token, not a separator
+    score = jnp.where((ends < last[:, None]) & followed, length * width + ends, -1)
     start = jnp.argmax(score, axis=1)[:, None]  # ties never happen: positions differ
     period = jnp.maximum(last[:, None] - start, 1)
     index = start + 1 + jnp.arange(count)[None, :] % period
     found = jnp.maximum(jnp.max(score, axis=1) // width, 0)
-    return context[rows, jnp.minimum(index, last[:, None])], found
+    copied = context[rows, jnp.minimum(index, last[:, None])]
+    ended = jnp.cumsum(copied == SEPARATOR, axis=1) > 0
+    return jnp.where(ended, context[rows, last[:, None]], copied), found
 
 
 def graft(tree: Tree, tokens: jax.Array, draft_depth: int, count: int) -> Tree:

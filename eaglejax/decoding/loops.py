@@ -49,11 +49,14 @@ Step = Callable[[State], State]
 
 class Weights(NamedTuple):
     """The arrays a loop reads: the target's parameters and, when speculating, the draft
-    head's (or draft model's) parameters and its draft-to-target id map [DV]."""
+    head's (or draft model's) parameters and its draft-to-target id map [DV], and for a
+    shape that searches them (`SpecConfig.uses_history`) the replies decoded before
+    (`decoding.suffix_history`: int32 [H], one shape however full, so nothing recompiles)."""
 
     target: Params
     draft: Params | None = None
     d2t: jax.Array | None = None
+    history: jax.Array | None = None
 
 
 class Loop(Protocol):
@@ -137,7 +140,7 @@ class SpecLoop:
             prompt, prompt_lengths, row_keys, sampling, max_new_tokens, capacity=capacity,
             max_tokens=max_tokens, spec=self.spec, greedy=greedy, stop=stop,
             attn_impl=self.attn_impl, prefill_chunk=prefill_chunk, cached=cached,
-            logprobs=logprobs)
+            logprobs=logprobs, history=weights.history)
 
     def step(self, weights: Weights, sampling: SamplingParams, max_new_tokens: jax.Array, *,
              greedy: bool, stop: StopCriteria | StopTable) -> Step:
@@ -154,7 +157,7 @@ class SpecLoop:
         return speculative.verified_round(
             weights.target, self.config, weights.draft, self.draft_config, weights.d2t,
             sampling, max_new_tokens, spec=self.spec, greedy=greedy, stop=stop,
-            attn_impl=self.attn_impl, through=self.through)
+            attn_impl=self.attn_impl, through=self.through, history=weights.history)
 
     def with_spec(self, spec: SpecConfig) -> "SpecLoop":
         """This loop in another speculative shape (the same head and state layout)."""

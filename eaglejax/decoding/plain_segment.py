@@ -74,7 +74,8 @@ def plain_steps(loop: SpecLoop, weights: Weights, state: SpecState, sampling: Sa
         lambda c: (c[0] < width) & jnp.any(c[3].running) & more(c[0], c[3]), step, carry)
     # Draft position t consumes token t+1 and the target feature of position t: the block's
     # tokens x_{n+1}.. beside the features of x_n.. (what a round that accepted them passes).
-    head = bind_head(params, draft_params, draft_config, weights.d2t, attn_impl)
+    head = bind_head(params, draft_params, draft_config, weights.d2t, attn_impl,
+                     weights.history)
     caught_up = drafter(loop.spec.method).catch_up(head, loop.spec, state.drafter, tokens,
                                                    feats, steps, steps > 0)
     context = state.context

@@ -77,7 +77,10 @@ class SpecConfig:
     (see `decoding.lookup`). With `lookup_replaces` the node count stays the shape's: in
     rounds where the whole n-gram matched, the branch replaces the head's `lookup`
     lowest-ranked nodes. With sampling it needs a tree (a sampled chain's min(1, p/q)
-    rule has no place for a second draft).
+    rule has no place for a second draft). With `lookup_history` the branch also searches
+    the replies decoded before (`decoding.suffix_history`, the buffer suffix drafting
+    reads), placed before the row's own context: a request that repeats or edits an
+    earlier one copies from that reply.
     """
 
     num_draft_tokens: int = 5
@@ -89,6 +92,7 @@ class SpecConfig:
     lookup: int = 0
     lookup_ngram: int = 3
     lookup_replaces: bool = False
+    lookup_history: bool = False
 
     def __post_init__(self):
         from eaglejax.decoding.drafters import methods  # (they import this module)
@@ -111,6 +115,11 @@ class SpecConfig:
         _positive_int("lookup_ngram", self.lookup_ngram, 8)
         if not isinstance(self.lookup_replaces, bool):
             raise InputError(f"lookup_replaces must be True or False, got {self.lookup_replaces!r}")
+        if not isinstance(self.lookup_history, bool):
+            raise InputError(f"lookup_history must be True or False, got {self.lookup_history!r}")
+        if self.lookup_history and not self.lookup:
+            raise InputError("lookup_history: the history is searched by a lookup branch; give "
+                             "lookup > 0 tokens")
         if self.lookup_replaces and self.lookup >= self.num_nodes:
             raise InputError(f"lookup_replaces: the branch ({self.lookup} tokens) must leave the "
                              f"head at least its root; the shape verifies {self.num_nodes} nodes")
@@ -211,11 +220,20 @@ class SpecConfig:
         method = "draft_model" if self.is_chain else "draft_model_tree"
         return dataclasses.replace(self, method=method)
 
-    def with_lookup(self, lookup: int, ngram: int = 3, replaces: bool = False) -> "SpecConfig":
+    def with_lookup(self, lookup: int, ngram: int = 3, replaces: bool = False,
+                    history: bool = False) -> "SpecConfig":
         """This shape plus a context-lookup branch of `lookup` tokens (0: none); `replaces`:
-        in place of the head's lowest-ranked nodes where the whole n-gram matched."""
+        in place of the head's lowest-ranked nodes where the whole n-gram matched;
+        `history`: searching the replies decoded before too."""
         return dataclasses.replace(self, lookup=lookup, lookup_ngram=ngram,
-                                   lookup_replaces=replaces)
+                                   lookup_replaces=replaces, lookup_history=history)
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether this shape's drafts read the history of earlier replies
+        (`decoding.suffix_history`): suffix drafting, or a lookup branch with history.
+        Whoever decodes with it adds the replies to that history."""
+        return self.method == "suffix" or self.lookup_history
 
     @property
     def samples_losslessly(self) -> bool:
@@ -313,5 +331,6 @@ class SpecConfig:
             shape = f"{self.method} tree of {len(self.paths)} nodes, depth {self.draft_depth}"
         if self.lookup:
             replacing = ", replacing" if self.lookup_replaces else ""
-            shape += f" + lookup {self.lookup} (ngram {self.lookup_ngram}{replacing})"
+            history = ", history" if self.lookup_history else ""
+            shape += f" + lookup {self.lookup} (ngram {self.lookup_ngram}{replacing}{history})"
         return shape

@@ -18,7 +18,8 @@ x_{n+1}, `drafters.head_state`). One round:
      path's positions (the EAGLE head runs over it and proposes the next round's root
      children).
 With `spec.lookup`, the loop also keeps each row's context x_0..x_n and grafts a branch
-copied from it onto every round's tree (`decoding.lookup`).
+copied from it (and with `spec.lookup_history`, from the replies decoded before, an input
+of the round like the weights) onto every round's tree (`decoding.lookup`).
 """
 
 from __future__ import annotations
@@ -89,12 +90,14 @@ def target_features(out: ForwardOutput | Prefilled,
 
 def bind_head(params: Params, draft_params: Params | None,
               draft_config: DraftConfig | ModelConfig | None, d2t: jax.Array | None,
-              attn_impl: AttentionImpl) -> Head | ModelHead | None:
+              attn_impl: AttentionImpl, history: jax.Array | None = None
+              ) -> Head | ModelHead | dict[str, jax.Array] | None:
     """The draft weights bound inside the compiled loop: a head bound to its target, a draft
-    model (its `d2t` spans the ids it shares with the target), or with neither, the arrays
-    a model-free drafter reads (suffix drafting's history), if any."""
+    model (its `d2t` spans the ids it shares with the target), or with neither, what a
+    model-free drafter reads: {"history": the history of earlier replies} (suffix
+    drafting's, `decoding.suffix_history`), None without one."""
     if draft_config is None:
-        return draft_params
+        return None if history is None else {"history": history}
     if isinstance(draft_config, ModelConfig):
         return ModelHead(draft_params, draft_config,
                          to_target_ids(jnp.arange(d2t.shape[0]), d2t), attn_impl)
@@ -109,11 +112,13 @@ def prefill_state(params: Params, config: ModelConfig, draft_params: Params | No
                   max_tokens: int, spec: SpecConfig, greedy: bool, stop: StopCriteria | StopTable,
                   attn_impl: AttentionImpl = "auto",
                   prefill_chunk: int = PREFILL_CHUNK,
-                  cached: Cached | None = None, logprobs: int | None = None) -> SpecState:
+                  cached: Cached | None = None, logprobs: int | None = None,
+                  history: jax.Array | None = None) -> SpecState:
     """Prefill the target and the drafter on right-padded prompts (`prefill_chunk`
     positions at a time); record the first token (an output keeping `logprobs` most likely
     tokens' log-probabilities, if not None). With `cached` (a head's drafter only), `prompt`
-    is what follows the rows it holds (`Cached`)."""
+    is what follows the rows it holds (`Cached`). `history`: the replies decoded before
+    (`decoding.suffix_history`) for a drafter that reads them, if any."""
     batch = prompt.shape[0]
     prefilled = prefill_target(params, config, prompt, prompt_lengths, capacity,
                                tap_layers(draft_config), attn_impl, prefill_chunk,
@@ -124,7 +129,7 @@ def prefill_state(params: Params, config: ModelConfig, draft_params: Params | No
     output = record(output, first, output.running, stop, max_new_tokens, prefilled.logits)
     # Each row's tokens x_0..x_n: its prompt, then the first new token.
     tokens = jnp.pad(prompt, ((0, 0), (0, 1))).at[jnp.arange(batch), prompt_lengths].set(first)
-    head = bind_head(params, draft_params, draft_config, d2t, attn_impl)
+    head = bind_head(params, draft_params, draft_config, d2t, attn_impl, history)
     features = target_features(prefilled, draft_config)
     if cached is None:
         drafted = drafter(spec.method).prefill(head, spec, tokens, features, prompt_lengths,
@@ -164,10 +169,11 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params | N
                    sampling: SamplingParams,
                    max_new_tokens: jax.Array, *, spec: SpecConfig, greedy: bool,
                    stop: StopCriteria | StopTable, attn_impl: AttentionImpl = "auto",
-                   through: str = "catch_up"
+                   through: str = "catch_up", history: jax.Array | None = None
                    ) -> Callable[[SpecState], tuple[SpecState, Round | None]]:
     """One speculative round as a function SpecState -> (SpecState, Round), traced inside a
-    loop: draft (`drafting.draft_round`), verify in one target forward (`acceptance.verify`:
+    loop: draft (`drafting.draft_round`; `history`: the replies decoded before, for a lookup
+    branch that searches them), verify in one target forward (`acceptance.verify`:
     greedy matching, or lossless speculative sampling when not `greedy`), commit, catch up.
     With `through` before "catch_up" (see `PHASES`), a truncated round for timing: it stops
     after that phase, counts a forward and returns no Round; the state keeps what the
@@ -175,7 +181,7 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params | N
     if through not in PHASES:
         raise ValueError(f"through={through!r}: expected one of {PHASES}")
     depth = spec.max_depth
-    head = bind_head(params, draft_params, draft_config, d2t, attn_impl)
+    head = bind_head(params, draft_params, draft_config, d2t, attn_impl, history)
     method = drafter(spec.method)
     in_place = spec.is_chain and not spec.lookup  # accepted rows need no commit
     spec.check_sampling(greedy)
@@ -189,7 +195,8 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params | N
         if through == "loop":
             return _counted(s, keys), None
         drafted = draft_round(head, s.drafter, s.last_token, spec, greedy, sampling, keys,
-                              config.vocab_size, s.context, s.target_cache.lengths)
+                              config.vocab_size, s.context, s.target_cache.lengths,
+                              history)
         tree = drafted.tree
         if through == "draft":
             return _counted(s, drafted), None

@@ -209,7 +209,8 @@ class Engine:
         # The loop and weights every program runs (on a target's mesh, the batch follows
         # its sharding rules).
         self.models = Bundle.of(target, draft, speculative)
-        self._suffix = speculative is not None and speculative.method == "suffix"
+        # Suffix drafting or a lookup branch with history: replies go to the history.
+        self._history = speculative is not None and speculative.uses_history
         self.num_slots, self.capacity = num_slots, capacity
         self.rounds_per_call = np.int32(rounds_per_call)
         self.blocks = self._block_tables(kv_tokens)
@@ -523,7 +524,7 @@ class Engine:
         row_args = self.models.put((prompt, np.array([n - cached], np.int32),
                                     jax.random.PRNGKey(np.uint32(s.seed))[None], sampling,
                                     self._max_new[row], stop))
-        if self._suffix:
+        if self._history:
             self.models = self.models.with_current_history()
         slot_arg = self.models.put(np.int32(slot))
         if self.blocks is not None:  # the hit's blocks themselves, read-only; the last:
@@ -851,7 +852,7 @@ class Engine:
                                   len(request.prompt), int(counts[i]), int(max(rounds[i], 0)),
                                   live.cached, entries))
             live.reported, live.rounds = int(counts[i]), int(max(rounds[i], 0))
-            if ended and self._suffix:  # later requests' suffix drafters search it
+            if ended and self._history:  # later requests' drafts search it
                 shared_history().add([tokens[i, :counts[i]]])
             if ended and self.prefix is not None:  # a chat's next turn starts with it
                 with_head = head is not None and not self._stale[i]
