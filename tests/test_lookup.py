@@ -155,18 +155,32 @@ def test_greedy_with_lookup_matches_plain(spec, selfdraft_target):
 
 def test_lookup_accepts_what_repeats(target_of):
     """A random head accepts next to nothing; where the target's greedy text loops (small
-    random models do), the lookup branch is accepted and the acceptance length rises."""
+    random models do), the lookup branch is accepted and the acceptance length rises. With
+    history (`lookup_history`; empty the first time: the row's own context alone), a request
+    repeating an earlier one copies that reply: longer still, and nothing recompiles as the
+    history fills."""
+    from eaglejax.decoding import loops
+    from eaglejax.decoding.suffix_history import shared_history
+
     target = target_of("llama")
     draft = random_eagle3(target, seed=3)
     prompts = _prompts(11, 4)
     plain = eaglejax.generate(prompts, target=target, max_new_tokens=64, ignore_eos=True)
     kwargs = dict(target=target, draft=draft, max_new_tokens=64, ignore_eos=True)
     without = eaglejax.generate(prompts, speculative=SpecConfig.chain(2), **kwargs)
-    with_lookup = eaglejax.generate(prompts, speculative=SpecConfig.chain(2).with_lookup(6),
-                                    **kwargs)
-    assert [o.token_ids for o in with_lookup] == [p.token_ids for p in plain]
+    spec = SpecConfig.chain(2).with_lookup(6, history=True)
+    shared_history().clear()
+    with_lookup = eaglejax.generate(prompts, speculative=spec, **kwargs)
+    compiled = loops.decode_loop._cache_size()
+    again = eaglejax.generate(prompts, speculative=spec, **kwargs)
+    shared_history().clear()
+    assert loops.decode_loop._cache_size() == compiled
+    assert [o.token_ids for o in with_lookup] == [o.token_ids for o in again] == \
+        [p.token_ids for p in plain]
     al = lambda runs: np.mean([r.metrics.acceptance_length for r in runs])  # noqa: E731
     assert al(without) < 1.2 and al(with_lookup) > al(without) + 0.5, (al(without), al(with_lookup))
+    assert al(again) > al(with_lookup) + 0.5, (al(with_lookup), al(again))
+    assert again[0].metrics.speculative.endswith("(ngram 3, history)")
 
 
 def test_lookup_is_refused_for_a_sampled_chain_and_out_of_range(selfdraft_target):
@@ -178,6 +192,10 @@ def test_lookup_is_refused_for_a_sampled_chain_and_out_of_range(selfdraft_target
         SpecConfig.chain(3).with_lookup(33)
     with pytest.raises(InputError, match="lookup_ngram"):
         SpecConfig.tree().with_lookup(3, 0)
+    with pytest.raises(InputError, match="lookup_history: the history is searched by a lookup"):
+        SpecConfig(lookup_history=True)
+    with pytest.raises(InputError, match="lookup_history must be True or False"):
+        SpecConfig.tree().with_lookup(3, history=1)
     with pytest.raises(InputError, match="must leave the head at least its root"):
         SpecConfig.chain(3).with_lookup(4, replaces=True)
     assert SpecConfig.tree(4, 4, 8).with_lookup(4, replaces=True).num_nodes == 8
@@ -193,3 +211,6 @@ def test_cli_lookup_needs_an_explicit_shape(capsys):
     assert main(["generate", "hi", "--draft", "random", "--tree", "4,4,8",
                  "--lookup-replaces"]) == 2
     assert "--lookup-replaces needs --lookup N" in capsys.readouterr().err
+    assert main(["generate", "hi", "--draft", "random", "--tree", "4,4,8",
+                 "--lookup-history"]) == 2
+    assert "--lookup-history needs --lookup N" in capsys.readouterr().err
