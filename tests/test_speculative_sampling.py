@@ -8,6 +8,7 @@ import pytest
 
 import eaglejax
 from eaglejax.decoding.sampling import SamplingParams, argmax_last, target_log_probs
+from eaglejax.decoding.suffix_history import shared_history
 from spec_helpers import random_eagle3, self_draft
 
 N = 3000
@@ -16,11 +17,18 @@ PROMPT = [5, 17, 42, 8, 63, 21]
 FALSE_ALARM = 1e-6  # per compared marginal
 
 
-def sample_rows(prompt: list[int], **kwargs) -> list:
+def sample_rows(prompt: list[int], history: list[list[int]] | None = None, **kwargs) -> list:
     """`eaglejax.generate` of `prompt` N times with seeds 0..N-1 (ignoring EOS), CHUNK rows
-    a call (rows sample independently: the same results as one batch of N)."""
-    return [result for start in range(0, N, CHUNK) for result in eaglejax.generate(
-        [prompt] * CHUNK, seed=list(range(start, start + CHUNK)), ignore_eos=True, **kwargs)]
+    a call (rows sample independently: the same results as one batch of N); with `history`,
+    the replies the history of earlier replies holds before each call (cleared after)."""
+    results = []
+    for start in range(0, N, CHUNK):
+        shared_history().clear()
+        shared_history().add(history or [])
+        results += eaglejax.generate([prompt] * CHUNK, seed=list(range(start, start + CHUNK)),
+                                     ignore_eos=True, **kwargs)
+    shared_history().clear()
+    return results
 
 
 def _warped(target, sequences, params):
@@ -100,23 +108,26 @@ def assert_follows(samples: np.ndarray, marginals: list[np.ndarray]) -> None:
         assert tv < tv_bound(exact, N), (position, tv, tv_bound(exact, N))
 
 
-@pytest.mark.parametrize("replaces", [False, True], ids=["added", "replacing"])
-@pytest.mark.parametrize("which", ["bad", "good"])
-def test_lookup_branch_keeps_sampling_exact(which, replaces, selfdraft_target):
+@pytest.mark.parametrize("which,branch", [("bad", "added, history"), ("good", "added"),
+                                          ("bad", "replacing"), ("good", "replacing")])
+def test_lookup_branch_keeps_sampling_exact(which, branch, selfdraft_target):
     """A tree with a context-lookup branch, on a prompt that repeats itself so the branch
-    is often right: with a random head (which drafts nothing the target takes) every
-    acceptance above ~1.0 comes from the branch."""
+    is often right (with history: the prompt once, an earlier reply holding it and what
+    followed): with a random head (which drafts nothing the target takes) every acceptance
+    above ~1.0 comes from the branch."""
     target = sharpened(selfdraft_target, 4.0)
     greedy = eaglejax.generate([PROMPT], target=target, max_new_tokens=3,
                                ignore_eos=True)[0].token_ids
-    prompt = PROMPT + greedy + PROMPT
+    history = "history" in branch
+    prompt = PROMPT if history else PROMPT + greedy + PROMPT
     draft = self_draft(target) if which == "good" else random_eagle3(target, draft_vocab=60)
     params = SamplingParams.make(0.7, 0, 0.9)
-    spec = eaglejax.SpecConfig.tree(3, 2, 6).with_lookup(2, 1, replaces)
-    out = sample_rows(prompt, target=target, draft=draft, max_new_tokens=3, temperature=0.7,
-                      top_p=0.9, speculative=spec)
+    spec = eaglejax.SpecConfig.tree(3, 2, 6).with_lookup(2, 1, branch == "replacing", history)
+    out = sample_rows(prompt, [PROMPT + greedy] if history else None, target=target,
+                      draft=draft, max_new_tokens=3, temperature=0.7, top_p=0.9,
+                      speculative=spec)
     al = np.mean([r.metrics.acceptance_length for r in out])
-    assert al > (1.8 if which == "good" else 1.25), al  # measured ~1.44 with the random head
+    assert al > (1.8 if which == "good" else 1.25), al  # measured 1.45-1.52 with the random head
     assert_follows(np.array([r.token_ids for r in out]), exact_marginals(target, params, 3, prompt))
 
 
