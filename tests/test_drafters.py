@@ -274,10 +274,11 @@ def test_smaller_suffix_trees_are_the_best_ranked_nodes_of_a_larger_one():
                 largest, row, lambda n, row=row: largest.ranks[row, n] < total), (total, row)
 
 
-def test_suffix_drafting_searches_the_replies_decoded_before(target, plain):
+def test_suffix_drafting_searches_the_replies_decoded_before(target, head, plain):
     """Suffix drafters read the process's history of earlier replies (`generate` and the
-    engine add theirs): a prompt answered before is drafted from its earlier reply, with
-    the same tokens; the history keeps the newest tokens in a fixed size."""
+    engine add theirs), and so does a head's lookup branch with history in the engine: a
+    prompt answered before is drafted from its earlier reply, with the same tokens; the
+    history keeps the newest tokens in a fixed size."""
     from eaglejax.decoding.suffix_history import SEPARATOR, SuffixHistory, shared_history
     from eaglejax.serving.engine import Engine, Request
 
@@ -293,13 +294,14 @@ def test_suffix_drafting_searches_the_replies_decoded_before(target, plain):
     assert all(a >= b for a, b in zip(after, before)), (before, after)
     assert np.mean(after) > np.mean(before) + 0.5, (before, after)
 
-    shared_history().clear()
-    engine = Engine(target, None, speculative=spec, num_slots=1, capacity=64)
     request = Request("a", _prompts(1)[0], 12, ignore_eos=True)
-    once, twice = (engine.run([dataclasses.replace(request, key=key)])[key]
-                   for key in ("a", "b"))
-    assert once.generated == twice.generated == 12
-    assert twice.acceptance_length > once.acceptance_length + 1, (once, twice)
+    for draft, shape in ((None, spec), (head, SpecConfig.chain(2).with_lookup(4, history=True))):
+        shared_history().clear()
+        engine = Engine(target, draft, speculative=shape, num_slots=1, capacity=64)
+        once, twice = (engine.run([dataclasses.replace(request, key=key)])[key]
+                       for key in ("a", "b"))
+        assert once.generated == twice.generated == 12
+        assert twice.acceptance_length > once.acceptance_length + 1, (shape, once, twice)
 
     history = SuffixHistory(size=6)
     history.add([[1, 2], [3, 4, 5], []])
