@@ -1,13 +1,19 @@
 """Suffix drafting (no head; a fixed tree, and `auto` switching between suffix trees and
-plain decoding) beside the EAGLE-3 head and plain decoding, in one run.
+plain decoding) beside the EAGLE-3 head's tree, alone and with a lookup branch that searches
+the row's own context or the replies decoded before too, and plain decoding, in one run.
 
     python benchmarks/bench_suffix.py [--num-prompts 8] [--max-new-tokens 128] [--json]
 
 Greedy, batch 1, SmolLM2 with the shipped EAGLE-3 head; timed interleaved prompt by prompt
-(`eaglejax.bench.compare_drafts`). Two workloads: MT-bench first turns balanced over
-categories, and a repetitive one (rewriting given code with an edit, extracting from a
-given passage) where the reply repeats its prompt, decoded to EOS (MT-bench: to the token
-limit, EOS ignored, as `eaglejax bench` does). Per run: AL, round cost in plain steps,
+(`eaglejax.bench.compare_drafts`). Each workload is a sequence of requests to one process:
+a request's call starts with the history of earlier replies (`decoding.suffix_history`)
+holding the replies to the requests before it (plain decoding's, so the same for every
+run), as a server that answered them in order holds it. Two workloads: MT-bench first turns
+balanced over categories, and a repetitive one (rewriting given code with an edit,
+extracting from a given passage: the reply repeats its prompt; then requests that repeat
+earlier ones, as a regenerate does, or edit them: the reply repeats an earlier reply too),
+decoded to EOS (MT-bench: to the token limit, EOS ignored, as `eaglejax bench` does). Per
+run: AL (per kind of request on the repetitive workload), round cost in plain steps,
 tokens/s and the speed-up over plain decoding; every run's tokens must equal plain's.
 """
 
@@ -37,13 +43,31 @@ CODE = '''def moving_average(values, window):
 PASSAGE = ("The committee met on Tuesday. Maria Lopez chaired the meeting, and Ahmed Khan "
            "presented the budget. Priya Natarajan asked about the travel fund, and Tom "
            "Becker promised a report by Friday. Maria Lopez closed the meeting at noon.")
+RENAME = ("Rewrite this Python function with the parameter `window` renamed to `{}`. Reply "
+          f"with the code only.\n\n{CODE}")
+NAMES = f"Copy every sentence of this passage that names a person, one per line.\n\n{PASSAGE}"
+REPLACE = "Repeat this passage, replacing Tuesday with {}.\n\n" + PASSAGE
+# (kind, prompt) in the order a process answers them: four new requests, then requests
+# repeating or editing earlier ones.
 REPETITIVE = [
-    f"Rewrite this Python function with the parameter `window` renamed to `size`. Reply "
-    f"with the code only.\n\n{CODE}",
-    f"Add type hints to this Python function. Reply with the code only.\n\n{CODE}",
-    f"Copy every sentence of this passage that names a person, one per line.\n\n{PASSAGE}",
-    f"Repeat this passage, replacing Tuesday with Wednesday.\n\n{PASSAGE}",
+    ("new", RENAME.format("size")),
+    ("new", f"Add type hints to this Python function. Reply with the code only.\n\n{CODE}"),
+    ("new", NAMES),
+    ("new", REPLACE.format("Wednesday")),
+    ("repeat", RENAME.format("size")),
+    ("edit", RENAME.format("width")),
+    ("repeat", NAMES),
+    ("edit", REPLACE.format("Thursday")),
 ]
+
+
+def earlier_replies(target, questions: list[Question], max_new_tokens: int,
+                    ignore_eos: bool) -> list[list[list[int]]]:
+    """Per question, plain decoding's replies to the questions before it: the history a
+    process that answered them in order holds when it comes."""
+    replies = [eaglejax.generate([q.prompt], target=target, max_new_tokens=max_new_tokens,
+                                 ignore_eos=ignore_eos)[0].token_ids for q in questions]
+    return [replies[:i] for i in range(len(questions))]
 
 
 def main() -> None:
@@ -55,29 +79,34 @@ def main() -> None:
     args = parser.parse_args()
     target = eaglejax.load_target("smollm2-135m-instruct", weight_dtype="auto")
     head = eaglejax.load_draft(shipped_head("smollm2-135m-instruct"), target=target)
+    tree = SpecConfig.tree(4, 4, 8)
     runs = [(None, SpecConfig.suffix(4, 6, 12)), (None, "auto"),
-            (head, SpecConfig.tree(4, 4, 8).with_lookup(4)),
-            (head, SpecConfig.tree(4, 4, 8))]
+            (head, tree.with_lookup(4)), (head, tree.with_lookup(4, history=True)),
+            (head, tree)]
     workloads = {
         "mt_bench": interleave_categories(mt_bench_questions())[:args.num_prompts],
-        "repetitive": [Question(i, "repetitive", p) for i, p in enumerate(REPETITIVE)],
+        "repetitive": [Question(i, kind, p) for i, (kind, p) in enumerate(REPETITIVE)],
     }
     report = {}
     for name, questions in workloads.items():
+        ignore_eos = name == "mt_bench"
+        histories = earlier_replies(target, questions, args.max_new_tokens, ignore_eos)
         results = compare_drafts(target, runs, questions, max_new_tokens=args.max_new_tokens,
-                                 ignore_eos=name == "mt_bench")
+                                 ignore_eos=ignore_eos, histories=histories)
         report[name] = [{key: r[key] for key in (
-            "speculative", "acceptance_length", "round_over_plain_step",
-            "plain_decode_tokens_per_s", "spec_decode_tokens_per_s", "speedup",
-            "identical_tokens")} for r in results]
+            "speculative", "acceptance_length", "acceptance_length_by_category",
+            "round_over_plain_step", "plain_decode_tokens_per_s", "spec_decode_tokens_per_s",
+            "speedup", "identical_tokens")} for r in results]
         report["machine"] = results[0]["machine"]
     if args.json:
         print(json.dumps(report, indent=2))
         return
     for name in workloads:
-        print(name)
+        print(f"{name} (plain {report[name][0]['plain_decode_tokens_per_s']:.1f} tok/s)")
         for r in report[name]:
-            print(f"  {r['speculative']:<48} AL {r['acceptance_length']:.2f}  round "
+            kinds = "" if name == "mt_bench" else "  (" + ", ".join(
+                f"{kind} {al:.2f}" for kind, al in r["acceptance_length_by_category"].items()) + ")"
+            print(f"  {r['speculative']:<56} AL {r['acceptance_length']:.2f}{kinds}  round "
                   f"{r['round_over_plain_step']:.2f} steps  {r['spec_decode_tokens_per_s']:.1f}"
                   f" tok/s ({r['speedup']:.2f}x plain)  identical {r['identical_tokens']}")
 

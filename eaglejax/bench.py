@@ -41,26 +41,34 @@ def decode_step_bytes(target: Target, context: int, batch: int = 1) -> int:
 
 
 def run_interleaved(questions: list[Question], batch_size: int,
-                    runs: Mapping[str, Callable]) -> dict[str, dict[str, Any]]:
+                    runs: Mapping[str, Callable],
+                    histories: Sequence[Sequence[Sequence[int]]] | None = None
+                    ) -> dict[str, dict[str, Any]]:
     """Time several ways of decoding the same prompts, interleaved: every run warms every
     shape up first, then each batch goes through every run before the next batch starts
     (the order rotating per batch), so a slow spell of this shared machine hits them all
-    alike. Every call starts with suffix drafting's history of earlier replies empty
-    (`decoding.suffix_history`): the same prompts run in the warm-up and in every run, and a
-    history would copy their earlier replies. Returns per run: summed timings, token counts
+    alike. Every call starts with the history of earlier replies that suffix drafting and a
+    lookup branch with history search (`decoding.suffix_history`) holding `histories[i]`
+    for batch i (None: empty): the same prompts run in the warm-up and in every run, and
+    their own earlier replies would be copied. Returns per run: summed timings, token counts
     and the results."""
     batches = [[q.prompt for q in questions[i:i + batch_size]]
                for i in range(0, len(questions), batch_size)]
+
+    def with_history(i: int) -> None:
+        shared_history().clear()
+        shared_history().add(histories[i] if histories is not None else [])
+
     for run in runs.values():  # warm-up: compiles every prompt-length bucket
-        for batch in batches:
-            shared_history().clear()
+        for i, batch in enumerate(batches):
+            with_history(i)
             run(batch)
     totals = {name: {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0, "decode_tokens": 0,
                      "steps": 0, "prompt_tokens": [], "results": []} for name in runs}
     names = list(runs)
     for i, batch in enumerate(batches):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            shared_history().clear()
+            with_history(i)
             results, t = runs[name](batch), totals[name]
             t["prefill_s"] += results[0].metrics.prefill_s
             t["decode_s"] += results[0].metrics.decode_s
@@ -146,15 +154,18 @@ def compare_speculative(target: Target, draft, questions: list[Question],
 def compare_drafts(target: Target, runs: Sequence[tuple[Any, SpecConfig | str | None]],
                    questions: list[Question], *, batch_size: int = 1,
                    max_new_tokens: int = 128, chat: bool = True, ignore_eos: bool = True,
-                   sampling: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+                   sampling: Mapping[str, Any] | None = None,
+                   histories: Sequence[Sequence[Sequence[int]]] | None = None
+                   ) -> list[dict[str, Any]]:
     """Several (draft head, speculation shape) pairs and plain decoding, timed interleaved in
-    one run (`run_interleaved`); one report per pair, each against that plain run."""
+    one run (`run_interleaved`, each batch's calls starting from `histories`); one report
+    per pair, each against that plain run."""
     common = dict(target=target, max_new_tokens=max_new_tokens, chat=chat,
                   ignore_eos=ignore_eos, **(sampling or {}))
     timed: dict[str, Callable] = {"plain": functools.partial(generate, **common)}
     for i, (draft, spec) in enumerate(runs):
         timed[f"spec {i}"] = functools.partial(generate, draft=draft, speculative=spec, **common)
-    totals = run_interleaved(questions, batch_size, timed)
+    totals = run_interleaved(questions, batch_size, timed, histories)
     header = _header(target, questions, batch_size, max_new_tokens, sampling)
     mean_context = int(np.mean(totals["plain"]["prompt_tokens"])) + max_new_tokens // 2
     header["mean_context_tokens"] = mean_context
