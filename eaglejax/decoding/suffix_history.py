@@ -1,6 +1,7 @@
 """What suffix drafting remembers across requests: the replies this process (or server)
 decoded before, in a bounded buffer every request's suffix drafter searches besides its
-own prompt and output (the global half of suffix decoding, arXiv 2411.04975).
+own prompt and output (the global half of suffix decoding, arXiv 2411.04975), and so does
+a head's lookup branch with history (`SpecConfig.lookup_history`, `decoding.lookup`).
 
 The buffer holds the latest replies, each followed by a separator (-1: it matches no token
 and ends every continuation), oldest dropped first; its size is fixed, so the compiled
@@ -44,5 +45,6 @@ _SHARED = SuffixHistory()
 
 def shared_history() -> SuffixHistory:
     """The process's history: `generate` and the serving engine add every reply decoded with
-    suffix drafting to it, and every suffix drafter reads it."""
+    a shape that reads it (`SpecConfig.uses_history`: suffix drafting, a lookup branch with
+    history, `auto`) to it, and every such shape reads it."""
     return _SHARED
