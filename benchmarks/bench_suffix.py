@@ -1,6 +1,7 @@
 """Suffix drafting (no head; a fixed tree, and `auto` switching between suffix trees and
 plain decoding) beside the EAGLE-3 head's tree, alone and with a lookup branch that searches
-the row's own context or the replies decoded before too, and plain decoding, in one run.
+the row's own context or the replies decoded before too, the head's `auto`, and plain
+decoding, in one run.
 
     python benchmarks/bench_suffix.py [--num-prompts 8] [--max-new-tokens 128] [--json]
 
@@ -82,7 +83,7 @@ def main() -> None:
     tree = SpecConfig.tree(4, 4, 8)
     runs = [(None, SpecConfig.suffix(4, 6, 12)), (None, "auto"),
             (head, tree.with_lookup(4)), (head, tree.with_lookup(4, history=True)),
-            (head, tree)]
+            (head, tree), (head, "auto")]
     workloads = {
         "mt_bench": interleave_categories(mt_bench_questions())[:args.num_prompts],
         "repetitive": [Question(i, kind, p) for i, (kind, p) in enumerate(REPETITIVE)],

@@ -137,7 +137,9 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     loaded (InputError naming it). temperature 0 is greedy; otherwise temperature, top_k
     (0 = off) and top_p shape the distribution that is sampled. `seed` (in [0, 2**32)) may
     be one int for every row or one per row: a row's tokens depend only on its prompt and
-    its seed, never on its neighbours.
+    its seed, never on its neighbours (sampled with "auto" or a shape that searches the
+    replies decoded before, `SpecConfig.uses_history`, they depend on those too; their
+    distribution never does).
     Generation stops at an EOS id (unless `ignore_eos`), a stop string (excluded from
     `.text`), or `max_new_tokens`. With a `draft` head (see `eaglejax.load_draft`) decoding
     is speculative, configured by `speculative`: a `SpecConfig` (chain, dynamic tree or

@@ -36,10 +36,14 @@ PLAIN, SMALL, LARGE, PROBE = range(4)
 
 def test_the_cpu_plan():
     """Plain decoding, two trees with a 4-token lookup branch in place of their weakest
-    nodes, and the probe: the largest tree (12) with the branch grafted, 16 nodes."""
+    nodes, and the probe: the largest tree (12) with the branch grafted, 16 nodes; every
+    branch searches the replies decoded before too."""
     assert PLAN.modes[0] is None
     assert [PLAN.nodes(m) for m in range(4)] == [1, 6, 8, 16]
     assert all(spec.lookup_replaces for spec in PLAN.modes[1:3])
+    assert all(spec.lookup_history for spec in PLAN.modes[1:])
+    assert not any(s.lookup_history for s in AutoPlan.for_device("cpu", lookup_history=False)
+                   .modes[1:])
     assert not PLAN.probe.lookup_replaces and PLAN.probe.total_tokens == 12
     assert PLAN.sizes == (6, 8, 12)
     # the probe's counters: block 4 (branch of 4 tokens), sizes 6 and 8

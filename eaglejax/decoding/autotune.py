@@ -3,7 +3,9 @@ measured while decoding. No calibration pass: the choice adapts as the text goes
 
 The modes: plain decoding, a few dynamic trees of the device's preset top_k and depth (each
 with a context-lookup branch of `LOOKUP` copied tokens in place of its weakest nodes where
-the n-gram matched), and the probe: the largest tree with the branch grafted on top. On a
+the n-gram matched; the branch searches the replies decoded before too, so a repeated or
+edited request copies its earlier reply), and the probe: the largest tree with the branch
+grafted on top. On a
 CPU a head's plan also weighs one-token rounds (the head's best next token, or the
 context's next token where the n-gram matched: a 2-token verify costs about one step
 there; on the GGUF's blocks a fixed one-token shape decoded 1.36x plain on MT-bench, the 6-node
@@ -137,7 +139,7 @@ class AutoPlan:
     @classmethod
     def for_device(cls, platform: str, top_k: int | None = None, depth: int | None = None,
                    *, probe_nodes: int = CPU_PROBE_NODES, method: str = "tree",
-                   one_token: bool = False) -> "AutoPlan":
+                   one_token: bool = False, lookup_history: bool = True) -> "AutoPlan":
         """The probe is the largest tree of the batch-1 preset (within `probe_nodes` with its
         branch on a CPU), the candidates the two sizes below it (a tree of 8 nodes or fewer:
         the one below and its own size, with the branch in place of its weakest nodes);
@@ -146,7 +148,9 @@ class AutoPlan:
         drafting's, `SpecConfig.suffix`'s matches and depth, with no branch). With
         `one_token` (a head's trees), the first candidate is the cheapest round, one draft
         token: the head's best, or the context's next token where its n-gram matched (the
-        probe counts it as its best 2-node subtree with a 1-token branch)."""
+        probe counts it as its best 2-node subtree with a 1-token branch). Every branch
+        searches the replies decoded before too unless not `lookup_history`
+        (`SpecConfig.lookup_history`: the probe counts the branch as it drafts it)."""
         preset = SpecConfig.suffix() if method == "suffix" else SpecConfig.preset(platform, 1)
         top_k, depth = top_k or preset.top_k, depth or preset.depth
         lookup = 0 if method == "suffix" else LOOKUP
@@ -157,12 +161,13 @@ class AutoPlan:
         below = sizes[-3:-1] if sizes[-1] > 8 else sizes[-2:]
         def tree(total: int, replaces: bool) -> SpecConfig:
             spec = SpecConfig(method=method, top_k=top_k, depth=depth, total_tokens=total)
-            return spec.with_lookup(lookup, LOOKUP_NGRAM, replaces) if lookup else spec
+            return spec.with_lookup(lookup, LOOKUP_NGRAM, replaces, lookup_history) \
+                if lookup else spec
 
         candidates = tuple(tree(s, replaces=True) for s in below)
         if one_token and lookup:
             candidates = (SpecConfig(method=method, top_k=top_k, depth=1, total_tokens=2)
-                          .with_lookup(1, LOOKUP_NGRAM, True), *candidates)
+                          .with_lookup(1, LOOKUP_NGRAM, True, lookup_history), *candidates)
             sizes = (2, *sizes)
         return cls((None, *candidates, tree(sizes[-1], replaces=False)), sizes)
 
