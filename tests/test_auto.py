@@ -392,12 +392,16 @@ def check_auto(target, cache_dir):
 
     import eaglejax
     from eaglejax.decoding import autotune, bundle
+    from eaglejax.decoding.suffix_history import shared_history
 
     os.environ.update(EAGLEJAX_AUTOTUNE_CACHE="1", EAGLEJAX_CACHE=str(cache_dir))
     prompts = _prompts(5, 2)
     plain = eaglejax.generate(prompts, target=target, max_new_tokens=40, ignore_eos=True)
     good, useless = self_draft(target), random_eagle3(target, seed=3)
     for draft in (good, useless):
+        # auto's lookup branches search the replies decoded before: the useless head's
+        # would copy the good one's replies to the same prompts.
+        shared_history().clear()
         out = eaglejax.generate(prompts, target=target, draft=draft, speculative="auto",
                                 max_new_tokens=40, ignore_eos=True)
         assert [o.token_ids for o in out] == [p.token_ids for p in plain]
