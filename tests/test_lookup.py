@@ -1,6 +1,7 @@
 """Context lookup (prompt lookup) branches: the search against a plain-Python statement of
-the rule, the graft onto draft trees, and the compiled loop (greedy identical to plain
-decoding for chains, dynamic and static trees; more acceptance where text repeats)."""
+the rule (over the history of earlier replies too), the graft onto draft trees, and the
+compiled loop (greedy identical to plain decoding for chains, dynamic and static trees; more
+acceptance where text repeats, and with history where a request repeats an earlier one)."""
 
 import jax.numpy as jnp
 import numpy as np
