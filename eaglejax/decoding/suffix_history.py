@@ -37,7 +37,8 @@ class SuffixHistory:
             self.tokens = np.concatenate([self.tokens[block.size:], block])
 
     def clear(self) -> None:
-        self.tokens[:] = SEPARATOR
+        """Forget every reply (a new buffer: arrays made from the old one keep their values)."""
+        self.tokens = np.full_like(self.tokens, SEPARATOR)
 
 
 _SHARED = SuffixHistory()
