@@ -25,6 +25,9 @@ import json
 import os
 
 os.environ["EAGLEJAX_AUTOTUNE_CACHE"] = "0"
+# Every configuration decodes the same prompt in turn: none may copy another's reply from
+# the history of earlier replies (`decoding.suffix_history`), so no call adds to it.
+os.environ["EAGLEJAX_REPLY_HISTORY"] = "0"
 
 import numpy as np  # noqa: E402
 

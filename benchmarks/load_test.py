@@ -19,7 +19,9 @@ batches of c rows (a batch returns when its longest row ends; no streaming, so n
 compile time of new batch shapes excluded). Every server is started first and stays up; each
 level runs on every server in turn, `--repeats` times (the order alternating), and each
 server's figures are those of its median run by tokens/s: on a noisy host the servers'
-ratios then come from the same minutes.
+ratios then come from the same minutes. The eaglejax servers keep no history of earlier
+replies (`EAGLEJAX_REPLY_HISTORY=0`): each level sends prompts sent before, and drafts that
+copied those replies would measure repetition, which the peers do not remember.
 The slot servers have `--num-slots` slots (default: the highest concurrency) of `--capacity`
 tokens; the paged ones (`paged`, `paged-speculative`: `serve --kv-tokens`) run up to the
 highest concurrency at once in a pool of `--kv-tokens` positions (default: 32 slots' worth),
@@ -269,8 +271,8 @@ def main() -> None:
             ("speculative", f"eaglejax {args.shape}", slotted + head),
             ("paged", f"eaglejax plain, paged {kv_tokens}", paged + ["--no-draft"]),
             ("paged-speculative", f"eaglejax {args.shape}, paged {kv_tokens}", paged + head)):
-        if run in args.runs:
-            servers[name] = (command, {})
+        if run in args.runs:  # levels send the same prompts again: no server copies the
+            servers[name] = (command, {"EAGLEJAX_REPLY_HISTORY": "0"})  # replies it sent
     logs = Path(tempfile.mkdtemp(prefix="load-test-"))
     if "transformers" in args.runs:
         hf = transformers_dir(logs / "smollm2-hf")

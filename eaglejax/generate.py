@@ -15,7 +15,7 @@ from eaglejax.decoding.batch import decode
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculation import AUTO, check_speculation, resolve_speculation
-from eaglejax.decoding.suffix_history import shared_history
+from eaglejax.decoding.suffix_history import remember_replies
 from eaglejax.decoding.token_logprobs import TokenLogprob, check_count, row_logprobs
 from eaglejax.decoding.stopping import FINISH_REASONS, FINISH_STOP
 from eaglejax.draft.draft import Draft
@@ -214,5 +214,5 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
             tokens[i], kept.chosen[i], kept.top_ids[i], kept.top[i], 0, len(ids), logprobs)
         results.append(Generation(text, ids, reason, metrics, entries))
     if speculative == AUTO or getattr(speculative, "uses_history", False):
-        shared_history().add(r.token_ids for r in results)  # later drafts search them
+        remember_replies(r.token_ids for r in results)  # later drafts search them
     return results

@@ -154,12 +154,12 @@ def test_greedy_with_lookup_matches_plain(spec, selfdraft_target):
         assert o.metrics.speculative == spec.describe()
 
 
-def test_lookup_accepts_what_repeats(target_of):
+def test_lookup_accepts_what_repeats(target_of, monkeypatch):
     """A random head accepts next to nothing; where the target's greedy text loops (small
     random models do), the lookup branch is accepted and the acceptance length rises. With
     history (`lookup_history`; empty the first time: the row's own context alone), a request
     repeating an earlier one copies that reply: longer still, and nothing recompiles as the
-    history fills."""
+    history fills; with $EAGLEJAX_REPLY_HISTORY=0 no reply is added."""
     from eaglejax.decoding import loops
     from eaglejax.decoding.suffix_history import shared_history
 
@@ -182,6 +182,9 @@ def test_lookup_accepts_what_repeats(target_of):
     assert al(without) < 1.2 and al(with_lookup) > al(without) + 0.5, (al(without), al(with_lookup))
     assert al(again) > al(with_lookup) + 0.5, (al(with_lookup), al(again))
     assert again[0].metrics.speculative.endswith("(ngram 3, history)")
+    monkeypatch.setenv("EAGLEJAX_REPLY_HISTORY", "0")
+    eaglejax.generate(prompts, speculative=spec, **kwargs)
+    assert (shared_history().tokens == SEPARATOR).all()
 
 
 def test_lookup_is_refused_for_a_sampled_chain_and_out_of_range(selfdraft_target):

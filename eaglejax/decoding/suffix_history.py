@@ -6,6 +6,9 @@ a head's lookup branch with history (`SpecConfig.lookup_history`, `decoding.look
 The buffer holds the latest replies, each followed by a separator (-1: it matches no token
 and ends every continuation), oldest dropped first; its size is fixed, so the compiled
 programs take it as an input of one shape and never recompile as it fills.
+`remember_replies` (what `generate` and the serving engine call) adds nothing while
+$EAGLEJAX_REPLY_HISTORY is 0: e.g. a benchmark that sends the same prompts again and
+compares with a server that keeps no such history.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+
+from eaglejax.compilation_cache import switched_on
 
 SEPARATOR = -1
 DEFAULT_TOKENS = 4096
@@ -49,3 +54,14 @@ def shared_history() -> SuffixHistory:
     a shape that reads it (`SpecConfig.uses_history`: suffix drafting, a lookup branch with
     history, `auto`) to it, and every such shape reads it."""
     return _SHARED
+
+
+SWITCH_ENV = "EAGLEJAX_REPLY_HISTORY"
+
+
+def remember_replies(replies: Iterable[Iterable[int]]) -> None:
+    """Add replies to the process's history (what `generate` and the serving engine call)
+    unless $EAGLEJAX_REPLY_HISTORY is off (0, false, no, off; ConfigError naming the
+    variable for a value that is neither on nor off)."""
+    if switched_on(SWITCH_ENV):
+        _SHARED.add(replies)

@@ -36,7 +36,7 @@ from eaglejax.decoding.prefix_pool import BLOCK
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculation import AUTO, resolve_speculation
-from eaglejax.decoding.suffix_history import shared_history
+from eaglejax.decoding.suffix_history import remember_replies
 from eaglejax.decoding.token_logprobs import TokenLogprob, check_count, row_logprobs
 from eaglejax.decoding.stopping import (
     FINISH_NONE,
@@ -853,7 +853,7 @@ class Engine:
                                   live.cached, entries))
             live.reported, live.rounds = int(counts[i]), int(max(rounds[i], 0))
             if ended and self._history:  # later requests' drafts search it
-                shared_history().add([tokens[i, :counts[i]]])
+                remember_replies([tokens[i, :counts[i]]])
             if ended and self.prefix is not None:  # a chat's next turn starts with it
                 with_head = head is not None and not self._stale[i]
                 rows = min(cached[i], head_rows[i]) if with_head else cached[i]
