@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -27,6 +28,10 @@ from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.hardware import machine_report
 from eaglejax.serving import shape_policy
 from eaglejax.serving.engine import Engine, Request
+
+# The engines decode the same requests in turn: none may copy another's replies from the
+# history of earlier replies that `auto`'s lookup branches search (`decoding.suffix_history`).
+os.environ["EAGLEJAX_REPLY_HISTORY"] = "0"
 
 HEAD = "checkpoints/smollm2-135m-instruct-eagle3"
 ONE_TOKEN = SpecConfig(method="tree", top_k=4, depth=1, total_tokens=2).with_lookup(1, 3, True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -31,6 +32,10 @@ import eaglejax
 from eaglejax.datasets import interleave_categories, mt_bench_questions, shared_datasets_dir
 from eaglejax.hardware import machine_report
 from eaglejax.serving.engine import Engine, Request
+
+# The engines decode the same requests in turn: none may copy another's replies from the
+# history of earlier replies that `auto`'s lookup branches search (`decoding.suffix_history`).
+os.environ["EAGLEJAX_REPLY_HISTORY"] = "0"
 
 SLOTS, CAPACITY = 16, 2048
 
