@@ -47,8 +47,8 @@ def parse_decoder(cfg: Mapping[str, Any], source: str, attention_bias: bool | No
     return config
 
 
-def flag(cfg: Mapping[str, Any], key: str, default: bool, source: str) -> bool:
-    """A boolean config entry, refusing non-booleans."""
+def flag(cfg: Mapping[str, Any], key: str, default: bool | None, source: str) -> bool | None:
+    """A boolean config entry (`default` when absent or null), refusing non-booleans."""
     value = cfg.get(key, default)
     if value is None:
         return default

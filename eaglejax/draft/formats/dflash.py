@@ -55,7 +55,7 @@ from eaglejax.config import ModelConfig
 from eaglejax.draft.config import DraftConfig, LayerAttention
 from eaglejax.draft.formats.common import (
     ReadResult, check_t2d, check_tensors, consumer_layer_config, d2t_from_tensors, dtype_name,
-    layer_ids, open_weights, parse_decoder, prepare_output_dir, read_head_config,
+    flag, layer_ids, open_weights, parse_decoder, prepare_output_dir, read_head_config,
     speculators_section, to_numpy, validate, vocab_map_tensors, weights_source,
     with_vocab_maps)
 from eaglejax.errors import ConfigError
@@ -169,21 +169,12 @@ def _layer_types(layer_cfg: Mapping[str, Any], decoder: ModelConfig, window: int
     return types
 
 
-def _flag(cfg: Mapping[str, Any], key: str, source: str, default: bool | None) -> bool | None:
-    value = cfg.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ConfigError(f"{source}: {key!r} must be true or false, got {value!r}")
-    return value
-
-
 def _z_lab_kinds(cfg: Mapping[str, Any], section: Mapping[str, Any], decoder: ModelConfig,
                  source: str) -> tuple[LayerAttention, ...]:
     """The layers' kinds of a z-lab config (module docstring)."""
     window = _window(cfg, decoder, source)
     types = _layer_types(cfg, decoder, window, source)
-    causal = _flag(cfg, "is_causal", source, None)
+    causal = flag(cfg, "is_causal", None, source)
     for key, value in (("layer_types", types), ("sliding_window", window),
                        ("is_causal", causal)):
         if key in section and section[key] != value:
@@ -206,7 +197,7 @@ def _speculators_kinds(cfg: Mapping[str, Any], layer_cfg: Mapping[str, Any],
     where = f"{source} (transformer_layer_config)"
     window = _window(layer_cfg, decoder, where)
     types = _layer_types(layer_cfg, decoder, window, where)
-    causal = not _flag(cfg, "sliding_window_non_causal", source, False)
+    causal = not flag(cfg, "sliding_window_non_causal", False, source)
     return tuple(LayerAttention(window, causal) if kind == SLIDING else LayerAttention()
                  for kind in types)
 
