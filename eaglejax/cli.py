@@ -116,10 +116,11 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
                              "to the chain or tree given by --num-draft-tokens, --tree or "
                              "--static-tree")
     parser.add_argument("--lookup-ngram", type=int, default=3, metavar="G",
-                        help="--lookup matches the context's last G tokens at most (default 3)")
+                        help="--lookup-replaces needs a match of at least G tokens (default "
+                             "3; --lookup copies after the longest match, up to 8 tokens)")
     parser.add_argument("--lookup-replaces", action="store_true",
-                        help="--lookup keeps the node count: where all G tokens matched, the "
-                             "branch replaces the head's N lowest-ranked nodes")
+                        help="--lookup keeps the node count: where G tokens or more matched, "
+                             "the branch replaces the head's N lowest-ranked nodes")
     parser.add_argument("--lookup-history", action="store_true",
                         help="--lookup also copies from the replies decoded before in this "
                              "process or server (as suffix drafting does): a request that "

@@ -16,8 +16,8 @@ from eaglejax.errors import InputError
 from spec_helpers import random_eagle3, self_draft
 
 
-def reference_continuation(context: list[int], ngram: int, count: int) -> tuple[list[int], int]:
-    """The rule, written plainly: the longest suffix match (<= ngram tokens, separators
+def reference_continuation(context: list[int], count: int) -> tuple[list[int], int]:
+    """The rule, written plainly: the longest suffix match (<= 8 tokens, separators
     matching nothing) ending before the last token and not right before a separator, latest
     first; its followers, repeated with the match's period, the last token from a separator
     on; and the match's length."""
@@ -27,7 +27,7 @@ def reference_continuation(context: list[int], ngram: int, count: int) -> tuple[
         if context[i + 1] == SEPARATOR:
             continue
         length = 0
-        while (length < ngram and i - length >= 0 and context[last - length] != SEPARATOR
+        while (length < 8 and i - length >= 0 and context[last - length] != SEPARATOR
                and context[i - length] == context[last - length]):
             length += 1
         if length >= best_len:
@@ -60,11 +60,12 @@ def test_continuation_follows_the_rule(seed):
         rows.append(history.tolist() + row)
     searched, last = lookup.with_history(jnp.asarray(history), jnp.asarray(context),
                                          jnp.asarray(lengths - 1))
-    for ngram in (1, 3):
-        got, matched = lookup.continuation(searched, last, ngram, 9)
-        want = [reference_continuation(row, ngram, 9) for row in rows]
-        assert np.asarray(got).tolist() == [tokens for tokens, _ in want]
-        assert np.asarray(matched).tolist() == [length for _, length in want]
+    got, matched = lookup.continuation(searched, last, 9)
+    want = [reference_continuation(row, 9) for row in rows]
+    assert np.asarray(got).tolist() == [tokens for tokens, _ in want]
+    assert np.asarray(matched).tolist() == [length for _, length in want]
+    if vocab == 3:  # matches longer than the default n-gram occur
+        assert max(length for _, length in want) > 3
 
 
 def test_continuation_over_the_history_of_earlier_replies():
@@ -78,7 +79,7 @@ def test_continuation_over_the_history_of_earlier_replies():
                            [7, 1, 2, 9, 0, 1, 2],    # own "1 2" shorter than history's "0 1 2"
                            [5, 6, 4, 0, 0, 0, 0]])   # 4: the history's last one ends a reply
     got, matched = lookup.continuation(*lookup.with_history(
-        history, context, jnp.asarray([5, 6, 6, 2])), 3, 5)
+        history, context, jnp.asarray([5, 6, 6, 2])), 5)
     assert np.asarray(got).tolist() == [[3, 4, 2, 2, 2], [8, 0, 1, 2, 8], [6, 6, 2, 2, 2],
                                         [1, 2, 3, 4, 4]]
     assert np.asarray(matched).tolist() == [3, 3, 3, 1]
@@ -86,8 +87,16 @@ def test_continuation_over_the_history_of_earlier_replies():
 
 def test_continuation_follows_a_loop_past_the_end():
     context = jnp.asarray([[7, 1, 2, 3, 1, 2, 3, 1, 2]])
-    got, matched = lookup.continuation(context, jnp.asarray([8]), 3, 7)
-    assert np.asarray(got).tolist() == [[3, 1, 2, 3, 1, 2, 3]] and int(matched[0]) == 3
+    got, matched = lookup.continuation(context, jnp.asarray([8]), 7)
+    assert np.asarray(got).tolist() == [[3, 1, 2, 3, 1, 2, 3]] and int(matched[0]) == 5
+
+
+def test_the_longest_match_wins_over_a_later_shorter_one():
+    """"5 1 2 3" occurred before "8 1 2 3": the 4-token match is copied (7), not the latest
+    3-token one (6), and the branch counts as a match of 3 or more either way."""
+    context = jnp.asarray([[5, 1, 2, 3, 7, 8, 1, 2, 3, 6, 5, 1, 2, 3]])
+    got, matched = lookup.continuation(context, jnp.asarray([13]), 3)
+    assert np.asarray(got).tolist() == [[7, 8, 1]] and int(matched[0]) == 4
 
 
 def test_graft_hangs_the_rest_under_the_deepest_held_prefix():

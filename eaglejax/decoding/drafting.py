@@ -27,7 +27,7 @@ from eaglejax.decoding.tree import Tree
 class Drafted(NamedTuple):
     """One round's draft: the tree to verify, the draft distributions [B,K,V] of a sampled
     chain (None otherwise), and the lookup branch (None without one): the copied tokens
-    [B,L] and the rows [B] where their whole n-gram matched."""
+    [B,L] and the rows [B] where their match held `lookup_ngram` tokens or more."""
 
     tree: Tree
     probs: jax.Array | None
@@ -47,7 +47,7 @@ def draft_round(head: Head, state: Any, token: jax.Array, spec: SpecConfig, gree
         return Drafted(tree, probs, None)
     if spec.lookup_history and history is not None:
         context, context_lengths = lookup.with_history(history, context, context_lengths)
-    copied, matched = lookup.continuation(context, context_lengths, spec.lookup_ngram,
+    copied, matched = lookup.continuation(context, context_lengths,
                                           spec.draft_depth + spec.lookup)
     matched = matched >= spec.lookup_ngram
     if spec.lookup_replaces:

@@ -2,10 +2,11 @@
 
 Text often repeats itself: a name, a code identifier, a list format, a phrase from the
 prompt, and (with small greedy models) whole loops. Per row, the context x_0..x_n is
-searched for the most recent earlier position whose last tokens match the context's last
-`ngram` tokens (the longest match of up to `ngram` wins, then the latest); the tokens that
-followed it are the continuation. Past x_n the continuation repeats with the match's
-period, so a loop is followed as far as it goes. No head forward is needed.
+searched for the earlier position whose last tokens match the context's last ones longest
+(up to `MAX_MATCH` tokens, as suffix drafting ranks them), the latest among equally long
+matches; the tokens that followed it are the continuation. Past x_n the continuation
+repeats with the match's period, so a loop is followed as far as it goes. No head forward
+is needed.
 
 With history (`SpecConfig.lookup_history`), the search runs over the replies decoded before
 (`decoding.suffix_history`: each followed by a separator, -1) placed before x_0, by the
@@ -18,7 +19,8 @@ The continuation is grafted onto the round's draft tree: it walks down the tree 
 child holds its next token, and the rest hangs as a chain under the deepest such node, so
 it never duplicates a sibling (greedy acceptance and recursive rejection both stay exact:
 the grafted tree is one more deterministic draft tree). `fit` keeps the node count instead:
-where the whole n-gram matched, the branch takes the place of the head's lowest-ranked nodes.
+where the match holds at least `SpecConfig.lookup_ngram` tokens, the branch takes the place
+of the head's lowest-ranked nodes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ import jax.numpy as jnp
 
 from eaglejax.decoding.suffix_history import SEPARATOR
 from eaglejax.decoding.tree import Tree, tree_from_parents
+
+MAX_MATCH = 8  # the longest suffix a match is ranked by (rounds with history: a regenerated
+# request's branch copied 7.10 tokens a round where 3 gave 5.75; BENCHMARKS.md, session 43)
 
 
 def with_history(history: jax.Array, context: jax.Array, last: jax.Array
@@ -41,26 +46,35 @@ def with_history(history: jax.Array, context: jax.Array, last: jax.Array
     return searched, last + history.shape[0]
 
 
-def continuation(context: jax.Array, last: jax.Array, ngram: int,
-                 count: int) -> tuple[jax.Array, jax.Array]:
-    """([B,count] tokens following the latest earlier occurrence of the longest suffix of
-    context [B,C] (valid through index last [B]) matching up to `ngram` tokens, that match's
-    length [B]); a row with no match at all proposes its last token again. The context may
-    hold separators (`with_history`): they match nothing, no match ends right before one,
-    and a continuation reaching one proposes the last token from there on."""
+def match_lengths(context: jax.Array, last: jax.Array) -> jax.Array:
+    """[B,W]: how many of the tokens ending at each position of context [B,W] equal the
+    tokens ending at index last [B] (up to `MAX_MATCH`; separators match nothing)."""
     batch, width = context.shape
-    rows = jnp.arange(batch)[:, None]
-    ends = jnp.arange(width)[None, :]  # candidate position i of the occurrence's last token
+    ends = jnp.arange(width)[None, :]
     matched = jnp.ones((batch, width), bool)
     length = jnp.zeros((batch, width), jnp.int32)
-    for j in range(ngram):
+    for j in range(MAX_MATCH):
         suffix = context[jnp.arange(batch), jnp.maximum(last - j, 0)]
         earlier = jnp.roll(context, j, axis=1)  # earlier[:, i] = context[:, i - j]
         matched = (matched & (ends >= j) & (last[:, None] >= j) & (earlier == suffix[:, None])
                    & (suffix != SEPARATOR)[:, None])
         length = length + matched
+    return length
+
+
+def continuation(context: jax.Array, last: jax.Array, count: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """([B,count] tokens following the latest earlier occurrence of the longest suffix of
+    context [B,C] (valid through index last [B]; `match_lengths`), that match's length
+    [B]); a row with no match at all proposes its last token again. The context may hold
+    separators (`with_history`): they match nothing, no match ends right before one, and a
+    continuation reaching one proposes the last token from there on."""
+    width = context.shape[1]
+    rows = jnp.arange(context.shape[0])[:, None]
+    ends = jnp.arange(width)[None, :]  # candidate position i of the occurrence's last token
     followed = jnp.roll(context, -1, axis=1) != SEPARATOR  # by a token, not a separator
-    score = jnp.where((ends < last[:, None]) & followed, length * width + ends, -1)
+    score = jnp.where((ends < last[:, None]) & followed,
+                      match_lengths(context, last) * width + ends, -1)
     start = jnp.argmax(score, axis=1)[:, None]  # ties never happen: positions differ
     period = jnp.maximum(last[:, None] - start, 1)
     index = start + 1 + jnp.arange(count)[None, :] % period

@@ -72,11 +72,11 @@ class SpecConfig:
     Trees verify with greedy matching or recursive rejection sampling (lossless).
 
     `lookup` > 0 adds that many tokens copied from the context (prompt lookup: what followed
-    the latest earlier occurrence of the last up to `lookup_ngram` tokens) as one more
-    branch of the tree, grafted under the deepest node that already holds its first tokens
-    (see `decoding.lookup`). With `lookup_replaces` the node count stays the shape's: in
-    rounds where the whole n-gram matched, the branch replaces the head's `lookup`
-    lowest-ranked nodes. With sampling it needs a tree (a sampled chain's min(1, p/q)
+    the earlier occurrence of the context's longest suffix, up to 8 tokens, the latest among
+    equals) as one more branch of the tree, grafted under the deepest node that already
+    holds its first tokens (see `decoding.lookup`). With `lookup_replaces` the node count
+    stays the shape's: in rounds where that match holds at least `lookup_ngram` tokens, the
+    branch replaces the head's `lookup` lowest-ranked nodes. With sampling it needs a tree (a sampled chain's min(1, p/q)
     rule has no place for a second draft). With `lookup_history` the branch also searches
     the replies decoded before (`decoding.suffix_history`, the buffer suffix drafting
     reads), placed before the row's own context: a request that repeats or edits an
@@ -223,7 +223,7 @@ class SpecConfig:
     def with_lookup(self, lookup: int, ngram: int = 3, replaces: bool = False,
                     history: bool = False) -> "SpecConfig":
         """This shape plus a context-lookup branch of `lookup` tokens (0: none); `replaces`:
-        in place of the head's lowest-ranked nodes where the whole n-gram matched;
+        in place of the head's lowest-ranked nodes where `ngram` tokens or more matched;
         `history`: searching the replies decoded before too."""
         return dataclasses.replace(self, lookup=lookup, lookup_ngram=ngram,
                                    lookup_replaces=replaces, lookup_history=history)

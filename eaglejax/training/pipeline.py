@@ -18,14 +18,17 @@ RegenPlan = RegenConfig | Sequence[tuple[int, RegenConfig]] | None
 def prepare_rows(target: Target, data: str | Path, *, seq_len: int,
                  max_conversations: int | None = None, regen: RegenPlan = None,
                  regen_cache: str | Path | None = None, cut_repeats: int = 0,
-                 progress: bool = True) -> PackedRows:
+                 regen_target: Target | None = None, progress: bool = True) -> PackedRows:
     """Read a ShareGPT-shaped file (first `max_conversations`), optionally regenerate its
     assistant turns with the target (cached), render, mask, truncate (at `seq_len`, and
     where a supervised `cut_repeats`-gram repeats, see `tokenize_all`) and pack.
 
     `regen` is one RegenConfig for every conversation, or blocks [(first index, config),
     ...] in increasing order: each config regenerates the conversations from its first
-    index to the next block's (e.g. greedy replies for some, sampled for the rest)."""
+    index to the next block's (e.g. greedy replies for some, sampled for the rest).
+    `regen_target` regenerates instead of `target` (the same model as users decode with it,
+    e.g. in a GGUF file's blocks: the replies a head will be asked to predict); `target`
+    still tokenizes."""
     if target.tokenizer is None:
         raise InputError(f"{target.source}: training on conversations needs the target's "
                          f"tokenizer and chat template")
@@ -38,8 +41,8 @@ def prepare_rows(target: Target, data: str | Path, *, seq_len: int,
         digest, regenerated = file_fingerprint(data), []
         for (first, config), end in zip(blocks, [*starts[1:], len(conversations)]):
             data_id = digest if first == 0 else f"{digest}[{first}:]"
-            regenerated += regenerate(conversations[first:end], target, data_id, config,
-                                      regen_cache, progress)
+            regenerated += regenerate(conversations[first:end], regen_target or target,
+                                      data_id, config, regen_cache, progress)
         conversations = regenerated
     return pack(tokenize_all(conversations, target.tokenizer, seq_len, cut_repeats), seq_len)
 

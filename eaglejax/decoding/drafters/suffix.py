@@ -6,7 +6,8 @@ over each row's own prompt and output and over the replies decoded before it:
 The drafter keeps each row's context (the shared history of earlier replies, then the
 prompt, then every accepted token) and its length. A round finds the `top_k` earlier
 positions whose tokens
-match the longest suffix of the context (up to `MAX_MATCH` tokens; among equally long
+match the longest suffix of the context (up to `lookup.MAX_MATCH` tokens, separators matching
+nothing; among equally long
 matches, the latest), follows each for up to `depth` tokens, merges continuations that
 share a prefix into one trie (a continuation ends at the history's separators), and keeps
 the `total_tokens - 1` nodes that the most matches
@@ -24,13 +25,12 @@ import jax
 import jax.numpy as jnp
 
 from eaglejax.decoding.drafters.base import register
+from eaglejax.decoding.lookup import match_lengths
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.tree import Tree, select_tree
 
 if TYPE_CHECKING:
     from eaglejax.decoding.spec_config import SpecConfig
-
-MAX_MATCH = 8  # the longest suffix matched
 
 
 class SuffixDrafter:
@@ -59,13 +59,7 @@ class SuffixDrafter:
         last = length - 1  # the root token's place
         # How many tokens ending at each earlier position equal the context's last ones.
         ends = jnp.arange(width)[None, :]
-        matched = jnp.ones((batch, width), bool)
-        match_length = jnp.zeros((batch, width), jnp.int32)
-        for j in range(MAX_MATCH):
-            suffix = context[rows, jnp.maximum(last - j, 0)]
-            earlier = jnp.roll(context, j, axis=1)  # earlier[:, i] = context[:, i - j]
-            matched = matched & (ends >= j) & (last[:, None] >= j) & (earlier == suffix[:, None])
-            match_length = match_length + matched
+        match_length = match_lengths(context, last)
         found = (ends < last[:, None]) & (match_length > 0)
         best, position = jax.lax.top_k(jnp.where(found, match_length * width + ends, -1),
                                        matches)
