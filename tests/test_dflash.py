@@ -272,6 +272,16 @@ def _layers(cfg: dict) -> dict:
     return cfg.get("transformer_layer_config", cfg)
 
 
+def test_neutral_dflash2_scalars_read_as_absent(target, tmp_path):
+    drafter, config = _torch_drafter(seed=5)
+    _save(drafter, config, tmp_path / "drafter", "z-lab")
+    cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    cfg["dflash_config"].update(input_embedding_scale=1.0, output_multiplier=1,
+                                final_logit_softcapping=None)
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps(cfg))
+    assert eaglejax.load_draft(tmp_path / "drafter", target=target).dflash
+
+
 @pytest.mark.parametrize("layout, edit, match", [
     ("z-lab", lambda c: c["dflash_config"].pop("target_layer_ids"),
      "tapped target layers are missing"),
@@ -295,6 +305,12 @@ def _layers(cfg: dict) -> dict:
      "'dflash_config.is_causal' is True but the top level's 'is_causal' reads as None"),
     ("z-lab", lambda c: c["dflash_config"].update(use_swa=True),
      "'dflash_config.use_swa' \\(vLLM's switch\\) is not read"),
+    ("z-lab", lambda c: c["dflash_config"].update(conv_kernel_size=2, selector_rank=256),
+     "'dflash_config.conv_kernel_size' belongs to a DFlash2 drafter"),
+    ("z-lab", lambda c: c["dflash_config"].update(input_embedding_scale=2.5),
+     "'dflash_config.input_embedding_scale' is 2.5; eaglejax's DFlash drafter does not apply"),
+    ("speculators", lambda c: c.update(final_logit_softcapping=30.0),
+     "'final_logit_softcapping' is 30.0"),
 ])
 def test_layout_mistakes_are_refused_in_one_line(target, tmp_path, layout, edit, match):
     drafter, config = _torch_drafter(seed=5)

@@ -30,6 +30,11 @@ into one causality for every layer (`not sliding_window_non_causal`, true when a
 it runs a drafter that mixes causal sliding layers with full ones otherwise than the
 speculators trainer and eaglejax do; no layout value can change that.
 
+DFlash2 drafters (a causal convolution in each layer, a candidate selector: configs that
+size them with `conv_kernel_size` and the like) are refused, and so is any of DFlash2's
+`input_embedding_scale`, `output_multiplier` or `final_logit_softcapping` set to other than
+its neutral value: a DFlash reader that skipped them would draft otherwise than trained.
+
 `export_dflash` writes the z-lab layout (block size at the top level and in `dflash_config`,
 plus `num_target_layers`; it cannot hold a reduced vocabulary), `export_speculators_dflash`
 the speculators one (with `speculators_config`: block_size - 1 greedy proposals and the
@@ -70,6 +75,11 @@ IGNORED = ("embed_tokens.weight", "d2t", "t2d")  # a reduced vocabulary's d2t/t2
 SLIDING, FULL = "sliding_attention", "full_attention"
 MAX_WINDOW_LAYERS = 28  # transformers' Qwen3Config default
 VLLM_SWITCHES = ("use_swa", "swa_window_size", "causal")  # under dflash_config
+# DFlash2 (a causal convolution in each layer and a candidate selector) sizes its modules
+# with these; its scalars change the drafts where not neutral (vLLM's DFlash2 reader).
+DFLASH2_MODULES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DFLASH2_SCALARS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
+                   "final_logit_softcapping": None}
 
 
 def is_dflash(cfg: Mapping[str, Any]) -> bool:
@@ -89,8 +99,27 @@ def _positive(cfg: Mapping[str, Any], key: str, source: str) -> int:
     return value
 
 
+def _refuse_dflash2(cfg: Mapping[str, Any], source: str) -> None:
+    """ConfigError where the config (top level or `dflash_config`) describes what only a
+    DFlash2 drafter runs: read as DFlash, its drafts would silently differ."""
+    section = cfg.get("dflash_config")
+    for where, entries in (("", cfg), ("dflash_config.", section if isinstance(section, dict)
+                                       else {})):
+        for key in DFLASH2_MODULES:
+            if key in entries:
+                raise ConfigError(f"{source}: {where + key!r} belongs to a DFlash2 drafter (a "
+                                  f"causal convolution per layer and a candidate selector), "
+                                  f"which eaglejax does not run")
+        for key, neutral in DFLASH2_SCALARS.items():
+            if entries.get(key, neutral) != neutral:
+                raise ConfigError(f"{source}: {where + key!r} is {entries[key]!r}; eaglejax's "
+                                  f"DFlash drafter does not apply it (only {neutral!r} or "
+                                  f"absent reads)")
+
+
 def dflash_config(cfg: Mapping[str, Any], source: str, target: ModelConfig) -> DraftConfig:
     """The DraftConfig of a DFlash config.json in either layout (module docstring)."""
+    _refuse_dflash2(cfg, source)
     if cfg.get("speculators_model_type") == "dflash":
         layer_cfg = cfg.get("transformer_layer_config")
         if not isinstance(layer_cfg, dict):
