@@ -52,7 +52,8 @@ Presets:
         6000 steps, lr 1e-4 with cosine decay, TTT length 7.
 
 Measured on this project's 2-core CPU (float32, shared): regeneration about 95 generated
-tokens/s with continuous batching (about 2.45x the static batches before; BENCHMARKS.md);
+tokens/s with continuous batching (about 2.45x the static batches before; BENCHMARKS.md),
+280-380 with `--regen-weight-dtype auto`;
 training about 230 tokens/s with
 TTT length 3 at 512-token rows, about 95 tokens/s with TTT length 7 at 1024-token rows.
 """
