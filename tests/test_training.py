@@ -655,6 +655,14 @@ def test_regeneration_blocks_mix_greedy_and_sampled_replies(chatml, tmp_path):
     # Rows pack one short conversation each here: the first three are the greedy ones.
     np.testing.assert_array_equal(mixed.tokens[:3], all_greedy.tokens[:3])
     assert (mixed.tokens[3:] != all_greedy.tokens[3:]).any()
+    # Another model regenerates (regen_target): its replies, as if it were the target.
+    other = dataclasses.replace(target, params=init_params(config, jax.random.PRNGKey(1),
+                                                           scale=0.5))
+    by_other = prepare_rows(target, data, seq_len=64, regen=greedy, regen_cache=cache,
+                            regen_target=other, progress=False)
+    np.testing.assert_array_equal(by_other.tokens, prepare_rows(
+        other, data, seq_len=64, regen=greedy, regen_cache=cache, progress=False).tokens)
+    assert (by_other.tokens != all_greedy.tokens).any()
     with pytest.raises(InputError, match=r"regen blocks must start at conversation 0"):
         prepare_rows(target, data, seq_len=64, regen=[(1, greedy)], regen_cache=cache)
 
