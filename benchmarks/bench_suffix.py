@@ -3,18 +3,21 @@ plain decoding) beside the EAGLE-3 head's tree, alone and with a lookup branch t
 the row's own context or the replies decoded before too, the head's `auto`, and plain
 decoding, in one run.
 
-    python benchmarks/bench_suffix.py [--num-prompts 8] [--max-new-tokens 128] [--json]
+    python benchmarks/bench_suffix.py [--num-prompts 8] [--max-new-tokens 128]
+        [--workloads mt_bench repetitive mix] [--json]
 
 Greedy, batch 1, SmolLM2 with the shipped EAGLE-3 head; timed interleaved prompt by prompt
 (`eaglejax.bench.compare_drafts`). Each workload is a sequence of requests to one process:
 a request's call starts with the history of earlier replies (`decoding.suffix_history`)
 holding the replies to the requests before it (plain decoding's, so the same for every
-run), as a server that answered them in order holds it. Two workloads: MT-bench first turns
-balanced over categories, and a repetitive one (rewriting given code with an edit,
+run), as a server that answered them in order holds it. Three workloads (the first two by
+default): MT-bench first turns balanced over categories, the Spec-Bench-style mix of
+`benchmarks/peers` (coding, extraction, math, writing, summarisation, text-grounded QA), and a
+repetitive one (rewriting given code with an edit,
 extracting from a given passage: the reply repeats its prompt; then requests that repeat
 earlier ones, as a regenerate does, or edit them: the reply repeats an earlier reply too),
-decoded to EOS (MT-bench: to the token limit, EOS ignored, as `eaglejax bench` does). Per
-run: AL (per kind of request on the repetitive workload), round cost in plain steps,
+decoded to EOS (MT-bench and the mix: to the token limit, EOS ignored, as `eaglejax bench`
+does). Per run: AL (per kind of request or category on the repetitive workload and the mix), round cost in plain steps,
 tokens/s and the speed-up over plain decoding; every run's tokens must equal plain's.
 """
 
@@ -28,6 +31,7 @@ from eaglejax import SpecConfig
 from eaglejax.bench import compare_drafts
 from eaglejax.datasets import Question, interleave_categories, mt_bench_questions
 from eaglejax.draft.shipped import shipped_head
+from peers.prompts import mix_questions
 
 CODE = '''def moving_average(values, window):
     if window <= 0:
@@ -62,6 +66,18 @@ REPETITIVE = [
 ]
 
 
+WORKLOADS = ("mt_bench", "mix", "repetitive")
+
+
+def workload(name: str, count: int) -> list[Question]:
+    """The requests of workload `name` (`count` of MT-bench or the mix), in answering order."""
+    if name == "mt_bench":
+        return interleave_categories(mt_bench_questions())[:count]
+    if name == "mix":
+        return mix_questions(count)
+    return [Question(i, kind, p) for i, (kind, p) in enumerate(REPETITIVE)]
+
+
 def earlier_replies(target, questions: list[Question], max_new_tokens: int,
                     ignore_eos: bool) -> list[list[list[int]]]:
     """Per question, plain decoding's replies to the questions before it: the history a
@@ -76,6 +92,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS,
+                        default=["mt_bench", "repetitive"])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     target = eaglejax.load_target("smollm2-135m-instruct", weight_dtype="auto")
@@ -84,13 +102,10 @@ def main() -> None:
     runs = [(None, SpecConfig.suffix(4, 6, 12)), (None, "auto"),
             (head, tree.with_lookup(4)), (head, tree.with_lookup(4, history=True)),
             (head, tree), (head, "auto")]
-    workloads = {
-        "mt_bench": interleave_categories(mt_bench_questions())[:args.num_prompts],
-        "repetitive": [Question(i, kind, p) for i, (kind, p) in enumerate(REPETITIVE)],
-    }
     report = {}
-    for name, questions in workloads.items():
-        ignore_eos = name == "mt_bench"
+    for name in args.workloads:
+        questions = workload(name, args.num_prompts)
+        ignore_eos = name != "repetitive"
         histories = earlier_replies(target, questions, args.max_new_tokens, ignore_eos)
         results = compare_drafts(target, runs, questions, max_new_tokens=args.max_new_tokens,
                                  ignore_eos=ignore_eos, histories=histories)
@@ -102,7 +117,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    for name in workloads:
+    for name in args.workloads:
         print(f"{name} (plain {report[name][0]['plain_decode_tokens_per_s']:.1f} tok/s)")
         for r in report[name]:
             kinds = "" if name == "mt_bench" else "  (" + ", ".join(
