@@ -146,7 +146,7 @@ def main() -> None:
     rows = prepare_rows(target, data, seq_len=config.seq_len,
                         max_conversations=args.max_conversations, regen=REGEN[args.preset],
                         cut_repeats=CUT_REPEATS.get(args.preset, 0), regen_target=regen_target)
-    del regen_target
+    del regen_target  # its weights are not needed while training
     init_head = eaglejax.load_draft(args.init_head, target=target) if args.init_head else None
     result = train(target, rows, out, config, eval_prompts=mt_bench_prompts(EVAL_QUESTIONS),
                    init_head=init_head)

@@ -8,9 +8,10 @@ for every size.
 
 With a context-lookup branch grafted onto the largest tree (`lookup.graft`), the same round
 also answers for "size s with the branch in place of its weakest nodes" (`lookup.fit`):
-where the match held `lookup_ngram` tokens or more, that tree is the s - n best nodes plus the copied tokens
-hung under the deepest of those nodes already holding their prefix; every node of it has a
-twin with the same path in the grafted largest tree, so its acceptance is exact too.
+where the match held `lookup_ngram` tokens or more, that tree is the s - n best nodes plus
+the copied tokens hung under the deepest of those nodes already holding their prefix; every
+node of it has a twin with the same path in the grafted largest tree, so its acceptance is
+exact too.
 `calibration_loop` is the speculative loop with these counters beside its state: `auto`
 runs it as its probe (`decoding.adaptive`); the loop that decodes a fixed shape
 (`loops.decode_loop`) carries none of them.

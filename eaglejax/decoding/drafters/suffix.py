@@ -5,16 +5,14 @@ over each row's own prompt and output and over the replies decoded before it:
 
 The drafter keeps each row's context (the shared history of earlier replies, then the
 prompt, then every accepted token) and its length. A round finds the `top_k` earlier
-positions whose tokens
-match the longest suffix of the context (up to `lookup.MAX_MATCH` tokens, separators matching
-nothing; among equally long
-matches, the latest), follows each for up to `depth` tokens, merges continuations that
-share a prefix into one trie (a continuation ends at the history's separators), and keeps
-the `total_tokens - 1` nodes that the most matches
-pass through (a node's count never exceeds its parent's, and a parent comes first among
-equals, so every kept node's parent is kept). Unused places in the tree hold the root's
-token as extra children of the root. Deterministic: trees verify greedily or by recursive
-rejection, exactly.
+positions whose tokens match the longest suffix of the context (`lookup.match_lengths`: up
+to 8 tokens, separators matching nothing; among equally long matches, the latest), follows
+each for up to `depth` tokens, merges continuations that share a prefix into one trie (a
+continuation ends at the history's separators), and keeps the `total_tokens - 1` nodes that
+the most matches pass through (a node's count never exceeds its parent's, and a parent comes
+first among equals, so every kept node's parent is kept). Unused places in the tree hold the
+root's token as extra children of the root. Deterministic: trees verify greedily or by
+recursive rejection, exactly.
 """
 
 from __future__ import annotations
