@@ -3,7 +3,8 @@ and `speculative="auto"` (which switches between plain decoding and trees as it 
 mix it ran is listed), against one plain-decoding baseline per batch size.
 
     python benchmarks/bench_trees.py --draft checkpoints/smollm2-135m-instruct-eagle3 \\
-        [--num-prompts 8] [--batch-sizes 1 8] [--max-new-tokens 128] [--lookup 0 4] [--json]
+        [--weight-dtype float32] [--num-prompts 8] [--batch-sizes 1 8] [--max-new-tokens 128]
+        [--lookup 0 4] [--json]
 
 Greedy, MT-bench first turns (round-robin over categories), SmolLM2 (or --model), every
 configuration warmed up before it is timed, then plain decoding and every configuration
@@ -45,6 +46,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--weight-dtype", default="auto",
+                        help="the target's weight storage, e.g. float32 (default: auto, what "
+                             "decodes fastest here, as `eaglejax generate` stores it)")
     parser.add_argument("--draft", default="random",
                         help="draft head path, or 'random' (EAGLE-3), or 'random-peagle' (a "
                              "random P-EAGLE head: runs sequential and parallel shapes)")
@@ -59,7 +63,7 @@ def main() -> None:
                         help="shapes instead of the default list, e.g. 'chain:5,tree:4:4:8'")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    target = eaglejax.load_target(args.model)
+    target = eaglejax.load_target(args.model, weight_dtype=args.weight_dtype)
     if args.draft in ("random", "random-peagle"):
         mask = target.config.vocab_size - 1 if args.draft == "random-peagle" else None
         draft = new_eagle3_draft(target, mask_token_id=mask)

@@ -101,8 +101,10 @@ CONTINUING = ("cpu-decay", "cpu-more", "cpu-distill")  # presets that continue a
 EVAL_QUESTIONS = 8
 # --method dflash: a 2-layer drafter started from SmolLM2's last two layers, blocks of 8
 # (7 drafts a forward), 64 blocks per 512-token row, slot k weighted exp(-(k-1)/4)
-# (speculators' default for blocks of 8; SpecForge uses 7 for blocks of 16).
-DFLASH = dict(block_size=8, num_layers=2, num_anchors=64, loss_decay_gamma=4.0)
+# (speculators' default for blocks of 8; SpecForge uses 7 for blocks of 16), the whole
+# vocabulary (it reads out through the target's own output head).
+DFLASH = dict(block_size=8, num_layers=2, num_anchors=64, loss_decay_gamma=4.0,
+              draft_vocab_size=None)
 
 
 def main() -> None:

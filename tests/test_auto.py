@@ -270,11 +270,15 @@ def test_acceptance_is_a_decayed_mean_and_a_prior_weighs_little():
     assert policy.knowledge.rounds[PLAN.name(SMALL)] == pytest.approx((16 + 16 * older) / 16)
 
 
-@pytest.mark.parametrize("stored", [None, [], {"accepted": {}}, {
-    "accepted": {"x": -1.0}, "rounds": {}, "round_s": {}, "probe_every": 32}, {
-    "accepted": {}, "rounds": {}, "round_s": {"plain": ["fast"]}, "probe_every": 32}, {
-    "accepted": {}, "rounds": {}, "round_s": {}, "probe_every": 0}])
+def _stored(**changes) -> dict:
+    return {**Knowledge().to_json(), **changes}
+
+
+@pytest.mark.parametrize("stored", [
+    None, [], {"accepted": {}}, _stored(accepted={"x": -1.0}),
+    _stored(round_s={"plain": ["fast"]}), _stored(probe_every=0)])
 def test_malformed_knowledge_is_refused(stored):
+    assert Knowledge.from_json(_stored()) == Knowledge()
     with pytest.raises((ValueError, KeyError, TypeError)):
         Knowledge.from_json(stored)
 
@@ -428,8 +432,10 @@ def check_auto(target, cache_dir):
     # lookup branch copies from the repeating text of this random target: AL about 2)
     good_policy = AutoPolicy(plan, learnt)
     useless_policy = AutoPolicy(plan, autotune.recall(target, useless, 2, plan))
-    probe, small = len(plan.modes) - 1, plan.modes.index(PLAN.modes[SMALL])  # CPU: + 1 token
-    assert plan.modes[1].num_nodes == 2  # a head's CPU plan weighs one-token rounds
+    # on a CPU the 6-node tree comes after the depth-1 tree
+    probe, small = len(plan.modes) - 1, plan.modes.index(PLAN.modes[SMALL])
+    # a head's CPU plan weighs a depth-1 tree of two draft tokens
+    assert (plan.modes[1].depth, plan.modes[1].num_nodes) == (1, 3)
     assert good_policy.acceptance_length(probe) > 2.0  # measured 3.7 (useless: 1.7)
     assert useless_policy.acceptance_length(probe) < good_policy.acceptance_length(probe) - 1
     assert useless_policy.acceptance_length(small) < good_policy.acceptance_length(small) - 0.5

@@ -81,9 +81,9 @@ def test_counts_match_the_trees_they_stand_for(seed):
     grafted = lookup.graft(head, copied, draft_depth, n_lookup)
     logits = _target_logits(grafted, truth)
     depth = draft_depth + n_lookup
-    plain = np.asarray(calibration.subtree_acceptance(grafted, logits, depth, sizes))
+    plain = np.asarray(calibration.subtree_acceptance(grafted, logits, depth, sizes, largest))
     fitted = np.asarray(calibration.lookup_subtree_acceptance(grafted, logits, depth, sizes,
-                                                              copied, use, n_lookup))
+                                                              copied, use, n_lookup, largest))
     for k, s in enumerate(sizes):
         sub_tokens, sub_parents, sub_ranks = lookup._pruned(head, s)
         subtree = tree_from_parents(sub_tokens, sub_parents, draft_depth, sub_ranks)
@@ -94,6 +94,45 @@ def test_counts_match_the_trees_they_stand_for(seed):
     # The branch matters in these trees: some rows accept more with it, and none of the
     # trees with a branch is counted as the plain one.
     assert np.any(fitted > plain) and np.any(fitted < plain)
+    # Depth-1 trees (the root and its best s - 1 children) with a 1-token branch in place
+    # of their weakest child: what `auto`'s one- and two-token rounds draft.
+    shallow = (2, 3)
+    plain = np.asarray(calibration.subtree_acceptance(grafted, logits, depth, shallow, largest))
+    fitted = np.asarray(calibration.lookup_subtree_acceptance(grafted, logits, depth, shallow,
+                                                              copied, use, 1, largest))
+    two = np.sum(parents == 0, axis=1) >= 2  # rows whose largest tree kept two children
+    assert two.sum() >= batch // 2
+    for k, s in enumerate(shallow):
+        nodes = np.stack([[0, *np.flatnonzero(parents[b] == 0)[:s - 1]]
+                          for b in np.flatnonzero(two)])
+        index = np.full((len(nodes), largest), -1)
+        np.put_along_axis(index, nodes, np.arange(s), axis=1)
+        sub_parents = np.where(np.arange(s) == 0, -1, 0)[None].repeat(len(nodes), 0)
+        subtree = tree_from_parents(jnp.asarray(np.take_along_axis(tokens[two], nodes, 1)),
+                                    jnp.asarray(sub_parents), 1,
+                                    jnp.broadcast_to(jnp.arange(s), nodes.shape))
+        np.testing.assert_array_equal(plain[two, k], _accepted(subtree, truth[two]),
+                                      err_msg=f"depth-1 size {s}")
+        real = lookup.fit(subtree, copied[two][:, :2], use[two], 1, 1)
+        np.testing.assert_array_equal(fitted[two, k], _accepted(real, truth[two]),
+                                      err_msg=f"depth-1 size {s} with lookup")
+    assert np.any(plain[:, 1] > plain[:, 0])  # the second child is accepted in some rows
+
+
+def test_a_depth_one_count_where_the_largest_tree_kept_one_child_is_a_lower_bound():
+    """The largest tree spent its nodes below the root's first child (no second child):
+    a depth-1 tree of 3 nodes is counted as its root and first child; a grafted node at
+    depth 1 is the branch's, never taken for the head's second child."""
+    tokens = jnp.asarray([[9, 1, 2, 3, 0]])  # root 9, child 1, grandchild 2, then 3; graft 0
+    parents = jnp.asarray([[-1, 0, 1, 2, 0]])
+    tree = tree_from_parents(tokens, parents, 3, jnp.arange(5)[None])
+    logits = jnp.asarray(np.eye(VOCAB + 1, dtype=np.float32)[[[0, 2, 3, 4, 4]]])
+    # the target wants 0 after the root: only the grafted node holds it
+    counts = calibration.subtree_acceptance(tree, logits, 3, (2, 3, 4), 4)
+    assert counts.tolist() == [[0, 0, 0]]
+    logits = jnp.asarray(np.eye(VOCAB + 1, dtype=np.float32)[[[1, 2, 3, 4, 4]]])
+    counts = calibration.subtree_acceptance(tree, logits, 3, (2, 3, 4), 4)
+    assert counts.tolist() == [[1, 1, 3]]  # depth-1 trees stop at the child; 4 best: 3 deep
 
 
 def test_on_copied_path_marks_one_node_per_depth():

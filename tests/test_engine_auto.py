@@ -173,11 +173,13 @@ def check_engine(target):
     for scripted in (True, False):
         engine = Engine(target, draft, num_slots=2, capacity=96, rounds_per_call=8)
         assert engine.speculation == "auto"
-        modes = len(engine.policy.plan.modes)  # the target's plan: on a CPU, one-token
-        probe = modes - 1  # rounds before the trees
+        modes = len(engine.policy.plan.modes)  # the target's plan: on a CPU, depth-1
+        probe = modes - 1  # trees before the deeper ones
         if scripted:
             engine.policy = Scripted(engine, [(probe, 1), (PLAIN, 3), (1, 2), (PLAIN, 1),
-                                              (2, 1), (probe, 2), (3, 1), (PLAIN, 16)])
+                                              (2, 1), (probe, 2),
+                                              *((mode, 1) for mode in range(3, probe)),
+                                              (PLAIN, 16)])
         requests = [Request(i, p, n, ignore_eos=True) for i, (p, n) in
                     enumerate(zip(prompts, limits))]
         requests.append(Request("hot", prompts[0], 20, SamplingOptions(0.8, seed=2),

@@ -6,10 +6,11 @@ with a context-lookup branch of `LOOKUP` copied tokens in place of its weakest n
 the n-gram matched; the branch searches the replies decoded before too, so a repeated or
 edited request copies its earlier reply), and the probe: the largest tree with the branch
 grafted on top. On a
-CPU a head's plan also weighs one-token rounds (the head's best next token, or the
-context's next token where the n-gram matched: a 2-token verify costs about one step
-there; on the GGUF's blocks a fixed one-token shape decoded 1.36x plain on MT-bench, the 6-node
-tree decoded 1.06x, BENCHMARKS.md, session 32). With no
+CPU a head's plan also weighs a depth-1 tree of two draft tokens (the head's best two, or
+its best and the context's next token where the n-gram matched: a 3-token verify costs about
+one step there; on the GGUF's blocks one draft token decoded 1.36x plain on MT-bench where
+the 6-node tree decoded 1.06x, BENCHMARKS.md, session 32, and two decoded 1.20-1.32x where
+one decoded 1.18-1.26x, session 44). With no
 draft the trees are suffix drafting's (`drafters.suffix`: what followed earlier matches of
 the latest tokens, no model; they hold the lookup branch's copy already, so none is added),
 and `auto` speculates where the text repeats itself. A probe
@@ -68,6 +69,7 @@ import numpy as np
 
 from eaglejax import hardware, native
 from eaglejax.compilation_cache import cache_root, switched_on
+from eaglejax.decoding.calibration import DEPTH_ONE_SIZES
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculation import draft_kind
 from eaglejax.decoding.tree import max_nodes
@@ -91,6 +93,12 @@ MARGIN = 1.0
 # interpolation between a plain step and the probe can overcharge a small tree.
 EXPLORE = 0.9
 LOOKUP, LOOKUP_NGRAM = 4, 3  # every mode's lookup branch
+# A head's CPU plan's cheapest tree: the root and its best 2 children, with a 1-token branch
+# in place of the weaker where the context matched. One draft token (2 nodes) decoded slower
+# in each of 11 interleaved runs (SmolLM2's blocks, a 2-core Zen 4, 16 prompts: MT-bench
+# 1.18-1.26x plain against 1.20-1.32x, the mix 1.25-1.29x against 1.30-1.37x), and with
+# both in the plan `auto` chose between them on noise (BENCHMARKS.md, session 44).
+DEPTH_ONE_NODES = DEPTH_ONE_SIZES
 # On a CPU, verify blocks of up to 16 tokens run the native kernels and larger ones XLA's
 # dot at several times the cost per row: the probe (largest tree + LOOKUP) stays within 16.
 CPU_PROBE_NODES = 16
@@ -139,16 +147,18 @@ class AutoPlan:
     @classmethod
     def for_device(cls, platform: str, top_k: int | None = None, depth: int | None = None,
                    *, probe_nodes: int = CPU_PROBE_NODES, method: str = "tree",
-                   one_token: bool = False, lookup_history: bool = True) -> "AutoPlan":
+                   depth_one: bool = False, lookup_history: bool = True) -> "AutoPlan":
         """The probe is the largest tree of the batch-1 preset (within `probe_nodes` with its
         branch on a CPU), the candidates the two sizes below it (a tree of 8 nodes or fewer:
         the one below and its own size, with the branch in place of its weakest nodes);
         every tree a dynamic tree of `method` ("tree": the head's, "draft_model_tree": a
         draft model's, "dflash_tree": over a DFlash head's block; "suffix": suffix
         drafting's, `SpecConfig.suffix`'s matches and depth, with no branch). With
-        `one_token` (a head's trees), the first candidate is the cheapest round, one draft
-        token: the head's best, or the context's next token where its n-gram matched (the
-        probe counts it as its best 2-node subtree with a 1-token branch). Every branch
+        `depth_one` (a head's trees), the first candidate is the cheapest round, a depth-1
+        tree of `DEPTH_ONE_NODES`: two draft tokens, the head's best two, or its best and
+        the context's next token where its n-gram matched (the probe counts it from its
+        root's best children with a 1-token branch: `calibration.DEPTH_ONE_SIZES`). Every
+        branch
         searches the replies decoded before too unless not `lookup_history`
         (`SpecConfig.lookup_history`: the probe counts the branch as it drafts it)."""
         preset = SpecConfig.suffix() if method == "suffix" else SpecConfig.preset(platform, 1)
@@ -165,10 +175,11 @@ class AutoPlan:
                 if lookup else spec
 
         candidates = tuple(tree(s, replaces=True) for s in below)
-        if one_token and lookup:
-            candidates = (SpecConfig(method=method, top_k=top_k, depth=1, total_tokens=2)
+        if depth_one and lookup:
+            candidates = (SpecConfig(method=method, top_k=top_k, depth=1,
+                                     total_tokens=DEPTH_ONE_NODES)
                           .with_lookup(1, LOOKUP_NGRAM, True, lookup_history), *candidates)
-            sizes = (2, *sizes)
+            sizes = (DEPTH_ONE_NODES, *sizes)
         return cls((None, *candidates, tree(sizes[-1], replaces=False)), sizes)
 
     @classmethod
@@ -176,14 +187,14 @@ class AutoPlan:
         """The plan for `target` and its `draft` (a head, a DFlash head or a `DraftModel`:
         their trees; None: suffix drafting's) on the default device: on a CPU, the probe's
         size follows what bounds a verify of its matrices (`cpu_probe_nodes`), and a head's
-        plan weighs one-token rounds too (a 2-token verify costs about one step there)."""
+        plan weighs a depth-1 tree too (a 3-token verify costs about one step there)."""
         kind = draft_kind(draft)
         method = {"model": "draft_model_tree",
                   "head": "dflash_tree" if kind and draft.dflash else "tree",
                   None: "suffix"}[kind]
         platform = jax.default_backend()
         return cls.for_device(platform, probe_nodes=cpu_probe_nodes(target.weight_dtype),
-                              method=method, one_token=platform == "cpu" and method == "tree")
+                              method=method, depth_one=platform == "cpu" and method == "tree")
 
     def name(self, mode: int) -> str:
         spec = self.modes[mode]
@@ -219,8 +230,7 @@ class Knowledge:
         """ValueError for anything but a stored Knowledge."""
         if not isinstance(stored, dict):
             raise ValueError("not a dict")
-        known = cls(**{key: stored[key] for key in ("accepted", "rounds", "round_s",
-                                                    "probe_every")})
+        known = cls(**{field.name: stored[field.name] for field in dataclasses.fields(cls)})
         numbers = [*known.accepted.values(), *known.rounds.values(),
                    *(t for times in known.round_s.values() for t in times)]
         if not all(isinstance(x, (int, float)) and x >= 0 for x in numbers) \

@@ -12,6 +12,10 @@ where the match held `lookup_ngram` tokens or more, that tree is the s - n best 
 the copied tokens hung under the deepest of those nodes already holding their prefix; every
 node of it has a twin with the same path in the grafted largest tree, so its acceptance is
 exact too.
+Sizes up to `DEPTH_ONE_SIZES` stand for depth-1 trees, the root and its s - 1 best children
+(`auto`'s one- and two-token rounds on a CPU): counted exactly where the largest tree kept
+those children (its depth-1 nodes are the root's best), from fewer where it kept fewer (a
+lower bound: the largest tree spent its nodes deeper, below a confident first child).
 `calibration_loop` is the speculative loop with these counters beside its state: `auto`
 runs it as its probe (`decoding.adaptive`); the loop that decodes a fixed shape
 (`loops.decode_loop`) carries none of them.
@@ -33,16 +37,35 @@ from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.decoding.tree import Tree
 
 
+# Sizes up to this count depth-1 trees; larger ones the best s nodes at any depth (EAGLE-2).
+DEPTH_ONE_SIZES = 3
+
+
 def _deepest(tree: Tree, nodes: jax.Array) -> jax.Array:
     """[B]: the greatest depth among `nodes` [B,N] (0 when none)."""
     return jnp.max(jnp.where(nodes, tree.depths, 0), axis=1)
 
 
+def kept_nodes(tree: Tree, size: int, count: int, head_nodes: int) -> jax.Array:
+    """[B,N]: the nodes of `tree` that the tree of `size` nodes pruned to its best `count`
+    holds: the best `count` by rank; for a depth-1 size (<= `DEPTH_ONE_SIZES`), the root and
+    its `count - 1` best children among the first `head_nodes` by rank (the head's, not a
+    grafted branch's)."""
+    if size > DEPTH_ONE_SIZES:
+        return tree.ranks < count
+    child = (tree.depths == 1) & (tree.ranks < head_nodes)
+    better = jnp.sum(child[:, None, :] & (tree.ranks[:, None, :] < tree.ranks[:, :, None]),
+                     axis=2)
+    return (tree.depths == 0) | (child & (better < count - 1))
+
+
 def subtree_acceptance(tree: Tree, target_logits: jax.Array, max_depth: int,
-                       sizes: tuple[int, ...]) -> jax.Array:
-    """[B,S]: draft tokens the best s-node subtree of `tree` accepts greedily, per size s."""
+                       sizes: tuple[int, ...], head_nodes: int) -> jax.Array:
+    """[B,S]: draft tokens the s-node subtree of `tree` accepts greedily, per size s (the
+    best s nodes, or a depth-1 tree: `kept_nodes`; `head_nodes`: the head's tree size)."""
     accepted = greedy_accepted_nodes(tree, target_logits, max_depth)
-    return jnp.stack([_deepest(tree, accepted & (tree.ranks < s)) for s in sizes], axis=1)
+    return jnp.stack([_deepest(tree, accepted & kept_nodes(tree, s, s, head_nodes))
+                      for s in sizes], axis=1)
 
 
 def on_copied_path(tree: Tree, copied: jax.Array, max_depth: int) -> jax.Array:
@@ -59,20 +82,22 @@ def on_copied_path(tree: Tree, copied: jax.Array, max_depth: int) -> jax.Array:
 
 def lookup_subtree_acceptance(tree: Tree, target_logits: jax.Array, max_depth: int,
                               sizes: tuple[int, ...], copied: jax.Array, use: jax.Array,
-                              lookup: int) -> jax.Array:
-    """[B,S]: draft tokens `lookup.fit` of the best s-node subtree with `lookup` copied tokens
-    would accept greedily, per size s (> lookup), counted on `tree`: the largest tree with
-    the same copied tokens [B,L] grafted (`lookup.graft`, ranks of grafted nodes past every
-    head node's). Rows where not `use` [B] keep the head's s nodes."""
+                              lookup: int, head_nodes: int) -> jax.Array:
+    """[B,S]: draft tokens `lookup.fit` of the s-node subtree (`kept_nodes`) with `lookup`
+    copied tokens would accept greedily, per size s (> lookup), counted on `tree`: the
+    largest tree (`head_nodes` nodes) with the same copied tokens [B,L] grafted
+    (`lookup.graft`, ranks of grafted nodes past every head node's). Rows where not `use`
+    [B] keep the head's s nodes."""
     accepted = greedy_accepted_nodes(tree, target_logits, max_depth)
     on_path = on_copied_path(tree, copied, max_depth)
     agreed = _deepest(tree, accepted & on_path)  # the copied tokens the target agrees with
     counts = []
     for s in sizes:
-        kept = tree.ranks < s - lookup
+        kept = kept_nodes(tree, s, s - lookup, head_nodes)
         held = _deepest(tree, on_path & kept)  # where fit hangs the branch
         fitted = jnp.maximum(_deepest(tree, accepted & kept), jnp.minimum(agreed, held + lookup))
-        counts.append(jnp.where(use, fitted, _deepest(tree, accepted & (tree.ranks < s))))
+        whole = _deepest(tree, accepted & kept_nodes(tree, s, s, head_nodes))
+        counts.append(jnp.where(use, fitted, whole))
     return jnp.stack(counts, axis=1)
 
 
@@ -81,10 +106,12 @@ def round_counts(done: Round, spec: SpecConfig, sizes: tuple[int, ...]) -> jax.A
     accepted; with a lookup branch of L tokens, L more blocks of S columns for a branch of
     1..L of those tokens in place of the weakest nodes (zero for rows already done)."""
     tree, logits, depth = done.drafted.tree, done.target_logits, spec.max_depth
-    counts = [subtree_acceptance(tree, logits, depth, sizes)]
+    head_nodes = spec.total_tokens
+    counts = [subtree_acceptance(tree, logits, depth, sizes, head_nodes)]
     if spec.lookup:
         copied, matched = done.drafted.branch
-        counts += [lookup_subtree_acceptance(tree, logits, depth, sizes, copied, matched, n)
+        counts += [lookup_subtree_acceptance(tree, logits, depth, sizes, copied, matched, n,
+                                             head_nodes)
                    for n in range(1, spec.lookup + 1)]
     return done.running[:, None] * jnp.concatenate(counts, axis=1)
 
