@@ -158,8 +158,7 @@ class AutoPlan:
         tree of `DEPTH_ONE_NODES`: two draft tokens, the head's best two, or its best and
         the context's next token where its n-gram matched (the probe counts it from its
         root's best children with a 1-token branch: `calibration.DEPTH_ONE_SIZES`). Every
-        branch
-        searches the replies decoded before too unless not `lookup_history`
+        branch searches the replies decoded before too unless not `lookup_history`
         (`SpecConfig.lookup_history`: the probe counts the branch as it drafts it)."""
         preset = SpecConfig.suffix() if method == "suffix" else SpecConfig.preset(platform, 1)
         top_k, depth = top_k or preset.top_k, depth or preset.depth

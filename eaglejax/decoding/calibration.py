@@ -13,7 +13,7 @@ the copied tokens hung under the deepest of those nodes already holding their pr
 node of it has a twin with the same path in the grafted largest tree, so its acceptance is
 exact too.
 Sizes up to `DEPTH_ONE_SIZES` stand for depth-1 trees, the root and its s - 1 best children
-(`auto`'s one- and two-token rounds on a CPU): counted exactly where the largest tree kept
+(`auto`'s two-token rounds on a CPU): counted exactly where the largest tree kept
 those children (its depth-1 nodes are the root's best), from fewer where it kept fewer (a
 lower bound: the largest tree spent its nodes deeper, below a confident first child).
 `calibration_loop` is the speculative loop with these counters beside its state: `auto`
