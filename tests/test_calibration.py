@@ -95,7 +95,7 @@ def test_counts_match_the_trees_they_stand_for(seed):
     # trees with a branch is counted as the plain one.
     assert np.any(fitted > plain) and np.any(fitted < plain)
     # Depth-1 trees (the root and its best s - 1 children) with a 1-token branch in place
-    # of their weakest child: what `auto`'s one- and two-token rounds draft.
+    # of their weakest child (`auto`'s two-token rounds; one token: size 2).
     shallow = (2, 3)
     plain = np.asarray(calibration.subtree_acceptance(grafted, logits, depth, shallow, largest))
     fitted = np.asarray(calibration.lookup_subtree_acceptance(grafted, logits, depth, shallow,
@@ -105,8 +105,6 @@ def test_counts_match_the_trees_they_stand_for(seed):
     for k, s in enumerate(shallow):
         nodes = np.stack([[0, *np.flatnonzero(parents[b] == 0)[:s - 1]]
                           for b in np.flatnonzero(two)])
-        index = np.full((len(nodes), largest), -1)
-        np.put_along_axis(index, nodes, np.arange(s), axis=1)
         sub_parents = np.where(np.arange(s) == 0, -1, 0)[None].repeat(len(nodes), 0)
         subtree = tree_from_parents(jnp.asarray(np.take_along_axis(tokens[two], nodes, 1)),
                                     jnp.asarray(sub_parents), 1,
