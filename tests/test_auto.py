@@ -462,8 +462,9 @@ def check_auto(target, cache_dir):
     assert got.token_ids == want.token_ids
     suffix_plan = AutoPlan.for_target(target, None)
     assert suffix_plan.name(PROBE) in got.metrics.speculative
-    learnt = AutoPolicy(suffix_plan, autotune.recall(target, None, 1, suffix_plan))
-    assert learnt.acceptance_length(PROBE) > 1.5, learnt.knowledge  # the echo is copied
+    probing = Scripted(suffix_plan, [(PROBE, 4)])  # the probe's counts over the whole echo
+    assert _decode(target, None, [echo], probing, 24)[0] == [want.token_ids]
+    assert probing.acceptance_length(PROBE) > 1.5, probing.knowledge  # the echo is copied
 
 
 def check_sampling(target):

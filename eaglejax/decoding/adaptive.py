@@ -7,11 +7,11 @@ until a target-forward budget or every row's end: the probe counts what each can
 would have accepted (`decoding.calibration.calibration_loop`), the other trees decode as
 fixed shapes do (`loops.decode_loop`), and plain segments keep the head caught up
 (`decoding.plain_segment`). Between segments the host reads a few counters and times the
-segment (a program's first run in the process is one untimed round or step: it links
-then, except a probe's, whose rounds run in full); no token
-leaves the device. Every mode's program is compiled before the first
-segment, so a switch never compiles (a later process loads them from the disk cache); a call
-the prefill finishes (max_new_tokens=1) compiles none.
+segment; no token leaves the device. Every mode's program is compiled before the first
+segment, so a switch never compiles (a later process loads them from the disk cache), and
+first run for one round on a copy of the state (XLA:CPU links a program's kernels as they
+first run), counted as compile time, so that every segment's time is what its mode costs;
+a call the prefill finishes (max_new_tokens=1) compiles none.
 Greedy output is the plain output; sampled output follows the target's
 distribution exactly whatever the modes, since each round is exact given what came before
 it (the tokens themselves depend on the modes chosen, and with them on the batch).
@@ -72,10 +72,10 @@ _PROGRAMS_RUN: set[tuple] = set()
 def _ran_before(fn, args: tuple, static: dict) -> bool:
     """Whether this process ran `fn`'s program for these argument shapes and static
     arguments before (and from now on, it has). A program's first run costs far more than
-    its later ones (XLA:CPU links its kernels as they are first called: a probe round of
-    58 ms against 40 ms, BENCHMARKS.md; on int8 storage, after one untimed forward, a tree's
-    next segment of 8 rounds still ran 1.7x its later ones in one run), so `auto` does not
-    time its first segment."""
+    its later ones (XLA:CPU links its kernels as they are first called: a one-token round's
+    first run 16 ms against 6, a probe round 58 ms against 40, BENCHMARKS.md), so each mode's
+    first run is one round on a copy of the state, with the compiling, before any segment is
+    timed."""
     key = (fn, tuple(sorted(static.items())),
            tuple((leaf.shape, str(leaf.dtype)) if hasattr(leaf, "shape") else leaf
                  for leaf in jax.tree.leaves(args)))
@@ -131,25 +131,26 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
                                                                     stop=criteria)
 
     running = bool(jax.device_get(jnp.any(state.out.running)))  # max_new_tokens=1: done
+    scratch, scratch_forwards = None, 0  # a copy of the state for each mode's first run
     for mode in range(len(plan.modes) if running else 0):  # nothing to decode: no segment
         fn, models, args, static = segment(mode, state, jnp.int32(0))
         compile_s += models.compile(fn, *args, **static)
-    ran: set[int] = set()  # modes this call ran
+        if not _ran_before(fn, (models.loop, *args), static):
+            start = time.perf_counter()
+            if scratch is None:
+                scratch = jax.tree.map(jnp.copy, state)
+            scratch_forwards += 1  # one round (`until` passed as the segments pass it)
+            fn, models, args, static = segment(mode, scratch, jnp.int32(scratch_forwards))
+            result = models.run(fn, *args, **static)
+            scratch = jax.block_until_ready(result[0] if mode == policy.probe else result)
+            compile_s += time.perf_counter() - start
+    del scratch
     forwards_by_mode: dict[str, int] = {}
     decode_s, forwards = 0.0, 0
     hist = np.zeros(state.accept_hist.shape, np.int64)
     while running:
         mode = policy.next_mode()
-        rounds, timed = policy.segment_rounds(mode), True
-        if mode not in ran:
-            ran.add(mode)
-            fn, models, args, static = segment(mode, state, jnp.int32(0))
-            timed = _ran_before(fn, (models.loop, *args), static)
-            if not timed and mode != policy.probe:
-                # Its kernels link as they first run (a one-token round 16 ms against 6):
-                # one untimed round or step takes that, and the next segment is timed. (A
-                # probe's first rounds run in full: their counts are what a call opens with.)
-                rounds = 1
+        rounds = policy.segment_rounds(mode)
         fn, models, args, static = segment(mode, state, jnp.int32(forwards + rounds))
         start = time.perf_counter()
         result = models.run(fn, *args, **static)
@@ -158,14 +159,14 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
             (state.forwards, state.out.running, state.accept_hist))
         running = bool(rows_running.any())
         if counts is not None:
-            counts = jax.device_get(counts.sum(axis=0))
+            counts = jax.device_get(counts).sum(axis=0)
         seconds = time.perf_counter() - start
         decode_s += seconds
         segment_forwards, rounds = int(now_forwards) - forwards, new_hist - hist
         forwards, hist = int(now_forwards), new_hist
         name = plan.name(mode)
         forwards_by_mode[name] = forwards_by_mode.get(name, 0) + segment_forwards
-        policy.observe(mode, seconds if timed else None, segment_forwards,
+        policy.observe(mode, seconds, segment_forwards,
                        (rounds * np.arange(rounds.shape[1])).sum(), int(rounds.sum()), counts)
     return AdaptiveRun(DecodeRun(state, compile_s, prefill_s, decode_s), forwards_by_mode,
                        policy.round_seconds(0))

@@ -21,8 +21,8 @@ kept per mode as a decayed mean (half-life `HALF_LIFE` target forwards, whatever
 that ran them), so it follows the text.
 
 What a round of each mode costs is its wall time, measured on every segment the loop runs
-(median of the last few; a program's first run in the process is one round or step, not
-timed: XLA:CPU finishes linking it then); plain decoding is first timed over
+(median of the last few; each program first ran once before, with the compiling: XLA:CPU
+links a program's kernels on its first run); plain decoding is first timed over
 `PLAIN_TIMING_STEPS` steps, so a call that knows nothing yet spends little of its time
 learning what plain costs, and its cost is never guessed from the trees'; a tree not yet
 run is costed by interpolating between the modes run so far in node count (a verify's cost
@@ -143,6 +143,14 @@ class AutoPlan:
     @property
     def probe(self) -> SpecConfig:
         return self.modes[-1]
+
+    @property
+    def timed_early(self) -> tuple[int, ...]:
+        """Trees timed as soon as plain decoding and the probe are: the depth-1 tree, whose
+        round costs little more than a plain step where the probe's costs several, so that
+        neither a cost interpolated between the two nor a few probe rounds' acceptance keeps
+        the cheapest round from running."""
+        return tuple(m for m in range(1, len(self.modes) - 1) if self.modes[m].depth == 1)
 
     @classmethod
     def for_device(cls, platform: str, top_k: int | None = None, depth: int | None = None,
@@ -323,12 +331,12 @@ class AutoPolicy:
 
     def next_mode(self) -> int:
         """The mode of the next segment: what is unknown first (the probe's acceptance, then
-        the costs of plain decoding and of the probe), then the best, with the probe every
+        the costs of plain decoding, of the probe and of `plan.timed_early`), then the best, with the probe every
         `probe_every` target forwards; while plain is best, a tree within `EXPLORE` of it and
         never timed is timed."""
         if self.acceptance_length(self.probe) is None:
             return self.probe
-        for mode in (0, self.probe):
+        for mode in (0, self.probe, *self.plan.timed_early):
             if not self.timed(mode):
                 return mode
         if self.best != self.probe and self.since_probe >= self.knowledge.probe_every:
