@@ -125,6 +125,30 @@ def test_costs_are_interpolated_in_node_count_and_the_best_rate_wins():
     assert policy.next_mode() == PROBE  # 2.5 / 0.09 = 27.8 < 40: the probe tree now wins
 
 
+def test_the_depth_one_tree_is_timed_right_after_plain_and_the_probe():
+    """A head's CPU plan times its depth-1 tree as soon as plain decoding and the probe are
+    timed, even where the cost interpolated between them and the probe's few rounds make
+    plain decoding look faster (a first call then decoded plainly throughout); once timed,
+    the rates decide as before. Plans without one (no head) time nothing early."""
+    plan = AutoPlan.for_device("cpu", probe_nodes=12, depth_one=True)
+    depth_one = 1
+    assert plan.timed_early == (depth_one,) and plan.modes[depth_one].depth == 1
+    assert AutoPlan.for_device("cpu", probe_nodes=12).timed_early == ()
+    assert AutoPlan.for_device("cpu", probe_nodes=12, method="suffix").timed_early == ()
+    policy = AutoPolicy(plan, Knowledge())
+    counts = np.zeros(len(plan.sizes) * 5)
+    counts[plan.count_column(depth_one)] = 0.2 * 2  # AL 1.2 over the probe's 2 rounds
+    assert policy.next_mode() == len(plan.modes) - 1
+    policy.observe(len(plan.modes) - 1, 2 * 0.012, 2, 2 * 1.0, 2, counts)  # 12 ms a round
+    assert policy.next_mode() == PLAIN
+    policy.observe(PLAIN, 4 * 0.004, 4, 0, 0)  # 4 ms a step
+    # interpolated, the 3-node tree would cost 4 + 2/11 * 8 = 5.5 ms: 1.2 / 5.5 < 1 / 4
+    assert policy.expected_rates()[depth_one] < EXPLORE * policy.expected_rates()[PLAIN]
+    assert policy.next_mode() == depth_one
+    policy.observe(depth_one, 8 * 0.0045, 8, 8 * 0.5, 8)  # it costs 4.5 ms: AL 1.5 pays
+    assert policy.next_mode() == depth_one
+
+
 def test_plain_wins_unless_speculation_beats_it_by_the_margin():
     policy = _learnt(plain_s=0.01, probe_s=0.075)  # a cheap step: every tree loses
     assert policy.next_mode() == PLAIN

@@ -331,9 +331,9 @@ class AutoPolicy:
 
     def next_mode(self) -> int:
         """The mode of the next segment: what is unknown first (the probe's acceptance, then
-        the costs of plain decoding, of the probe and of `plan.timed_early`), then the best, with the probe every
-        `probe_every` target forwards; while plain is best, a tree within `EXPLORE` of it and
-        never timed is timed."""
+        the costs of plain decoding, of the probe and of `plan.timed_early`), then the best,
+        with the probe every `probe_every` target forwards; while plain is best, a tree
+        within `EXPLORE` of it and never timed is timed."""
         if self.acceptance_length(self.probe) is None:
             return self.probe
         for mode in (0, self.probe, *self.plan.timed_early):
