@@ -15,6 +15,7 @@ import pytest
 
 from eaglejax import SpecConfig
 from eaglejax.decoding.autotune import (
+    EVIDENCE_ROUNDS,
     EXPLORE,
     HALF_LIFE,
     MARGIN,
@@ -122,7 +123,11 @@ def test_costs_are_interpolated_in_node_count_and_the_best_rate_wins():
     assert policy.next_mode() == LARGE
     policy.observe(LARGE, 4 * 0.09, 4, 4 * 1.5, 4)  # slower than interpolated, AL as counted
     assert policy.round_seconds(LARGE) == pytest.approx(0.09)
-    assert policy.next_mode() == PROBE  # 2.5 / 0.09 = 27.8 < 40: the probe tree now wins
+    # 2.5 / 0.09 = 27.8 < 40, but the probe, counted over half the rounds, weighs its
+    # acceptance over EVIDENCE_ROUNDS more: 2.0 / 0.075 = 26.7
+    assert policy.next_mode() == LARGE
+    policy.observe(LARGE, 4 * 0.12, 4, 4 * 1.5, 4)  # slower still: 2.5 / 0.105 = 23.8
+    assert policy.next_mode() == PROBE
 
 
 def test_the_depth_one_tree_is_timed_right_after_plain_and_the_probe():
@@ -147,6 +152,37 @@ def test_the_depth_one_tree_is_timed_right_after_plain_and_the_probe():
     assert policy.next_mode() == depth_one
     policy.observe(depth_one, 8 * 0.0045, 8, 8 * 0.5, 8)  # it costs 4.5 ms: AL 1.5 pays
     assert policy.next_mode() == depth_one
+
+
+def test_trees_are_chosen_between_on_their_evidence():
+    """A tree counted over two probe rounds does not displace one that ran for sixty on
+    its higher count alone: acceptance is spread over EVIDENCE_ROUNDS more rounds when
+    trees are compared; with as many rounds as the running tree it wins. Against plain
+    decoding the chosen tree's own estimate is weighed."""
+    plan = AutoPlan.for_device("cpu", probe_nodes=12, depth_one=True)
+    depth_one, six = 1, 2
+    names = [plan.name(m) for m in range(len(plan.modes))]
+    policy = AutoPolicy(plan, Knowledge(round_s={names[PLAIN]: [0.004], names[depth_one]:
+                                                 [0.0048], names[six]: [0.0074],
+                                                 names[-1]: [0.012]}))
+
+    def counted(six_rounds: float) -> None:
+        policy.use_acceptance({names[depth_one]: 0.6 * 60, names[six]: 2.0 * six_rounds,
+                               names[-1]: 1.0 * six_rounds},
+                              {names[depth_one]: 60, names[six]: six_rounds,
+                               names[-1]: six_rounds})
+
+    counted(2)  # tree 6: AL 3.0 over two probe rounds, 405 tokens/s against 333
+    assert policy.expected_rates()[six] > policy.expected_rates()[depth_one]
+    assert EVIDENCE_ROUNDS >= 2 and policy.best == depth_one
+    counted(60)  # as many rounds as the depth-1 tree: the higher rate wins
+    assert policy.best == six
+    # against plain decoding (1 / 4 ms) the chosen tree's own estimate counts: AL 1.1 in
+    # 4.8 ms loses, AL 1.3 wins (spread over EVIDENCE_ROUNDS more rounds it would lose)
+    policy.use_acceptance({names[depth_one]: 0.1 * 2}, {names[depth_one]: 2})
+    assert policy.best == PLAIN
+    policy.use_acceptance({names[depth_one]: 0.3 * 2}, {names[depth_one]: 2})
+    assert policy.best == depth_one
 
 
 def test_plain_wins_unless_speculation_beats_it_by_the_margin():

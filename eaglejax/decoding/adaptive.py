@@ -9,9 +9,10 @@ fixed shapes do (`loops.decode_loop`), and plain segments keep the head caught u
 (`decoding.plain_segment`). Between segments the host reads a few counters and times the
 segment; no token leaves the device. Every mode's program is compiled before the first
 segment, so a switch never compiles (a later process loads them from the disk cache), and
-first run for one round on a copy of the state (XLA:CPU links a program's kernels as they
-first run), counted as compile time, so that every segment's time is what its mode costs;
-a call the prefill finishes (max_new_tokens=1) compiles none.
+first run on a copy of the state, counted as compile time: one round (XLA:CPU links a
+program's kernels as they first run), then segments of no round, which time what a
+segment costs beyond its rounds; the policy learns each mode's cost per round without it.
+A call the prefill finishes (max_new_tokens=1) compiles none.
 Greedy output is the plain output; sampled output follows the target's
 distribution exactly whatever the modes, since each round is exact given what came before
 it (the tokens themselves depend on the modes chosen, and with them on the batch).
@@ -66,22 +67,17 @@ def describe_mix(forwards_by_mode: dict[str, int]) -> str:
     return "auto: " + ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in parts if n)
 
 
-_PROGRAMS_RUN: set[tuple] = set()
+# Per program (function, static arguments, argument shapes) this process ran: what a
+# segment of it costs beyond its rounds (the dispatch of its arrays, the loop's exit, the
+# host's reading of the counters, a plain segment's catch-up of the head).
+_SEGMENT_OVERHEAD_S: dict[tuple, float] = {}
+IDLE_RUNS = 3  # segments of no round timed per program; the least is its overhead
 
 
-def _ran_before(fn, args: tuple, static: dict) -> bool:
-    """Whether this process ran `fn`'s program for these argument shapes and static
-    arguments before (and from now on, it has). A program's first run costs far more than
-    its later ones (XLA:CPU links its kernels as they are first called: a one-token round's
-    first run 16 ms against 6, a probe round 58 ms against 40, BENCHMARKS.md), so each mode's
-    first run is one round on a copy of the state, with the compiling, before any segment is
-    timed."""
-    key = (fn, tuple(sorted(static.items())),
-           tuple((leaf.shape, str(leaf.dtype)) if hasattr(leaf, "shape") else leaf
-                 for leaf in jax.tree.leaves(args)))
-    ran = key in _PROGRAMS_RUN
-    _PROGRAMS_RUN.add(key)
-    return ran
+def _program_key(fn, args: tuple, static: dict) -> tuple:
+    return (fn, tuple(sorted(static.items())),
+            tuple((leaf.shape, str(leaf.dtype)) if hasattr(leaf, "shape") else leaf
+                  for leaf in jax.tree.leaves(args)))
 
 
 def adaptive_decode(target: Target, draft: "Draft", encoded: list[list[int]],
@@ -130,43 +126,59 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
         return loops.decode_loop, probe.with_spec(spec), args, dict(greedy=greedy,
                                                                     stop=criteria)
 
+    def run_segment(mode: int, state, until: int):
+        """`mode` until `until` target forwards: the state, the host's copies of its
+        forwards, running rows and acceptance histogram, a probe's counts, the seconds."""
+        fn, models, args, static = segment(mode, state, jnp.int32(until))
+        start = time.perf_counter()
+        result = models.run(fn, *args, **static)
+        state, counts = result if mode == policy.probe else (result, None)
+        fetched = jax.device_get((state.forwards, state.out.running, state.accept_hist))
+        if counts is not None:
+            counts = jax.device_get(counts).sum(axis=0)
+        return state, *fetched, counts, time.perf_counter() - start
+
     running = bool(jax.device_get(jnp.any(state.out.running)))  # max_new_tokens=1: done
-    scratch, scratch_forwards = None, 0  # a copy of the state for each mode's first run
+    overhead_s = [0.0] * len(plan.modes)
+    scratch, scratch_forwards = None, 0  # a copy of the state for each mode's first runs
     for mode in range(len(plan.modes) if running else 0):  # nothing to decode: no segment
         fn, models, args, static = segment(mode, state, jnp.int32(0))
         compile_s += models.compile(fn, *args, **static)
-        if not _ran_before(fn, (models.loop, *args), static):
+        key = _program_key(fn, (models.loop, *args), static)
+        if key not in _SEGMENT_OVERHEAD_S:
+            # XLA:CPU links a program's kernels as they first run (a one-token round's
+            # first run 16 ms against 6, BENCHMARKS.md): one round on a copy of the state,
+            # with the compiling; then segments of no round time what one costs beyond its
+            # rounds, which the policy's round costs leave out (a plain step timed in
+            # 4-step segments measured 4.9 ms where plain decoding's steps take 3.8).
             start = time.perf_counter()
             if scratch is None:
                 scratch = jax.tree.map(jnp.copy, state)
-            scratch_forwards += 1  # one round (`until` passed as the segments pass it)
-            fn, models, args, static = segment(mode, scratch, jnp.int32(scratch_forwards))
-            result = models.run(fn, *args, **static)
-            scratch = jax.block_until_ready(result[0] if mode == policy.probe else result)
+            scratch_forwards += 1
+            idle = []
+            for _ in range(1 + IDLE_RUNS):
+                scratch, *_, seconds = run_segment(mode, scratch, scratch_forwards)
+                idle.append(seconds)
+            _SEGMENT_OVERHEAD_S[key] = min(idle[1:])
             compile_s += time.perf_counter() - start
+        overhead_s[mode] = _SEGMENT_OVERHEAD_S[key]
     del scratch
     forwards_by_mode: dict[str, int] = {}
     decode_s, forwards = 0.0, 0
     hist = np.zeros(state.accept_hist.shape, np.int64)
     while running:
         mode = policy.next_mode()
-        rounds = policy.segment_rounds(mode)
-        fn, models, args, static = segment(mode, state, jnp.int32(forwards + rounds))
-        start = time.perf_counter()
-        result = models.run(fn, *args, **static)
-        state, counts = result if mode == policy.probe else (result, None)
-        now_forwards, rows_running, new_hist = jax.device_get(
-            (state.forwards, state.out.running, state.accept_hist))
+        state, now_forwards, rows_running, new_hist, counts, seconds = run_segment(
+            mode, state, forwards + policy.segment_rounds(mode))
         running = bool(rows_running.any())
-        if counts is not None:
-            counts = jax.device_get(counts).sum(axis=0)
-        seconds = time.perf_counter() - start
         decode_s += seconds
         segment_forwards, rounds = int(now_forwards) - forwards, new_hist - hist
         forwards, hist = int(now_forwards), new_hist
         name = plan.name(mode)
         forwards_by_mode[name] = forwards_by_mode.get(name, 0) + segment_forwards
-        policy.observe(mode, seconds, segment_forwards,
+        # the rounds' own time (at least half the segment's, whatever the noise)
+        rounds_s = max(seconds - overhead_s[mode], seconds / 2)
+        policy.observe(mode, rounds_s, segment_forwards,
                        (rounds * np.arange(rounds.shape[1])).sum(), int(rounds.sum()), counts)
     return AdaptiveRun(DecodeRun(state, compile_s, prefill_s, decode_s), forwards_by_mode,
                        policy.round_seconds(0))

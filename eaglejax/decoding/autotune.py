@@ -22,12 +22,16 @@ that ran them), so it follows the text.
 
 What a round of each mode costs is its wall time, measured on every segment the loop runs
 (median of the last few; each program first ran once before, with the compiling: XLA:CPU
-links a program's kernels on its first run); plain decoding is first timed over
+links a program's kernels on its first run; what a segment costs beyond its rounds, timed
+then, is left out, so plain decoding's cost is its steps'); plain decoding is first timed over
 `PLAIN_TIMING_STEPS` steps, so a call that knows nothing yet spends little of its time
 learning what plain costs, and its cost is never guessed from the trees'; a tree not yet
 run is costed by interpolating between the modes run so far in node count (a verify's cost
 grows with its nodes). Expected tokens/s of a mode is acceptance length / round cost (plain
-decoding: 1 / step cost); speculation must beat plain by `MARGIN` to be chosen. Every call
+decoding: 1 / step cost); a tree displaces the one counted over the most rounds only
+with its accepted tokens spread over `EVIDENCE_ROUNDS` more rounds (a few probe rounds do
+not outweigh the rounds of a tree that ran), and the chosen one must beat plain by
+`MARGIN`. Every call
 opens with a probe of its own text (acceptance varies far more from prompt to prompt than
 costs do), unless the call inherits a tree as its choice with every cost known (the
 tree's own rounds then measure the call's text); then the probe comes back every
@@ -109,6 +113,13 @@ CPU_PROBE_NODES = 16
 # plain on MT-bench (BENCHMARKS.md, session 24).
 FMA_BOUND_PROBE_NODES = 12
 HALF_LIFE = 64  # target forwards after which an acceptance count weighs half
+# A tree displaces the tree counted over the most rounds only with its acceptance spread
+# over this many row-rounds more (accepting nothing): counted over 2-4 probe rounds, its
+# accepted tokens weigh a third to a half. Without it, two probe rounds of a predictable
+# stretch sent calls into deep trees that then decoded at 0.6-0.9x plain where the
+# depth-1 tree ran 1.2x (SmolLM2's blocks, a 2-core Zen 4, MT-bench; BENCHMARKS.md,
+# sessions 43-45).
+EVIDENCE_ROUNDS = 4
 PRIOR_ROUNDS = 2  # what a new call's inherited acceptance weighs, in row-rounds
 MIN_PROBE_EVERY, MAX_PROBE_EVERY = 32, 512  # target forwards between probes
 PROBE_ROUNDS = 2  # rounds per probe segment
@@ -251,15 +262,18 @@ class AutoPolicy:
     what each segment did (see the module docstring)."""
 
     def __init__(self, plan: AutoPlan, knowledge: Knowledge, *, opening_probe: bool = True,
-                 spec_rounds: int = SPEC_ROUNDS, segment_s: float = SEGMENT_S):
+                 spec_rounds: int = SPEC_ROUNDS, segment_s: float = SEGMENT_S,
+                 evidence_rounds: float = EVIDENCE_ROUNDS):
         """`opening_probe`: the first segment probes (a call's own text; the serving engine
         probes per request instead); `spec_rounds`: rounds per segment of a tree, or as many
         as its measured cost fits in `segment_s` seconds if more (0: exactly
-        `spec_rounds`)."""
+        `spec_rounds`); `evidence_rounds`: see `EVIDENCE_ROUNDS` (0 where the counts are
+        not row-rounds: the serving engine's means over its requests)."""
         self.plan = plan
         self.knowledge = knowledge
         self.spec_rounds = spec_rounds
         self.segment_s = segment_s
+        self.evidence_rounds = evidence_rounds
         for name in knowledge.rounds:  # inherited acceptance weighs PRIOR_ROUNDS at most
             scale = min(1.0, PRIOR_ROUNDS / max(knowledge.rounds[name], 1e-9))
             knowledge.rounds[name] *= scale
@@ -318,13 +332,30 @@ class AutoPolicy:
             rates.append(None if al is None or not seconds else al / seconds)
         return rates
 
+    def _evidenced_rate(self, mode: int) -> float:
+        """`mode`'s expected rate with its accepted tokens spread over `evidence_rounds` more
+        row-rounds."""
+        name = self.plan.name(mode)
+        rounds = self.knowledge.rounds[name] + self.evidence_rounds
+        return (1.0 + self.knowledge.accepted[name] / rounds) / self.round_seconds(mode)
+
     def _best(self) -> int:
+        """The fastest tree of those that may displace the tree counted over the most rounds
+        (the fastest of those if several): a tree whose rate, its acceptance spread over
+        `evidence_rounds` more rounds, beats that tree's; plain decoding unless it beats
+        plain by `MARGIN`."""
         rates = self.expected_rates()
         plain = rates[0]
         known = [m for m in range(1, len(rates)) if rates[m] is not None]
         if not known:
             return self.probe
-        best = max(known, key=lambda m: rates[m])
+        rounds = {m: self.knowledge.rounds[self.plan.name(m)] for m in known}
+        most = max(rounds.values())
+        reference = max((m for m in known if rounds[m] >= most * (1 - 1e-9)),
+                        key=lambda m: rates[m])
+        best = max((m for m in known
+                    if m == reference or self._evidenced_rate(m) > rates[reference]),
+                   key=lambda m: rates[m])
         if plain is not None and rates[best] < MARGIN * plain:
             return 0
         return best
@@ -437,8 +468,9 @@ def learn(knowledge: Knowledge, plan: AutoPlan, mode: int, forwards: int, accept
 
 SWITCH_ENV = "EAGLEJAX_AUTOTUNE_CACHE"
 # Raised when what was kept on disk was measured by rules since changed (2: the serving
-# engine timed its programs' first runs, which link their kernels, and kept that cost).
-KNOWLEDGE_RULES = 2
+# engine timed its programs' first runs, which link their kernels, and kept that cost;
+# 3: `generate`'s round costs leave out what a segment costs beyond its rounds).
+KNOWLEDGE_RULES = 3
 KNOWLEDGE_FILE = "autotune.json"
 _KNOWN: dict[tuple, Knowledge] = {}
 

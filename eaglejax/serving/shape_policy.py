@@ -109,7 +109,8 @@ class ShapePolicy:
         if rows not in self.by_rows:
             self.by_rows[rows] = AutoPolicy(  # each new request probes (`choose`), not
                 self.plan, recall(self.target, self.draft, rows, self.plan),  # a batch size
-                opening_probe=False, spec_rounds=STEP_ROUNDS, segment_s=0)
+                opening_probe=False, spec_rounds=STEP_ROUNDS, segment_s=0,
+                evidence_rounds=0)  # its acceptance: a mean over requests, one each
         return self.by_rows[rows]
 
     def modes(self, rows: int) -> range:
