@@ -38,7 +38,9 @@ class GenerationMetrics:
     about 0 when this process already compiled the same shapes); `prefill_s`, `decode_s`
     and tokens/s exclude it. On a CPU the first run of a new program still builds its
     XNNPACK (YNN) kernel pipelines (about 0.5 s for SmolLM2's prefill on 2 cores), inside
-    `prefill_s`.
+    `prefill_s`; with `speculative="auto"`, each mode's first runs in the process (a round,
+    then segments of none that time its overhead, on a copy of the state) are in
+    `compile_s`.
     Speculative runs add this row's verification rounds (`target_forwards` counts the
     batch's, which a row that finished early does not take part in all of) and the
     acceptance length (AL): mean tokens per verification round INCLUDING the target's bonus
