@@ -31,8 +31,7 @@ grows with its nodes). Expected tokens/s of a mode is acceptance length / round 
 decoding: 1 / step cost); a tree displaces the one counted over the most rounds only
 with its accepted tokens spread over `EVIDENCE_ROUNDS` more rounds (a few probe rounds do
 not outweigh the rounds of a tree that ran), and the chosen one must beat plain by
-`MARGIN`. Every call
-opens with a probe of its own text (acceptance varies far more from prompt to prompt than
+`MARGIN`. Every call opens with a probe of its own text (acceptance varies far more from prompt to prompt than
 costs do), unless the call inherits a tree as its choice with every cost known (the
 tree's own rounds then measure the call's text); then the probe comes back every
 `probe_every` target forwards: the interval
