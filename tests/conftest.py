@@ -176,3 +176,27 @@ def fresh_layer_traces():
     llama.decoder_layer_call.clear_cache()
     yield
     llama.decoder_layer_call.clear_cache()
+
+
+_LOWERINGS: list[list[str]] = []  # the lists of the `lowered_programs` fixtures in use
+
+
+def _record_lowering(event: str, seconds: float, **kwargs) -> None:
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+        for names in _LOWERINGS:
+            names.append(str(kwargs.get("fun_name", "?")))
+
+
+@pytest.fixture
+def lowered_programs():
+    """A list that collects the name of every program JAX lowers for compiling while the test
+    runs (a compile, whether or not a persistent cache then holds its executable)."""
+    import jax.monitoring
+
+    if not getattr(_record_lowering, "registered", False):
+        jax.monitoring.register_event_duration_secs_listener(_record_lowering)
+        _record_lowering.registered = True
+    names: list[str] = []
+    _LOWERINGS.append(names)
+    yield names
+    _LOWERINGS.remove(names)

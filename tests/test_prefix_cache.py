@@ -9,6 +9,8 @@ import pytest
 from eaglejax import SpecConfig
 from eaglejax.decoding.prefix_pool import BLOCK
 from eaglejax.draft.draft import new_eagle3_draft
+from eaglejax.draft.formats.native import save_draft
+from eaglejax.draft.loading import load_draft
 from eaglejax.serving import engine as engine_module
 from eaglejax.serving.engine import Engine, Request, SamplingOptions
 from eaglejax.serving.prefix_cache import PrefixCache
@@ -121,21 +123,29 @@ def test_the_index_keeps_exact_prefixes_and_evicts_the_least_recently_used(targe
         PrefixCache(cache, 0)
 
 
-def test_warmup_compiles_every_hit_a_request_can_make(target):
-    """No request waits for a compilation: after `warmup`, hits of every rest length run
-    programs it compiled (the fill after copied rows, the pool's saves)."""
-    from eaglejax.decoding import prefix_pool, slots
-
-    engine = Engine(target, num_slots=1, capacity=64)
+@pytest.mark.parametrize("with_head", [False, True], ids=["plain", "auto-head"])
+def test_warmup_compiles_every_hit_a_request_can_make(target, with_head, lowered_programs,
+                                                      tmp_path):
+    """No request waits for a compilation: after `warmup`, requests and hits of every rest
+    length run only programs it compiled (the fill after copied rows, the pool's saves). With
+    a head loaded from disk, whose arrays are committed to the device (and so every output
+    computed from them), the pool's arrays once saved into were committed and the warmed-up
+    programs, run on uncommitted ones, compiled again."""
+    draft = None
+    if with_head:
+        save_draft(new_eagle3_draft(target, seed=1, scale=0.05), tmp_path / "head")
+        draft = load_draft(tmp_path / "head", target=target)
+    engine = Engine(target, draft, speculative="auto" if with_head else None, num_slots=1,
+                    capacity=64)
     engine.warmup(progress=False)
-    compiled = slots.fill_cached._cache_size(), prefix_pool.save_blocks._cache_size()
+    lowered_programs.clear()
     rng = np.random.default_rng(5)
     base = rng.integers(0, target.config.vocab_size, 40).tolist()
     engine.run([Request("first", base, 2)])  # keeps base's block
     for extra in (1, 20):  # rests of 10 and 29 tokens: both prompt buckets a hit can fill
         engine.run([Request(("warm", extra), base + rng.integers(0, 97, extra).tolist(), 2)])
     assert engine.prefix.hit_tokens == 2 * (BLOCK - 1)
-    assert (slots.fill_cached._cache_size(), prefix_pool.save_blocks._cache_size()) == compiled
+    assert lowered_programs == []
 
 
 def _drained(*engines: Engine) -> dict[Engine, list[int]]:

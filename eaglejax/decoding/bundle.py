@@ -21,7 +21,7 @@ from eaglejax.decoding.loops import Loop, PlainLoop, SpecLoop, State, Weights, e
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopTable
 from eaglejax.decoding.suffix_history import shared_history
-from eaglejax.models.placement import replicate
+from eaglejax.models.placement import committed, replicate
 from eaglejax.sharding.distributed import fetch
 from eaglejax.sharding.mesh import mesh_context
 
@@ -121,14 +121,16 @@ class Bundle:
                     ) -> State:
         """`loops.empty_state` of this loop, placed on the mesh: replicated at first, but a
         paged target cache's pools, created with their KV heads split (`kv_cache.
-        init_paged_cache`: a replicated pool would hold every head on every device)."""
+        init_paged_cache`: a replicated pool would hold every head on every device). On one
+        device, committed to it (`placement.committed`), as the states programs return are
+        wherever a weight is (a head loaded from disk)."""
         def free_slots() -> State:
             return empty_state(self.loop, self.weights, rows, capacity=capacity,
                                max_tokens=max_tokens, stop=stop, logprobs=logprobs,
                                paged=paged)
 
         if self.mesh is None:
-            return free_slots()
+            return committed(free_slots())
         with mesh_context(self.mesh):  # global arrays (every process)
             return jax.jit(free_slots)()
 

@@ -26,15 +26,16 @@ class PrefixPool(NamedTuple):
 
 def empty_pool(cache: kv_cache.KVCache, blocks: int) -> PrefixPool:
     """A pool of `blocks` blocks for the rows of caches like `cache` (its layers, heads,
-    head dim and dtype). A cache on a mesh gets a pool on it: KV heads split as the
-    cache's, blocks whole on every device (a slot on any data-parallel shard reads any)."""
+    head dim and dtype), committed to its device (`placement.committed`: the pool the
+    saves return is). A cache on a mesh gets a pool on it: KV heads split as the cache's,
+    blocks whole on every device (a slot on any data-parallel shard reads any)."""
     _, kv, _, dim = cache.k[0].shape
     shape = (blocks, kv, BLOCK, dim)
 
     def zeros(like: jax.Array) -> jax.Array:
         sharding = like.sharding
         if not isinstance(sharding, NamedSharding):
-            return jnp.zeros(shape, like.dtype)
+            return jax.device_put(jnp.zeros(shape, like.dtype), sharding)
         spec = PartitionSpec(None, *tuple(sharding.spec)[1:])
         return jax.jit(lambda: jnp.zeros(shape, like.dtype),
                        out_shardings=NamedSharding(sharding.mesh, spec))()

@@ -68,6 +68,15 @@ def on_mesh(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def committed(tree: Any) -> Any:
+    """`tree` with every array committed to the device(s) it is on. A program's outputs are
+    committed when one of its inputs is, and JAX compiles a program again for committed inputs
+    where it ran on uncommitted ones: state that a long-lived driver (the serving engine) feeds
+    back into its programs is committed from the start, so each program compiles once."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding)
+                        if isinstance(x, jax.Array) and not x.committed else x, tree)
+
+
 def replicate(tree: Any, mesh: Mesh) -> Any:
     """Every array leaf of `tree` (host or device) as a global array replicated on `mesh`."""
     sharding = NamedSharding(mesh, PartitionSpec())
