@@ -7,10 +7,11 @@ costs against a step, without the HTTP server around the engine (`load_test.py` 
     python benchmarks/bench_engine_shapes.py [--rows 1] [--prompts 8] [--max-new-tokens 64]
         [--shapes one-token auto] [--step-rounds 16] [--repeats 4] [--json]
 
-`--shapes`: "one-token" (the head's best token or the context's next, `auto`'s cheapest
-mode), "tree:K,D,N", "chain:K", "auto" (with `--step-rounds` rounds per speculative engine
+`--shapes`: "one-token" (the head's best token or the context's next), "two-token" (its best
+two, or its best and the context's next: `auto`'s cheapest mode on a CPU), "tree:K,D,N", "chain:K", "auto" (with `--step-rounds` rounds per speculative engine
 step). SmolLM2-135M-Instruct in the storage `auto` picks, its shipped EAGLE-3 head, MT-bench
-first turns (categories interleaved), greedy, EOS ignored; 16 slots.
+first turns (categories interleaved), greedy, EOS ignored; as many slots as `--rows` (a
+power of two), no prefix cache.
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ os.environ["EAGLEJAX_REPLY_HISTORY"] = "0"
 
 HEAD = "checkpoints/smollm2-135m-instruct-eagle3"
 ONE_TOKEN = SpecConfig(method="tree", top_k=4, depth=1, total_tokens=2).with_lookup(1, 3, True)
+TWO_TOKENS = SpecConfig(method="tree", top_k=4, depth=1, total_tokens=3).with_lookup(1, 3, True)
 
 
 def shape(name: str) -> SpecConfig | str:
-    if name in ("auto", "one-token"):
-        return "auto" if name == "auto" else ONE_TOKEN
+    named = {"auto": "auto", "one-token": ONE_TOKEN, "two-token": TWO_TOKENS}
+    if name in named:
+        return named[name]
     kind, _, numbers = name.partition(":")
     values = [int(x) for x in numbers.split(",")]
     return SpecConfig.tree(*values) if kind == "tree" else SpecConfig.chain(*values)
@@ -81,9 +84,14 @@ def main() -> None:
     questions = interleave_categories(mt_bench_questions())[:args.prompts]
     prompts = [tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": q.prompt}])) for q in questions]
-    engines = {"plain": Engine(target, None, num_slots=16)}
+    # As few slots as the rows need (a step runs the active rows, whatever the slot count),
+    # and no prefix cache (decode only): three 16-slot engines warmed up in one process
+    # ran XLA:CPU out of memory maps.
+    slots = 1 << max(args.rows - 1, 0).bit_length()
+    engines = {"plain": Engine(target, None, num_slots=slots, prefix_cache_tokens=0)}
     for name in args.shapes:
-        engines[name] = Engine(target, draft, speculative=shape(name), num_slots=16)
+        engines[name] = Engine(target, draft, speculative=shape(name), num_slots=slots,
+                               prefix_cache_tokens=0)
     for engine in engines.values():
         engine.warmup(progress=False)
         engine.run([Request(("warm", j), prompts[j], args.max_new_tokens)
