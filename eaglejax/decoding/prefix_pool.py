@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from eaglejax.models import kv_cache
+from eaglejax.models.placement import committed
 
 BLOCK = 32  # positions per block
 
@@ -35,12 +36,12 @@ def empty_pool(cache: kv_cache.KVCache, blocks: int) -> PrefixPool:
     def zeros(like: jax.Array) -> jax.Array:
         sharding = like.sharding
         if not isinstance(sharding, NamedSharding):
-            return jax.device_put(jnp.zeros(shape, like.dtype), sharding)
+            return jnp.zeros(shape, like.dtype)
         spec = PartitionSpec(None, *tuple(sharding.spec)[1:])
         return jax.jit(lambda: jnp.zeros(shape, like.dtype),
                        out_shardings=NamedSharding(sharding.mesh, spec))()
 
-    return PrefixPool(tuple(map(zeros, cache.k)), tuple(map(zeros, cache.v)))
+    return committed(PrefixPool(tuple(map(zeros, cache.k)), tuple(map(zeros, cache.v))))
 
 
 def load_rows(pool: PrefixPool, blocks: jax.Array, cached: jax.Array, capacity: int
