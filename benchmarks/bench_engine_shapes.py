@@ -9,9 +9,10 @@ costs against a step, without the HTTP server around the engine (`load_test.py` 
 
 `--shapes`: "one-token" (the head's best token or the context's next), "two-token" (its best
 two, or its best and the context's next: `auto`'s cheapest mode on a CPU), "tree:K,D,N",
-"chain:K", "auto" (with `--step-rounds` rounds per speculative engine step). SmolLM2-135M-Instruct in the storage `auto` picks, its shipped EAGLE-3 head, MT-bench
-first turns (categories interleaved), greedy, EOS ignored; as many slots as `--rows` (a
-power of two), no prefix cache.
+"chain:K", "auto" (with `--step-rounds` rounds per speculative engine step).
+SmolLM2-135M-Instruct in the storage `auto` picks, its shipped EAGLE-3 head, MT-bench first
+turns (categories interleaved), greedy, EOS ignored; as many slots as `--rows` (a power of
+two), no prefix cache.
 """
 
 from __future__ import annotations

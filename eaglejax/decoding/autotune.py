@@ -31,13 +31,13 @@ grows with its nodes). Expected tokens/s of a mode is acceptance length / round 
 decoding: 1 / step cost); a tree displaces the one counted over the most rounds only
 with its accepted tokens spread over `EVIDENCE_ROUNDS` more rounds (a few probe rounds do
 not outweigh the rounds of a tree that ran), and the chosen one must beat plain by
-`MARGIN`. Every call opens with a probe of its own text (acceptance varies far more from prompt to prompt than
-costs do), unless the call inherits a tree as its choice with every cost known (the
-tree's own rounds then measure the call's text); then the probe comes back every
-`probe_every` target forwards: the interval
-doubles (up to `MAX_PROBE_EVERY`) each time a probe leaves the choice as it was and falls
-back to `MIN_PROBE_EVERY` when it changes it, so text that turns predictable (code, quotes,
-repetition) brings speculation back while a head that never pays costs little. A probe that
+`MARGIN`. Every call opens with a probe of its own text (acceptance varies far more from
+prompt to prompt than costs do), unless the call inherits a tree as its choice with every
+cost known (the tree's own rounds then measure the call's text); then the probe comes back
+every `probe_every` target forwards: the interval doubles (up to `MAX_PROBE_EVERY`) each
+time a probe leaves the choice as it was and falls back to `MIN_PROBE_EVERY` when it changes
+it, so text that turns predictable (code, quotes, repetition) brings speculation back while
+a head that never pays costs little. A probe that
 leaves plain decoding the choice also has each tree whose acceptance would pay at the cost
 its node count gives forget its measured cost and run again: a cost measured once, at a
 busy moment, never keeps a tree out for good.
