@@ -14,6 +14,10 @@ this script measures the same programs on the accelerator JAX sees, with random 
           step and whole speculative rounds in the compiled loop (`round_split`) at about
           `--context` cached tokens, in ms and plain steps, each round split into its
           phases (`--whole`: whole rounds only).
+  drafters  the same target drafted for by a DFlash drafter of its authors' shape (five
+          layers, blocks of 16: a chain of 15 and a tree over the block) and by
+          Llama-3.2-1B (random weights; chain K=4 and a 12-node tree), each round in plain
+          steps beside the roofline's prediction for the GPU `--roofline-device` names.
   curve   the target forward over T = 1..64 tokens at `--context` cached tokens, in
           single-token forwards (what verifying T nodes costs).
 
@@ -45,14 +49,16 @@ from eaglejax.decoding.batch import decode  # noqa: E402
 from eaglejax.decoding.sampling import SamplingParams  # noqa: E402
 from eaglejax.decoding.spec_config import SpecConfig  # noqa: E402
 from eaglejax.decoding.stopping import StopCriteria  # noqa: E402
-from eaglejax.draft.draft import Draft, new_eagle3_draft  # noqa: E402
+from eaglejax.draft.draft import Draft, new_dflash_draft, new_eagle3_draft  # noqa: E402
+from eaglejax.draft.draft_model import DraftModel  # noqa: E402
 from eaglejax.models import llama  # noqa: E402
-from eaglejax.programs.reference import llama31_8b  # noqa: E402
+from eaglejax.programs.reference import llama31_8b, llama32_1b  # noqa: E402
+from eaglejax.programs.roofline import roofline  # noqa: E402
 from eaglejax.round_split import describe_split, round_split  # noqa: E402
 from eaglejax.target import Target  # noqa: E402
 from eaglejax.timing import single_forward_ms  # noqa: E402
 
-STAGES = ("parity", "rounds", "curve")
+STAGES = ("parity", "rounds", "drafters", "curve")
 
 
 def small_config(vocab: int = 4096) -> ModelConfig:
@@ -145,13 +151,48 @@ def rounds(args: argparse.Namespace, target: Target) -> dict[str, Any]:
               ("P-EAGLE parallel K=5", "peagle", SpecConfig.parallel(5)),
               ("tree 4/4/12", "eagle3", SpecConfig.tree(4, 4, 12))]
     for label, kind, spec in shapes:
-        start = time.perf_counter()
-        measured = round_split(target, drafts[kind], spec, prompt, rounds=args.rounds,
-                               repeats=args.repeats, split=not args.whole)
-        measured["wall_s"] = time.perf_counter() - start
-        result[label] = measured
-        print(describe_split(measured), f"  ({measured['wall_s']:.0f} s with compiling)",
+        result[label] = _timed_round(target, drafts[kind], spec, prompt, args, not args.whole)
+        args.save()
+    return result
+
+
+def _timed_round(target: Target, draft: Any, spec: SpecConfig, prompt: list[int],
+                 args: argparse.Namespace, split: bool) -> dict[str, Any]:
+    start = time.perf_counter()
+    measured = round_split(target, draft, spec, prompt, rounds=args.rounds,
+                           repeats=args.repeats, split=split)
+    measured["wall_s"] = time.perf_counter() - start
+    print(describe_split(measured), f"  ({measured['wall_s']:.0f} s with compiling)",
+          flush=True)
+    return measured
+
+
+def drafters(args: argparse.Namespace, target: Target) -> dict[str, Any]:
+    """DFlash and draft-model rounds on the big target, beside the roofline's prediction."""
+    config = target.config
+    layers, block = (2, 8) if args.small else (5, 16)
+    dflash = new_dflash_draft(target, num_layers=layers, block_size=block,
+                              mask_token_id=config.vocab_size - 1, seed=5)
+    model_config = small_config(config.vocab_size) if args.small else llama32_1b()
+    draft_model = DraftModel.of(random_target(model_config, jnp.bfloat16, "auto", seed=6),
+                                target)
+    prompt = np.random.RandomState(3).randint(0, config.vocab_size, args.context).tolist()
+    chain = SpecConfig.dflash(block - 1)
+    shapes = [(f"DFlash {layers} layers, {chain.describe()}", dflash, chain, True),
+              (f"DFlash {layers} layers, tree 4/{block - 1}/32", dflash,
+               SpecConfig.dflash_tree(4, block - 1, 32), False),
+              ("draft model, chain K=4", draft_model, SpecConfig.draft_model(4), True),
+              ("draft model, tree 4/4/12", draft_model, SpecConfig.draft_model_tree(4, 4, 12),
+               False)]
+    result: dict[str, Any] = {"draft_model": "small llama" if args.small else "Llama-3.2-1B"}
+    if not args.small:
+        predicted = roofline([args.roofline_device], batches=(1,), context=args.context)
+        steps = {row["program"]: row["ms"] for row in predicted["rows"]}
+        result["roofline_plain_steps"] = {p: ms / steps["plain step"] for p, ms in steps.items()}
+        print("roofline", args.roofline_device, json.dumps(result["roofline_plain_steps"]),
               flush=True)
+    for label, draft, spec, split in shapes:
+        result[label] = _timed_round(target, draft, spec, prompt, args, split and not args.whole)
         args.save()
     return result
 
@@ -185,6 +226,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU dry run)")
     parser.add_argument("--whole", action="store_true",
                         help="time whole rounds only, not their phases (faster)")
+    parser.add_argument("--roofline-device", default="h200",
+                        help="the roofline's device the drafters stage compares against")
     parser.add_argument("--out", type=Path, default=Path("bench_device.json"))
     args = parser.parse_args()
     if args.small:
@@ -210,7 +253,8 @@ def main() -> None:
             continue
         if target is None:
             target = big_target(args)
-        stage(name, lambda name=name: {"rounds": rounds, "curve": curve}[name](args, target))
+        run = {"rounds": rounds, "drafters": drafters, "curve": curve}[name]
+        stage(name, lambda run=run: run(args, target))
     print(json.dumps(report.get("stage_seconds", {})), flush=True)
 
 
