@@ -21,7 +21,7 @@ this script measures the same programs on the accelerator JAX sees, with random 
   curve   the target forward over T = 1..64 tokens at `--context` cached tokens, in
           single-token forwards (what verifying T nodes costs).
 
-Each stage's result is written to `--out` (JSON) as soon as it ends, so a run cut short
+Each measurement is written to `--out` (JSON) as soon as it is taken, so a run cut short
 keeps what it measured. `--small` runs every stage with tiny shapes (a CPU dry run).
 
     python benchmarks/bench_device.py --out results.json
@@ -104,7 +104,7 @@ def _shared_prefix(a: list[list[int]], b: list[list[int]]) -> list[int]:
     return out
 
 
-def parity(args: argparse.Namespace) -> dict[str, Any]:
+def parity(args: argparse.Namespace, result: dict[str, Any]) -> None:
     config = small_config()
     params = llama.init_params(config, jax.random.PRNGKey(1), jnp.float32)
     rng = np.random.RandomState(0)
@@ -113,7 +113,7 @@ def parity(args: argparse.Namespace) -> dict[str, Any]:
     configs = {"chain K=5": ("eagle3", SpecConfig.chain(5)),
                "tree 4/4/12": ("eagle3", SpecConfig.tree(4, 4, 12)),
                "P-EAGLE parallel K=5": ("peagle", SpecConfig.parallel(5))}
-    result: dict[str, Any] = {"new_tokens": new, "prompt_tokens": [40, 57]}
+    result.update(new_tokens=new, prompt_tokens=[40, 57])
     plain_by_impl = {}
     for impl in ("pallas", "xla"):
         target = random_target(config, jnp.float32, impl, params=params)
@@ -132,7 +132,6 @@ def parity(args: argparse.Namespace) -> dict[str, Any]:
                                                                 plain_by_impl["xla"])
     print(f"parity: plain decoding, Pallas vs XLA attention, shared tokens per row: "
           f"{result['pallas_vs_xla_plain_shared_prefix']} of {new}", flush=True)
-    return result
 
 
 def big_target(args: argparse.Namespace) -> Target:
@@ -140,12 +139,11 @@ def big_target(args: argparse.Namespace) -> Target:
     return random_target(config, jnp.bfloat16, "auto", seed=2)
 
 
-def rounds(args: argparse.Namespace, target: Target) -> dict[str, Any]:
+def rounds(args: argparse.Namespace, target: Target, result: dict[str, Any]) -> None:
     draft_vocab = 1024 if args.small else 32000
     drafts = heads(target, draft_vocab)
     prompt = np.random.RandomState(3).randint(0, target.config.vocab_size,
                                               args.context).tolist()
-    result = {}
     shapes = [("chain K=5", "eagle3", SpecConfig.chain(5)),
               ("tree 10/6/60", "eagle3", SpecConfig.tree(10, 6, 60)),
               ("P-EAGLE parallel K=5", "peagle", SpecConfig.parallel(5)),
@@ -153,7 +151,6 @@ def rounds(args: argparse.Namespace, target: Target) -> dict[str, Any]:
     for label, kind, spec in shapes:
         result[label] = _timed_round(target, drafts[kind], spec, prompt, args, not args.whole)
         args.save()
-    return result
 
 
 def _timed_round(target: Target, draft: Any, spec: SpecConfig, prompt: list[int],
@@ -167,7 +164,7 @@ def _timed_round(target: Target, draft: Any, spec: SpecConfig, prompt: list[int]
     return measured
 
 
-def drafters(args: argparse.Namespace, target: Target) -> dict[str, Any]:
+def drafters(args: argparse.Namespace, target: Target, result: dict[str, Any]) -> None:
     """DFlash and draft-model rounds on the big target, beside the roofline's prediction."""
     config = target.config
     layers, block = (2, 8) if args.small else (5, 16)
@@ -178,13 +175,15 @@ def drafters(args: argparse.Namespace, target: Target) -> dict[str, Any]:
                                 target)
     prompt = np.random.RandomState(3).randint(0, config.vocab_size, args.context).tolist()
     chain = SpecConfig.dflash(block - 1)
+    # split, when not --whole: the draft model's six truncated loops took over 150 s to
+    # compile on an H200 (session 47), so its rounds are timed whole
     shapes = [(f"DFlash {layers} layers, {chain.describe()}", dflash, chain, True),
+              ("draft model, chain K=4", draft_model, SpecConfig.draft_model(4), False),
               (f"DFlash {layers} layers, tree 4/{block - 1}/32", dflash,
                SpecConfig.dflash_tree(4, block - 1, 32), False),
-              ("draft model, chain K=4", draft_model, SpecConfig.draft_model(4), True),
               ("draft model, tree 4/4/12", draft_model, SpecConfig.draft_model_tree(4, 4, 12),
                False)]
-    result: dict[str, Any] = {"draft_model": "small llama" if args.small else "Llama-3.2-1B"}
+    result["draft_model"] = "small llama" if args.small else "Llama-3.2-1B"
     if not args.small:
         predicted = roofline([args.roofline_device], batches=(1,), context=args.context)
         steps = {row["program"]: row["ms"] for row in predicted["rows"]}
@@ -194,10 +193,9 @@ def drafters(args: argparse.Namespace, target: Target) -> dict[str, Any]:
     for label, draft, spec, split in shapes:
         result[label] = _timed_round(target, draft, spec, prompt, args, split and not args.whole)
         args.save()
-    return result
 
 
-def curve(args: argparse.Namespace, target: Target) -> dict[str, Any]:
+def curve(args: argparse.Namespace, target: Target, result: dict[str, Any]) -> None:
     sizes = (1, 2, 4, 8, 12, 16, 32, 64)
     capacity = -(-(args.context + max(sizes) + 1) // 128) * 128
     ms = {}
@@ -205,8 +203,8 @@ def curve(args: argparse.Namespace, target: Target) -> dict[str, Any]:
         ms[t] = single_forward_ms(target, args.context, capacity, tokens=t, repeats=20)
         print(f"curve T={t:>2}: {ms[t]:7.3f} ms  {ms[t] / ms[1]:5.2f} single-token forwards",
               flush=True)
-    return {"context": args.context, "forward_ms": ms,
-            "in_single_steps": {t: v / ms[1] for t, v in ms.items()}}
+    result.update(context=args.context, forward_ms=ms,
+                  in_single_steps={t: v / ms[1] for t, v in ms.items()})
 
 
 def environment() -> dict[str, Any]:
@@ -237,24 +235,26 @@ def main() -> None:
     print(report["environment"], flush=True)
     target = None
 
-    def stage(name: str, run: Callable[[], dict[str, Any]]) -> None:
+    def stage(name: str, run: Callable[[dict[str, Any]], None]) -> None:
+        """Run a stage that fills its own entry of the report as it measures (saved after
+        each measurement), so that a stage cut short keeps what it measured."""
         start = time.perf_counter()
         try:
-            report[name] = run()
+            run(report.setdefault(name, {}))
         except Exception as error:  # noqa: BLE001  (keep the other stages' measurements)
             traceback.print_exc()
-            report[name] = {"error": f"{type(error).__name__}: {error}"}
+            report[name]["error"] = f"{type(error).__name__}: {error}"
         report.setdefault("stage_seconds", {})[name] = time.perf_counter() - start
         args.save()
 
     for name in args.stages:
         if name == "parity":
-            stage(name, lambda: parity(args))
+            stage(name, lambda result: parity(args, result))
             continue
         if target is None:
             target = big_target(args)
         run = {"rounds": rounds, "drafters": drafters, "curve": curve}[name]
-        stage(name, lambda run=run: run(args, target))
+        stage(name, lambda result, run=run: run(args, target, result))
     print(json.dumps(report.get("stage_seconds", {})), flush=True)
 
 

@@ -43,7 +43,7 @@ def _jaxlib_knows(flag: str) -> bool:
 
 for flag, value in (("xla_backend_optimization_level", "0"),
                     ("xla_cpu_use_fusion_emitters", "false")):
-    if flag not in os.environ.get("XLA_FLAGS", "") and (
+    if os.environ["JAX_PLATFORMS"] == "cpu" and flag not in os.environ.get("XLA_FLAGS", "") and (
             flag == "xla_backend_optimization_level" or _jaxlib_knows(flag)):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --{flag}={value}").strip()
 
