@@ -4,7 +4,7 @@ the row's own context or the replies decoded before too, the head's `auto`, and 
 decoding, in one run.
 
     python benchmarks/bench_suffix.py [--num-prompts 8] [--max-new-tokens 128]
-        [--workloads mt_bench repetitive mix] [--json]
+        [--workloads mt_bench repetitive mix] [--gated 12,3 6,2] [--no-head] [--json]
 
 Greedy, batch 1, SmolLM2 with the shipped EAGLE-3 head; timed interleaved prompt by prompt
 (`eaglejax.bench.compare_drafts`). Each workload is a sequence of requests to one process:
@@ -94,14 +94,21 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS,
                         default=["mt_bench", "repetitive"])
+    parser.add_argument("--gated", nargs="*", default=[], metavar="TOTAL,MIN_MATCH",
+                        help="also suffix trees of TOTAL nodes (top_k 4, depth 6) whose rounds "
+                             "are gated at MIN_MATCH")
+    parser.add_argument("--no-head", action="store_true", help="only the runs with no head")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     target = eaglejax.load_target("smollm2-135m-instruct", weight_dtype="auto")
     head = eaglejax.load_draft(shipped_head("smollm2-135m-instruct"), target=target)
     tree = SpecConfig.tree(4, 4, 8)
-    runs = [(None, SpecConfig.suffix(4, 6, 12)), (None, "auto"),
-            (head, tree.with_lookup(4)), (head, tree.with_lookup(4, history=True)),
-            (head, tree), (head, "auto")]
+    runs = [(None, SpecConfig.suffix(4, 6, 12))]
+    runs += [(None, SpecConfig.suffix(4, 6, *map(int, gate.split(",")))) for gate in args.gated]
+    runs += [(None, "auto")]
+    if not args.no_head:
+        runs += [(head, tree.with_lookup(4)), (head, tree.with_lookup(4, history=True)),
+                 (head, tree), (head, "auto")]
     report = {}
     for name in args.workloads:
         questions = workload(name, args.num_prompts)

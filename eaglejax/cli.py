@@ -102,11 +102,12 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
                        help="speculate with a static tree of child-rank paths, "
                             "e.g. '[[0],[1],[0,0]]'")
     shape.add_argument("--suffix", nargs="?", const="4,6,12", default=None,
-                       metavar="TOP_K,DEPTH,TOTAL|auto",
+                       metavar="TOP_K,DEPTH,TOTAL[,MIN_MATCH]|auto",
                        help="suffix drafting with no draft at all: a tree of what followed "
                             "the context's latest tokens where they occurred before "
-                            "(default 4,6,12); 'auto': switch between plain decoding and "
-                            "suffix trees while decoding, as --auto-tree does with a draft")
+                            "(default 4,6,12); MIN_MATCH: rounds whose longest match is "
+                            "shorter are plain steps; 'auto': switch between plain decoding "
+                            "and suffix trees while decoding, as --auto-tree does with a draft")
     shape.add_argument("--auto-tree", action="store_true",
                        help="switch between plain decoding and a few dynamic trees while "
                             "decoding, from the acceptance and round times it measures "
@@ -194,7 +195,8 @@ def _speculation(args: argparse.Namespace):
     if args.suffix == "auto":
         shape = "auto"  # with no draft: suffix trees against plain decoding
     elif args.suffix is not None:
-        shape = SpecConfig.suffix(*_integers("--suffix", args.suffix, "TOP_K,DEPTH,TOTAL"))
+        form = "TOP_K,DEPTH,TOTAL" + (",MIN_MATCH" if args.suffix.count(",") == 3 else "")
+        shape = SpecConfig.suffix(*_integers("--suffix", args.suffix, form))
     elif args.draft is None and args.draft_model is None:
         used = [name for name in SPECULATION_FLAGS if getattr(args, name) not in (None, False)]
         if used:

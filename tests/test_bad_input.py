@@ -311,6 +311,8 @@ _TRAIN = ["train-draft", "--data", "README.md"]
      "--draft and --draft-model exclude each other"),
     (["generate", "hi", "--suffix", "--no-draft"], "--suffix and --no-draft exclude each other"),
     (["generate", "hi", "--suffix", "4,6"], "--suffix wants TOP_K,DEPTH,TOTAL (3 integers)"),
+    (["generate", "hi", "--suffix", "4,6,12,9"], "min_match must be an integer in [1, 8], "
+                                                 "got 9"),
     (["generate", "hi", "--suffix", "auto", "--lookup", "3"], "--lookup needs the shape it "
                                                               "extends"),
     (["generate", "hi", "--draft-model", "y", "--parallel", "3"],

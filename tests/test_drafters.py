@@ -41,7 +41,8 @@ EXAMPLES = {
     "parallel": [SpecConfig.parallel(4)],
     "parallel_tree": [SpecConfig.parallel_tree(3, 4, 10)],
     "static": [SpecConfig.static_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])],
-    "suffix": [SpecConfig.suffix(3, 4, 10), SpecConfig.suffix(2, 3, 8)],  # the latter padded
+    "suffix": [SpecConfig.suffix(3, 4, 10), SpecConfig.suffix(2, 3, 8),  # the latter padded
+               SpecConfig.suffix(3, 4, 10, min_match=2)],
     "draft_model": [SpecConfig.draft_model(1), SpecConfig.draft_model(3)],
     "draft_model_tree": [SpecConfig.draft_model_tree(3, 3, 8)],
     "dflash": [SpecConfig.dflash(1), SpecConfig.dflash(4)],
@@ -231,6 +232,40 @@ def test_suffix_drafting_needs_no_head_and_drafts_what_repeats(target, plain):
                       top_k=3)
     assert_follows(np.array([g.token_ids for g in out]),
                    exact_marginals(target, SamplingParams.make(1.0, 3), 2, echo))
+
+
+def test_suffix_rounds_gated_by_match_length_are_plain_steps_where_nothing_repeats(target,
+                                                                                  plain):
+    """With `min_match`, a round whose longest match is shorter is a plain step: where no
+    8 tokens repeat (the first two prompts' rows; the third repeats one token) every round
+    accepts nothing (AL exactly 1) and sampling is the target's; where the context repeats
+    itself the tree still runs and is accepted; greedy output is plain decoding's either
+    way."""
+    from test_speculative_sampling import assert_follows, exact_marginals, sample_rows
+
+    never = SpecConfig.suffix(4, 6, 12, min_match=8)
+    assert never.describe() == "suffix top_k=4 depth=6 total=12, matches of 8+"
+    out = eaglejax.generate(_prompts()[:2], target=target, speculative=never,
+                            max_new_tokens=12, ignore_eos=True)
+    assert [g.token_ids for g in out] == plain[:2]
+    assert all(g.metrics.acceptance_length == 1.0 for g in out), [g.metrics for g in out]
+    prompt = _prompts(1)[0]
+    marginals = exact_marginals(target, SamplingParams.make(1.0, 3), 2, prompt)
+    sampled = sample_rows(prompt, target=target, speculative=never, max_new_tokens=2,
+                          temperature=1.0, top_k=3)
+    assert_follows(np.array([g.token_ids for g in sampled]), marginals)
+
+    echo = prompt + plain[0] + prompt
+    want = eaglejax.generate([echo], target=target, max_new_tokens=12, ignore_eos=True)[0]
+    gated = SpecConfig.suffix(4, 6, 12, min_match=2)
+    got = eaglejax.generate([echo], target=target, speculative=gated, max_new_tokens=12,
+                            ignore_eos=True)[0]
+    assert got.token_ids == want.token_ids
+    assert got.metrics.acceptance_length > 1.5, got.metrics
+    for bad, named in ((dict(method="tree", min_match=2), "method 'tree'"),
+                       (dict(method="suffix", min_match=9), "min_match")):
+        with pytest.raises(eaglejax.InputError, match=named):
+            SpecConfig(**bad)
 
 
 def test_smaller_suffix_trees_are_the_best_ranked_nodes_of_a_larger_one():

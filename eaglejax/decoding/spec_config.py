@@ -8,6 +8,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
+from eaglejax.decoding.lookup import MAX_MATCH
 from eaglejax.decoding.tree import max_nodes, static_shape
 from eaglejax.errors import InputError
 
@@ -81,6 +82,11 @@ class SpecConfig:
     the replies decoded before (`decoding.suffix_history`, the buffer suffix drafting
     reads), placed before the row's own context: a request that repeats or edits an
     earlier one copies from that reply.
+
+    `min_match` > 0 (method "suffix" only) gates each round: the tree is verified only when
+    some running row's longest suffix match holds at least `min_match` tokens; every other
+    round is a plain step (the target alone, its root), so text that repeats nothing decodes
+    at about plain decoding's cost.
     """
 
     num_draft_tokens: int = 5
@@ -93,6 +99,7 @@ class SpecConfig:
     lookup_ngram: int = 3
     lookup_replaces: bool = False
     lookup_history: bool = False
+    min_match: int = 0
 
     def __post_init__(self):
         from eaglejax.decoding.drafters import methods  # (they import this module)
@@ -120,6 +127,11 @@ class SpecConfig:
         if self.lookup_history and not self.lookup:
             raise InputError("lookup_history: the history is searched by a lookup branch; give "
                              "lookup > 0 tokens")
+        if self.min_match != 0:
+            _positive_int("min_match", self.min_match, MAX_MATCH)
+            if self.method != "suffix":
+                raise InputError(f"min_match gates suffix drafting's rounds (method 'suffix'), "
+                                 f"not method {self.method!r}")
         if self.lookup_replaces and self.lookup >= self.num_nodes:
             raise InputError(f"lookup_replaces: the branch ({self.lookup} tokens) must leave the "
                              f"head at least its root; the shape verifies {self.num_nodes} nodes")
@@ -144,10 +156,13 @@ class SpecConfig:
         return cls(method="tree", top_k=top_k, depth=depth, total_tokens=total_tokens)
 
     @classmethod
-    def suffix(cls, top_k: int = 4, depth: int = 6, total_tokens: int = 12) -> "SpecConfig":
+    def suffix(cls, top_k: int = 4, depth: int = 6, total_tokens: int = 12,
+               min_match: int = 0) -> "SpecConfig":
         """Suffix drafting, no draft head: a tree of what followed the `top_k` best earlier
-        matches of the context's latest tokens, `depth` deep (`drafters.suffix`)."""
-        return cls(method="suffix", top_k=top_k, depth=depth, total_tokens=total_tokens)
+        matches of the context's latest tokens, `depth` deep (`drafters.suffix`); with
+        `min_match`, rounds whose longest match is shorter are plain steps."""
+        return cls(method="suffix", top_k=top_k, depth=depth, total_tokens=total_tokens,
+                   min_match=min_match)
 
     @classmethod
     def dflash(cls, num_draft_tokens: int = 7) -> "SpecConfig":
@@ -333,4 +348,6 @@ class SpecConfig:
             replacing = ", replacing" if self.lookup_replaces else ""
             history = ", history" if self.lookup_history else ""
             shape += f" + lookup {self.lookup} (ngram {self.lookup_ngram}{replacing}{history})"
+        if self.min_match:
+            shape += f", matches of {self.min_match}+"
         return shape

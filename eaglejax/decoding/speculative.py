@@ -35,6 +35,7 @@ from eaglejax.decoding.acceptance import verify
 from eaglejax.decoding.drafters import Head, drafter
 from eaglejax.decoding.drafters.draft_model import ModelHead
 from eaglejax.decoding.drafting import Drafted, draft_round
+from eaglejax.decoding.tree import Tree, tree_from_parents
 from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
 from eaglejax.decoding.prefill import PREFILL_CHUNK, Prefilled, prefill_target
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
@@ -177,7 +178,10 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params | N
     greedy matching, or lossless speculative sampling when not `greedy`), commit, catch up.
     With `through` before "catch_up" (see `PHASES`), a truncated round for timing: it stops
     after that phase, counts a forward and returns no Round; the state keeps what the
-    remaining phases would have changed (as far as the phase run changes it)."""
+    remaining phases would have changed (as far as the phase run changes it).
+    With `spec.min_match` a round whose longest suffix match is too short is a plain step:
+    one branch drafts, verifies and accepts, the other runs the target at the root alone
+    (its "draft" phase is the match's length, its "verify" phase the whole branch)."""
     if through not in PHASES:
         raise ValueError(f"through={through!r}: expected one of {PHASES}")
     depth = spec.max_depth
@@ -194,22 +198,54 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params | N
             row_step_keys(s.row_keys, s.out.counts))
         if through == "loop":
             return _counted(s, keys), None
-        drafted = draft_round(head, s.drafter, s.last_token, spec, greedy, sampling, keys,
-                              config.vocab_size, s.context, s.target_cache.lengths,
-                              history)
+
+        def drafted_round() -> Drafted:
+            return draft_round(head, s.drafter, s.last_token, spec, greedy, sampling, keys,
+                               config.vocab_size, s.context, s.target_cache.lengths, history)
+
+        def verify_forward(tree: Tree, nodes: int) -> tuple[ForwardOutput, jax.Array]:
+            """The target over the tree's first `nodes` nodes, its outputs padded to all."""
+            positions = s.target_cache.lengths[:, None] + tree.depths[:, :nodes]
+            out = forward(params, config, tree.tokens[:, :nodes], positions, s.target_cache,
+                          mask=tree.mask[:, :nodes, :nodes],
+                          tap_layers=tap_layers(draft_config), attn_impl=attn_impl)
+            return _pad_nodes((out, lm_head(params, out.hidden)), tree.tokens.shape[1])
+
+        def speculative() -> tuple:
+            drafted = drafted_round()
+            verified, logits = verify_forward(drafted.tree, drafted.tree.tokens.shape[1])
+            return drafted, verified, logits, verify(drafted.tree, logits, drafted.probs, spec,
+                                                     greedy, sampling, keys[:, depth])
+
+        def plain_step() -> tuple:
+            """The target alone at the root, shaped as `speculative`'s round."""
+            shape = jax.eval_shape(drafted_round).tree
+            batch, nodes = shape.tokens.shape
+            # the root's token again as every other node, each a child of the root
+            tree = tree_from_parents(jnp.broadcast_to(s.last_token[:, None], (batch, nodes)),
+                                     jnp.broadcast_to(jnp.arange(nodes) > 0, (batch, nodes)) - 1,
+                                     shape.paths.shape[2] - 1)
+            verified, logits = verify_forward(tree, 1)
+            zeros = jnp.zeros_like(s.last_token)
+            accepted = (jnp.zeros((zeros.shape[0], depth + 1), jnp.int32), zeros,
+                        sample_tokens(logits[:, 0], sampling, keys[:, depth], greedy))
+            return Drafted(tree, None, None), verified, logits, accepted
+
+        if spec.min_match:  # a plain step unless some running row's match is long enough
+            if through == "draft":
+                return _counted(s, method.longest_match(s.drafter)), None
+            speculate = jnp.any(running & (method.longest_match(s.drafter) >= spec.min_match))
+            drafted, verified, logits, accepted = jax.lax.cond(speculate, speculative,
+                                                               plain_step)
+        else:
+            if through == "draft":
+                return _counted(s, drafted_round()), None
+            drafted, verified, logits, accepted = speculative()
         tree = drafted.tree
-        if through == "draft":
-            return _counted(s, drafted), None
-        positions = s.target_cache.lengths[:, None] + tree.depths
-        verified = forward(params, config, tree.tokens, positions, s.target_cache,
-                           mask=tree.mask, tap_layers=tap_layers(draft_config),
-                           attn_impl=attn_impl)
-        logits = lm_head(params, verified.hidden)
         if through == "verify":  # the K/V rows written, the cache's lengths unchanged
             return _counted(s._replace(target_cache=verified.cache), logits,
                             target_features(verified, draft_config)), None
-        path, n_accepted, bonus = verify(tree, logits, drafted.probs, spec, greedy, sampling,
-                                         keys[:, depth])
+        path, n_accepted, bonus = accepted
         # Emitted this round: the accepted draft tokens, then the bonus; one at a time so
         # EOS, stop sequences and max_new_tokens cut exactly.
         path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)
@@ -246,6 +282,17 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params | N
         return state, Round(drafted, logits, running)
 
     return step
+
+
+def _pad_nodes(tree: Any, nodes: int) -> Any:
+    """Every array of `tree` but KV caches padded with zeros along axis 1 (nodes) to
+    `nodes`."""
+    def pad(x):
+        if isinstance(x, kv_cache.KVCache) or x.shape[1] == nodes:
+            return x
+        return jnp.pad(x, [(0, 0), (0, nodes - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+    return jax.tree.map(pad, tree, is_leaf=lambda x: isinstance(x, kv_cache.KVCache))
 
 
 def _counted(state: SpecState, *results) -> SpecState:

@@ -91,6 +91,15 @@ class SuffixDrafter:
         return select_tree(token, cand_tokens, cand_scores, cand_parents, spec.total_tokens,
                            depth), None
 
+    def longest_match(self, state: tuple[jax.Array, jax.Array]) -> jax.Array:
+        """[B] the longest match `draft` ranks its tree by (0: none), for
+        `SpecConfig.min_match`'s gate (the same computation as the draft's: the compiler
+        shares it)."""
+        context, length = state
+        last = length - 1
+        earlier = jnp.arange(context.shape[1])[None, :] < last[:, None]
+        return jnp.max(jnp.where(earlier, match_lengths(context, last), 0), axis=1)
+
     def catch_up(self, head: None, spec: "SpecConfig", state: tuple[jax.Array, jax.Array],
                  tokens: jax.Array, features: jax.Array, n_accepted: jax.Array,
                  running: jax.Array) -> tuple[jax.Array, jax.Array]:
