@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ("DFlash (untrained, 5 layers)", dflash, SpecConfig.dflash(7)),
             ("DFlash (untrained, 5 layers)", dflash, SpecConfig.dflash(15)),
             ("DFlash (untrained, 5 layers)", dflash, SpecConfig.dflash_tree(4, 4, 8)),
-            ("suffix", None, SpecConfig.suffix(4, 6, 8)),
+            ("suffix", None, SpecConfig.suffix(4, 6, 8, 0)),
             ("itself", DraftModel.of(target, target), SpecConfig.draft_model(3))]
     rows = []
     for name, draft, spec in runs:

@@ -103,7 +103,7 @@ def main() -> None:
     target = eaglejax.load_target("smollm2-135m-instruct", weight_dtype="auto")
     head = eaglejax.load_draft(shipped_head("smollm2-135m-instruct"), target=target)
     tree = SpecConfig.tree(4, 4, 8)
-    runs = [(None, SpecConfig.suffix(4, 6, 12))]
+    runs = [(None, SpecConfig.suffix(4, 6, 12, min_match=0)), (None, SpecConfig.suffix())]
     runs += [(None, SpecConfig.suffix(4, 6, *map(int, gate.split(",")))) for gate in args.gated]
     runs += [(None, "auto")]
     if not args.no_head:

@@ -101,13 +101,14 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
     shape.add_argument("--static-tree", default=None, metavar="JSON",
                        help="speculate with a static tree of child-rank paths, "
                             "e.g. '[[0],[1],[0,0]]'")
-    shape.add_argument("--suffix", nargs="?", const="4,6,12", default=None,
+    shape.add_argument("--suffix", nargs="?", const="4,6,4,2", default=None,
                        metavar="TOP_K,DEPTH,TOTAL[,MIN_MATCH]|auto",
                        help="suffix drafting with no draft at all: a tree of what followed "
                             "the context's latest tokens where they occurred before "
-                            "(default 4,6,12); MIN_MATCH: rounds whose longest match is "
-                            "shorter are plain steps; 'auto': switch between plain decoding "
-                            "and suffix trees while decoding, as --auto-tree does with a draft")
+                            "(default 4,6,4,2); MIN_MATCH: rounds whose longest match is "
+                            "shorter are plain steps (default 2; 0: none); 'auto': switch "
+                            "between plain decoding and suffix trees while decoding, as "
+                            "--auto-tree does with a draft")
     shape.add_argument("--auto-tree", action="store_true",
                        help="switch between plain decoding and a few dynamic trees while "
                             "decoding, from the acceptance and round times it measures "

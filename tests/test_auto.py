@@ -68,7 +68,7 @@ def test_the_plan_without_a_draft_weighs_suffix_trees(target_of):
     the probe of the largest size the verify allows, the two sizes below it as candidates."""
     plan = AutoPlan.for_device("cpu", probe_nodes=12, method="suffix")
     suffix = SpecConfig.suffix()
-    assert plan.modes == (None, *(SpecConfig.suffix(suffix.top_k, suffix.depth, n)
+    assert plan.modes == (None, *(SpecConfig.suffix(suffix.top_k, suffix.depth, n, 0)
                                   for n in (6, 8, 12)))
     assert plan.sizes == (6, 8, 12)
     assert [plan.count_column(m) for m in range(4)] == [None, 0, 1, None]

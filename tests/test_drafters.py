@@ -41,7 +41,7 @@ EXAMPLES = {
     "parallel": [SpecConfig.parallel(4)],
     "parallel_tree": [SpecConfig.parallel_tree(3, 4, 10)],
     "static": [SpecConfig.static_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])],
-    "suffix": [SpecConfig.suffix(3, 4, 10), SpecConfig.suffix(2, 3, 8),  # the latter padded
+    "suffix": [SpecConfig.suffix(3, 4, 10, 0), SpecConfig.suffix(2, 3, 8, 0),  # padded
                SpecConfig.suffix(3, 4, 10, min_match=2)],
     "draft_model": [SpecConfig.draft_model(1), SpecConfig.draft_model(3)],
     "draft_model_tree": [SpecConfig.draft_model_tree(3, 3, 8)],
@@ -216,7 +216,7 @@ def test_suffix_drafting_needs_no_head_and_drafts_what_repeats(target, plain):
     sampled output follows the target's exact distribution."""
     from test_speculative_sampling import assert_follows, exact_marginals, sample_rows
 
-    spec = SpecConfig.suffix(4, 6, 12)
+    spec = SpecConfig.suffix(4, 6, 12, min_match=0)
     assert spec.drafts_with is None and spec.describe() == "suffix top_k=4 depth=6 total=12"
     out = eaglejax.generate(_prompts(), target=target, speculative=spec, max_new_tokens=12,
                             ignore_eos=True)

@@ -156,11 +156,13 @@ class SpecConfig:
         return cls(method="tree", top_k=top_k, depth=depth, total_tokens=total_tokens)
 
     @classmethod
-    def suffix(cls, top_k: int = 4, depth: int = 6, total_tokens: int = 12,
-               min_match: int = 0) -> "SpecConfig":
+    def suffix(cls, top_k: int = 4, depth: int = 6, total_tokens: int = 4,
+               min_match: int = 2) -> "SpecConfig":
         """Suffix drafting, no draft head: a tree of what followed the `top_k` best earlier
-        matches of the context's latest tokens, `depth` deep (`drafters.suffix`); with
-        `min_match`, rounds whose longest match is shorter are plain steps."""
+        matches of the context's latest tokens, `depth` deep (`drafters.suffix`); rounds
+        whose longest match is shorter than `min_match` are plain steps (0: none). The
+        defaults ran fastest on a 2-core CPU on chat, a mixed and a repetitive workload
+        (BENCHMARKS.md, session 47)."""
         return cls(method="suffix", top_k=top_k, depth=depth, total_tokens=total_tokens,
                    min_match=min_match)
 
