@@ -148,8 +148,10 @@ def generate(prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
     static tree), "auto" (switch between plain decoding and a few trees while decoding,
     from the acceptance counted and the round times measured as it goes, see
     `eaglejax.decoding.autotune`) or None (the preset for this device and batch size,
-    `SpecConfig.preset`). A `SpecConfig` whose method drafts without a head (a registered
-    plug-in, `eaglejax.decoding.drafters`) needs no `draft`. Greedy output is identical to
+    `SpecConfig.preset`). A `SpecConfig` whose method drafts without a head (suffix
+    drafting, a registered plug-in: `eaglejax.decoding.drafters`) needs no `draft`; "auto"
+    with no draft is `SpecConfig.suffix()` for one prompt, suffix trees against plain
+    decoding for several. Greedy output is identical to
     plain decoding. With `logprobs` (0 to 20), each `Generation.logprobs` holds every
     token's log-probability under the target model and that many most likely tokens'
     (`TokenLogprob`; the same with and without speculation).

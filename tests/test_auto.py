@@ -513,15 +513,22 @@ def check_auto(target, cache_dir):
                       max_new_tokens=40, ignore_eos=True)  # the programs compiled above
     assert len(json.loads((cache_dir / autotune.KNOWLEDGE_FILE).read_text())) == 1
 
-    # With no draft, auto weighs suffix trees: plain tokens, and where the text repeats
-    # itself the probe's suffix trees are accepted.
+    # With no draft, auto over one row is the gated suffix tree; over several it weighs
+    # suffix trees: plain tokens, and where the text repeats itself the probe's suffix trees
+    # are accepted.
     echo = prompts[0] + plain[0].token_ids + prompts[0]
-    (want,) = eaglejax.generate([echo], target=target, max_new_tokens=24, ignore_eos=True)
-    (got,) = eaglejax.generate([echo], target=target, speculative="auto", max_new_tokens=24,
-                               ignore_eos=True)
-    assert got.token_ids == want.token_ids
+    want = eaglejax.generate([echo, echo], target=target, max_new_tokens=24, ignore_eos=True)
+    got = eaglejax.generate([echo, echo], target=target, speculative="auto",
+                            max_new_tokens=24, ignore_eos=True)
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
     suffix_plan = AutoPlan.for_target(target, None)
-    assert suffix_plan.name(PROBE) in got.metrics.speculative
+    assert suffix_plan.name(PROBE) in got[0].metrics.speculative
+    (one,) = eaglejax.generate([echo], target=target, speculative="auto", max_new_tokens=24,
+                               ignore_eos=True)
+    assert one.token_ids == want[0].token_ids
+    assert one.metrics.speculative == SpecConfig.suffix().describe()
+    assert one.metrics.acceptance_length > 1.5, one.metrics  # the echo is copied
+    want = want[0]
     probing = Scripted(suffix_plan, [(PROBE, 4)])  # the probe's counts over the whole echo
     assert _decode(target, None, [echo], probing, 24)[0] == [want.token_ids]
     assert probing.acceptance_length(PROBE) > 1.5, probing.knowledge  # the echo is copied

@@ -64,7 +64,9 @@ def resolve_speculation(target: "Target", draft: Draft | DraftModel | None,
                         speculative: SpecConfig | str | None, batch: int, *,
                         auto_by_default: bool) -> SpecConfig | str | None:
     """The speculation of a run of `batch` rows: None (plain decoding), "auto", or the
-    SpecConfig to run (with no head: a method that drafts without one). A head given without
+    SpecConfig to run (with no head: a method that drafts without one; "auto" with no draft
+    over one row: `SpecConfig.suffix()`, whose rounds are plain steps where no match is
+    long enough). A head given without
     a shape runs "auto" where `auto_by_default` and one process decodes, else the device's
     preset for `batch` rows (`SpecConfig.default_for`). ConfigError for a head loaded for
     another target or a P-EAGLE shape without a P-EAGLE head; InputError for "auto" over
@@ -73,6 +75,11 @@ def resolve_speculation(target: "Target", draft: Draft | DraftModel | None,
     if draft is None:
         if speculative == AUTO and jax.process_count() > 1:
             raise InputError(AUTO_OVER_PROCESSES)
+        if speculative == AUTO and batch == 1:
+            # one row: each round chooses between a plain step and a suffix tree from the
+            # match it finds, which beat switching per segment on every workload measured
+            # (BENCHMARKS.md, session 47)
+            return SpecConfig.suffix()
         return speculative  # None, "auto" (suffix drafting) or a method drafting without one
     if draft.target is not target:
         raise ConfigError(f"the draft {draft.source} was loaded for target "
