@@ -25,8 +25,8 @@ if [ "${TESTS_S:-240}" -gt 0 ]; then
     timeout "${TESTS_S:-240}" python3 -m pytest -o addopts="" -p no:benchmark -p no:cacheprovider \
         -n "${WORKERS:-8}" -v --tb=short $tests > "$out/tests.log" 2>&1
     echo "tests: exit $? (124: cut at ${TESTS_S:-240} s)"
-    grep -E "(PASSED|FAILED|ERROR|SKIPPED) " "$out/tests.log" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' \
-        | sort | awk '{print $1}' | uniq -c
+    grep -E "(PASSED|FAILED|ERROR|SKIPPED) " "$out/tests.log" \
+        | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | sort | awk '{print $1}' | uniq -c
     grep -E "^\[gw[0-9]+\].* (FAILED|ERROR) " "$out/tests.log" | sed -E 's/^.*(FAILED|ERROR) //'
 fi
 
