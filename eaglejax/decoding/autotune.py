@@ -96,12 +96,15 @@ MARGIN = 1.0
 # interpolation between a plain step and the probe can overcharge a small tree.
 EXPLORE = 0.9
 LOOKUP, LOOKUP_NGRAM = 4, 3  # every mode's lookup branch
-# A head's CPU plan's cheapest tree: the root and its best 2 children, with a 1-token branch
-# in place of the weaker where the context matched. One draft token (2 nodes) decoded slower
-# in each of 11 interleaved runs (SmolLM2's blocks, a 2-core Zen 4, 16 prompts: MT-bench
-# 1.18-1.26x plain against 1.20-1.32x, the mix 1.25-1.29x against 1.30-1.37x), and with
-# both in the plan `auto` chose between them on noise (BENCHMARKS.md, session 44).
-DEPTH_ONE_NODES = DEPTH_ONE_SIZES
+# A head's CPU plan's cheapest tree: the root and its best 2 children, or where the context
+# matched `LOOKUP_NGRAM` tokens, the root and the 2 tokens that followed the match. One draft
+# token (2 nodes) decoded slower in each of 11 interleaved runs (SmolLM2's blocks, a 2-core
+# Zen 4, 16 prompts: MT-bench 1.18-1.26x plain against 1.20-1.32x, the mix 1.25-1.29x against
+# 1.30-1.37x), and with both in the plan `auto` chose between them on noise (BENCHMARKS.md,
+# session 44). A 2-token branch accepted more than a 1-token one (in place of the weaker
+# child; AL 1.625 against 1.596 on MT-bench, 1.738 against 1.663 on the mix) at the same
+# round cost (session 47).
+DEPTH_ONE_NODES, DEPTH_ONE_LOOKUP = DEPTH_ONE_SIZES, 2
 # On a CPU, verify blocks of up to 16 tokens run the native kernels and larger ones XLA's
 # dot at several times the cost per row: the probe (largest tree + LOOKUP) stays within 16.
 CPU_PROBE_NODES = 16
@@ -173,9 +176,10 @@ class AutoPlan:
         draft model's, "dflash_tree": over a DFlash head's block; "suffix": suffix
         drafting's, `SpecConfig.suffix`'s matches and depth, with no branch). With
         `depth_one` (a head's trees), the first candidate is the cheapest round, a depth-1
-        tree of `DEPTH_ONE_NODES`: two draft tokens, the head's best two, or its best and
-        the context's next token where its n-gram matched (the probe counts it from its
-        root's best children with a 1-token branch: `calibration.DEPTH_ONE_SIZES`). Every
+        tree of `DEPTH_ONE_NODES`: two draft tokens, the head's best two, or where its
+        n-gram matched the `DEPTH_ONE_LOOKUP` tokens that followed the match (the probe
+        counts it from its root's best children or its branch:
+        `calibration.DEPTH_ONE_SIZES`). Every
         branch searches the replies decoded before too unless not `lookup_history`
         (`SpecConfig.lookup_history`: the probe counts the branch as it drafts it)."""
         preset = SpecConfig.suffix() if method == "suffix" else SpecConfig.preset(platform, 1)
@@ -195,7 +199,8 @@ class AutoPlan:
         if depth_one and lookup:
             candidates = (SpecConfig(method=method, top_k=top_k, depth=1,
                                      total_tokens=DEPTH_ONE_NODES)
-                          .with_lookup(1, LOOKUP_NGRAM, True, lookup_history), *candidates)
+                          .with_lookup(DEPTH_ONE_LOOKUP, LOOKUP_NGRAM, True, lookup_history),
+                          *candidates)
             sizes = (DEPTH_ONE_NODES, *sizes)
         return cls((None, *candidates, tree(sizes[-1], replaces=False)), sizes)
 
