@@ -35,12 +35,12 @@ from eaglejax.decoding.acceptance import verify
 from eaglejax.decoding.drafters import Head, drafter
 from eaglejax.decoding.drafters.draft_model import ModelHead
 from eaglejax.decoding.drafting import Drafted, draft_round
-from eaglejax.decoding.tree import Tree, tree_from_parents
 from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
 from eaglejax.decoding.prefill import PREFILL_CHUNK, Prefilled, prefill_target
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopCriteria, StopTable
+from eaglejax.decoding.tree import Tree, tree_from_parents
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.head import to_target_ids
 from eaglejax.models import kv_cache

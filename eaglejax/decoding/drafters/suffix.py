@@ -93,8 +93,8 @@ class SuffixDrafter:
 
     def longest_match(self, state: tuple[jax.Array, jax.Array]) -> jax.Array:
         """[B] the longest match `draft` ranks its tree by (0: none), for
-        `SpecConfig.min_match`'s gate (the same computation as the draft's: the compiler
-        shares it)."""
+        `SpecConfig.min_match`'s gate (computed before the gate's branch, where `draft`
+        computes the matches again in the rounds that speculate)."""
         context, length = state
         last = length - 1
         earlier = jnp.arange(context.shape[1])[None, :] < last[:, None]
