@@ -47,7 +47,7 @@ from eaglejax.training.trainer import SCHEDULES, TrainConfig, train
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MAX_WAITING = 256  # `serve`'s requests waiting for a slot before more are refused
 SPECULATION_FLAGS = ("num_draft_tokens", "parallel", "tree", "static_tree", "auto_tree", "lookup",
-                     "lookup_replaces", "lookup_history")
+                     "lookup_replaces", "lookup_history", "long_copy")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -127,6 +127,10 @@ def _add_model_args(parser: argparse.ArgumentParser, weight_dtype: str | None = 
                         help="--lookup also copies from the replies decoded before in this "
                              "process or server (as suffix drafting does): a request that "
                              "repeats or edits an earlier one copies from its reply")
+    parser.add_argument("--long-copy", default=None, metavar="T[,G]",
+                        help="with --lookup: rounds where the context matched G tokens or more "
+                             "(default 8) verify the root and T copied tokens as a chain "
+                             "instead of the shape's tree")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.add_argument("--no-compilation-cache", action="store_true",
                         help="do not keep compiled programs in eaglejax's persistent cache "
@@ -209,15 +213,19 @@ def _speculation(args: argparse.Namespace):
         if args.draft_model is not None and isinstance(shape, SpecConfig):
             shape = shape.drafted_by_model()
     if args.lookup is None:
-        for flag in ("lookup_replaces", "lookup_history"):
+        for flag in ("lookup_replaces", "lookup_history", "long_copy"):
             if getattr(args, flag):
                 raise InputError(f"{validation.cli_flag(flag)} needs --lookup N")
         return shape
     if not isinstance(shape, SpecConfig):
         raise InputError("--lookup needs the shape it extends: --num-draft-tokens, --parallel, "
                          "--tree or --static-tree")
-    return shape.with_lookup(args.lookup, args.lookup_ngram, args.lookup_replaces,
-                             args.lookup_history)
+    shape = shape.with_lookup(args.lookup, args.lookup_ngram, args.lookup_replaces,
+                              args.lookup_history)
+    if args.long_copy is None:
+        return shape
+    form = "T" + (",G" if "," in args.long_copy else "")
+    return shape.with_long_lookup(*_integers("--long-copy", args.long_copy, form))
 
 
 def _speculation_shape(args: argparse.Namespace):

@@ -62,7 +62,7 @@ def round_split(target: Target, draft: "Draft", spec: SpecConfig, prompt: list[i
     greedy = bool(sampling.temperature == 0)
     spec.check_sampling(greedy)
     max_new = rounds * (spec.max_depth + 1) + 1
-    capacity = cache_capacity(len(prompt), max_new, spec.num_nodes)
+    capacity = cache_capacity(len(prompt), max_new, spec.most_nodes)
     speculating, plainly = Bundle.of(target, draft, spec), Bundle.of(target)
     inputs = batch_inputs(speculating, [prompt], [0], sampling, max_new)
     sized = dict(capacity=capacity, max_tokens=bucket(max_new, 16), greedy=greedy,

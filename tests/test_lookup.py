@@ -196,6 +196,56 @@ def test_lookup_accepts_what_repeats(target_of, monkeypatch):
     assert (shared_history().tokens == SEPARATOR).all()
 
 
+def test_long_copies_verify_what_repeats_alone(target_of):
+    """`long_lookup`: where some row's context matched long enough, the round verifies the
+    root and a chain of copied tokens instead of the shape's own tree. Over ragged rows
+    whose greedy text loops (small random models' does), the output is plain decoding's,
+    rounds accept more draft tokens than the own shape can hold (a random head's depth-1
+    tree with a 2-token branch: 3), and the acceptance length rises; a match threshold no
+    context reaches leaves every round the own shape's (the same tokens and acceptance)."""
+    target = target_of("llama")
+    draft = random_eagle3(target, seed=3)
+    prompts = _prompts(11, 4)
+    kwargs = dict(target=target, max_new_tokens=64, ignore_eos=True)
+    plain = [o.token_ids for o in eaglejax.generate(prompts, **kwargs)]
+    own = SpecConfig.tree(3, 1, 3).with_lookup(2, 3, replaces=True)
+    runs = {}
+    for name, spec in [("own", own), ("long", own.with_long_lookup(8, 4)),
+                       ("never", own.with_long_lookup(8, 8))]:
+        runs[name] = eaglejax.generate(prompts, draft=draft, speculative=spec, **kwargs)
+        assert [o.token_ids for o in runs[name]] == plain, name
+    long = own.with_long_lookup(8, 4)
+    assert (long.num_nodes, long.most_nodes, long.max_depth, own.max_depth) == (3, 9, 8, 3)
+    assert runs["long"][0].metrics.speculative == own.describe() + \
+        ", long copy 8 at matches of 4+"
+    al = lambda name: np.mean([o.metrics.acceptance_length for o in runs[name]])  # noqa: E731
+    assert al("long") > al("own") + 0.5, (al("own"), al("long"))
+    assert max(o.metrics.acceptance_by_position[3] for o in runs["long"]) > 0.1
+    assert all(len(o.metrics.acceptance_by_position) == 8 for o in runs["long"])
+    # the 8-token matches a random context rarely holds: at most a few long rounds
+    assert al("never") < al("long")
+
+
+def test_long_copies_sample_the_target_exactly(target_of):
+    """Sampled rows through rounds that verify a long copy (a prompt repeated: its second
+    copy matches the first) follow the target's exact distribution (recursive rejection of
+    the copied chain); rows whose own match is short ride along in those rounds."""
+    from eaglejax.decoding.sampling import SamplingParams
+    from test_speculative_sampling import assert_follows, exact_marginals, sample_rows
+
+    target = target_of("llama")
+    draft = random_eagle3(target, seed=3)
+    prompt = _prompts(11, 1)[0]
+    reply = eaglejax.generate([prompt], target=target, max_new_tokens=12,
+                              ignore_eos=True)[0].token_ids
+    echo = prompt + reply + prompt
+    spec = SpecConfig.tree(3, 1, 3).with_lookup(2, 3, replaces=True).with_long_lookup(8, 3)
+    out = sample_rows(echo, target=target, draft=draft, speculative=spec, max_new_tokens=2,
+                      temperature=1.0, top_k=3)
+    assert_follows(np.array([g.token_ids for g in out]),
+                   exact_marginals(target, SamplingParams.make(1.0, 3), 2, echo))
+
+
 def test_lookup_is_refused_for_a_sampled_chain_and_out_of_range(selfdraft_target):
     with pytest.raises(InputError, match="lookup branch with sampling needs a tree"):
         eaglejax.generate([[1, 2, 3]], target=selfdraft_target,
@@ -212,6 +262,17 @@ def test_lookup_is_refused_for_a_sampled_chain_and_out_of_range(selfdraft_target
     with pytest.raises(InputError, match="must leave the head at least its root"):
         SpecConfig.chain(3).with_lookup(4, replaces=True)
     assert SpecConfig.tree(4, 4, 8).with_lookup(4, replaces=True).num_nodes == 8
+    with pytest.raises(InputError, match="long_lookup=8: a longer copied chain than the lookup "
+                                         "branch's \\(0 tokens\\) needs that branch"):
+        SpecConfig.tree().with_long_lookup(8)
+    with pytest.raises(InputError, match="long_lookup=3: a longer copied chain"):
+        SpecConfig.tree().with_lookup(4).with_long_lookup(3)
+    with pytest.raises(InputError, match="long_ngram=2: a long copy needs a match at least"):
+        SpecConfig.tree().with_lookup(2, 3).with_long_lookup(8, 2)
+    for bad, named in (((33, 8), "long_lookup must be an integer in"),
+                       ((8, 9), "long_ngram must be an integer in")):
+        with pytest.raises(InputError, match=named):
+            SpecConfig.tree().with_lookup(2).with_long_lookup(*bad)
 
 
 def test_cli_lookup_needs_an_explicit_shape(capsys):
@@ -227,3 +288,9 @@ def test_cli_lookup_needs_an_explicit_shape(capsys):
     assert main(["generate", "hi", "--draft", "random", "--tree", "4,4,8",
                  "--lookup-history"]) == 2
     assert "--lookup-history needs --lookup N" in capsys.readouterr().err
+    assert main(["generate", "hi", "--draft", "random", "--tree", "4,4,8",
+                 "--long-copy", "8"]) == 2
+    assert "--long-copy needs --lookup N" in capsys.readouterr().err
+    assert main(["generate", "hi", "--draft", "random", "--tree", "4,4,8", "--lookup", "2",
+                 "--long-copy", "8,x"]) == 2
+    assert "--long-copy wants T,G (2 integers), got '8,x'" in capsys.readouterr().err

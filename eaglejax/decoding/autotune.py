@@ -105,6 +105,12 @@ LOOKUP, LOOKUP_NGRAM = 4, 3  # every mode's lookup branch
 # child; AL 1.625 against 1.596 on MT-bench, 1.738 against 1.663 on the mix) at the same
 # round cost (session 47).
 DEPTH_ONE_NODES, DEPTH_ONE_LOOKUP = DEPTH_ONE_SIZES, 2
+# ... whose rounds verify the root and 6 copied tokens alone where the context matched 5
+# tokens or more (`SpecConfig.long_lookup`: quoted text, lists, loops). On a 2-core Zen 5, 12
+# prompts interleaved: MT-bench 1.37x -> 1.44x plain, the mix 1.38x -> 1.48x (8 tokens at
+# matches of 8+: 1.34x and 1.44x; BENCHMARKS.md, session 48). The probe counts the depth-1
+# tree without them; the mode's own segments count what its long copies accept.
+DEPTH_ONE_LONG_COPY = (6, 5)
 # On a CPU, verify blocks of up to 16 tokens run the native kernels and larger ones XLA's
 # dot at several times the cost per row: the probe (largest tree + LOOKUP) stays within 16.
 CPU_PROBE_NODES = 16
@@ -177,9 +183,9 @@ class AutoPlan:
         drafting's, `SpecConfig.suffix`'s matches and depth, with no branch). With
         `depth_one` (a head's trees), the first candidate is the cheapest round, a depth-1
         tree of `DEPTH_ONE_NODES`: two draft tokens, the head's best two, or where its
-        n-gram matched the `DEPTH_ONE_LOOKUP` tokens that followed the match (the probe
-        counts it from its root's best children or its branch:
-        `calibration.DEPTH_ONE_SIZES`). Every
+        n-gram matched the `DEPTH_ONE_LOOKUP` tokens that followed the match, and where it
+        matched long, a copied chain alone (`DEPTH_ONE_LONG_COPY`; the probe counts the
+        tree from its root's best children or its branch: `calibration.DEPTH_ONE_SIZES`). Every
         branch searches the replies decoded before too unless not `lookup_history`
         (`SpecConfig.lookup_history`: the probe counts the branch as it drafts it)."""
         preset = SpecConfig.suffix() if method == "suffix" else SpecConfig.preset(platform, 1)
@@ -199,7 +205,8 @@ class AutoPlan:
         if depth_one and lookup:
             candidates = (SpecConfig(method=method, top_k=top_k, depth=1,
                                      total_tokens=DEPTH_ONE_NODES)
-                          .with_lookup(DEPTH_ONE_LOOKUP, LOOKUP_NGRAM, True, lookup_history),
+                          .with_lookup(DEPTH_ONE_LOOKUP, LOOKUP_NGRAM, True, lookup_history)
+                          .with_long_lookup(*DEPTH_ONE_LONG_COPY),
                           *candidates)
             sizes = (DEPTH_ONE_NODES, *sizes)
         return cls((None, *candidates, tree(sizes[-1], replaces=False)), sizes)

@@ -128,7 +128,7 @@ def calibration_loop(loop: SpecLoop, weights: Weights, state: SpecState,
     and the summed `round_counts` [B,S*(1+L)]: exact for greedy rounds; for sampled ones,
     what each smaller tree would have accepted had the target's choice been its argmax."""
     spec = loop.spec
-    if not spec.is_dynamic_tree or spec.lookup_replaces:
+    if not spec.is_dynamic_tree or spec.lookup_replaces or spec.long_lookup:
         raise ValueError(f"calibration counts need a dynamic tree whose lookup branch (if any) "
                          f"is grafted, not {spec.describe()}")
     play = loop.verified_step(weights, sampling, max_new_tokens, greedy=greedy, stop=stop)

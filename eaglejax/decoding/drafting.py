@@ -36,22 +36,33 @@ class Drafted(NamedTuple):
 
 def draft_round(head: Head, state: Any, token: jax.Array, spec: SpecConfig, greedy: bool,
                 sampling: SamplingParams, keys: jax.Array, vocab: int, context: jax.Array,
-                context_lengths: jax.Array, history: jax.Array | None = None) -> Drafted:
+                context_lengths: jax.Array, history: jax.Array | None = None,
+                searched: tuple[jax.Array, jax.Array] | None = None) -> Drafted:
     """The draft `spec` asks for, from its drafter's `state`, rooted at `token` [B] (the last
     accepted one); with `spec.lookup`, a branch copied from each row's context [B,C]
     (x_0..x_n, n = `context_lengths`), after the `history` of earlier replies [H] with
-    `spec.lookup_history` (None: no history), grafted on or fitted in."""
+    `spec.lookup_history` (None: no history), grafted on or fitted in; `searched`: that
+    search's result (`context_match`) when the round already made it."""
     tree, probs = drafter(spec.method).draft(head, state, token, spec, greedy, sampling, keys,
                                              vocab)
     if not spec.lookup:
         return Drafted(tree, probs, None)
+    copied, matched = searched or context_match(spec, context, context_lengths, history)
+    matched = matched >= spec.lookup_ngram
+    count = spec.lookup
+    if spec.lookup_replaces:
+        tree = lookup.fit(tree, copied, matched, spec.draft_depth, count)
+    else:
+        tree = lookup.graft(tree, copied, spec.draft_depth, count)
+    return Drafted(tree, probs, (copied[:, :spec.draft_depth + count], matched))
+
+
+def context_match(spec: SpecConfig, context: jax.Array, context_lengths: jax.Array,
+                  history: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """The lookup branch's search (`lookup.continuation`, over the history of earlier replies
+    too with `spec.lookup_history`): the tokens any of the shape's rounds may copy [B,T]
+    and each row's match length [B]."""
     if spec.lookup_history and history is not None:
         context, context_lengths = lookup.with_history(history, context, context_lengths)
-    copied, matched = lookup.continuation(context, context_lengths,
-                                          spec.draft_depth + spec.lookup)
-    matched = matched >= spec.lookup_ngram
-    if spec.lookup_replaces:
-        tree = lookup.fit(tree, copied, matched, spec.draft_depth, spec.lookup)
-    else:
-        tree = lookup.graft(tree, copied, spec.draft_depth, spec.lookup)
-    return Drafted(tree, probs, (copied, matched))
+    count = max(spec.draft_depth + spec.lookup, spec.long_lookup)
+    return lookup.continuation(context, context_lengths, count)

@@ -126,7 +126,7 @@ class SpecLoop:
 
     @property
     def scratch_rows(self) -> int:
-        return self.spec.num_nodes
+        return self.spec.most_nodes
 
     def prefill_state(self, weights: Weights, prompt: jax.Array, prompt_lengths: jax.Array,
                       row_keys: jax.Array, sampling: SamplingParams,

@@ -83,6 +83,12 @@ class SpecConfig:
     reads), placed before the row's own context: a request that repeats or edits an
     earlier one copies from that reply.
 
+    `long_lookup` > 0 (with a lookup branch) switches each round between two shapes: where
+    some running row's match holds at least `long_ngram` tokens (text being copied: a quoted
+    passage, a list, code, a greedy loop), the round verifies the root and `long_lookup`
+    copied tokens as a chain instead of the head's tree; otherwise the shape's own round.
+    One such round costs about one verify of `long_lookup + 1` tokens and no head step.
+
     `min_match` > 0 (method "suffix" only) gates each round: the tree is verified only when
     some running row's longest suffix match holds at least `min_match` tokens; every other
     round is a plain step (the target alone, its root), so text that repeats nothing decodes
@@ -99,6 +105,8 @@ class SpecConfig:
     lookup_ngram: int = 3
     lookup_replaces: bool = False
     lookup_history: bool = False
+    long_lookup: int = 0
+    long_ngram: int = MAX_MATCH
     min_match: int = 0
 
     def __post_init__(self):
@@ -127,6 +135,16 @@ class SpecConfig:
         if self.lookup_history and not self.lookup:
             raise InputError("lookup_history: the history is searched by a lookup branch; give "
                              "lookup > 0 tokens")
+        if self.long_lookup != 0:
+            _positive_int("long_lookup", self.long_lookup, 32)
+            _positive_int("long_ngram", self.long_ngram, MAX_MATCH)
+            if not self.lookup or self.long_lookup <= self.lookup:
+                raise InputError(f"long_lookup={self.long_lookup}: a longer copied chain than "
+                                 f"the lookup branch's ({self.lookup} tokens) needs that branch")
+            if self.long_ngram < self.lookup_ngram:
+                raise InputError(f"long_ngram={self.long_ngram}: a long copy needs a match at "
+                                 f"least as long as the branch's lookup_ngram="
+                                 f"{self.lookup_ngram}")
         if self.min_match != 0:
             _positive_int("min_match", self.min_match, MAX_MATCH)
             if self.method != "suffix":
@@ -245,6 +263,15 @@ class SpecConfig:
         return dataclasses.replace(self, lookup=lookup, lookup_ngram=ngram,
                                    lookup_replaces=replaces, lookup_history=history)
 
+    def with_long_lookup(self, tokens: int, ngram: int = MAX_MATCH) -> "SpecConfig":
+        """This shape, whose rounds verify a chain of `tokens` copied tokens instead where the
+        context matched `ngram` tokens or more (0: never; see the class docstring)."""
+        return dataclasses.replace(self, long_lookup=tokens, long_ngram=ngram)
+
+    def without_long_lookup(self) -> "SpecConfig":
+        """This shape's own rounds (the rounds where no long copy is verified)."""
+        return dataclasses.replace(self, long_lookup=0, long_ngram=MAX_MATCH)
+
     @property
     def uses_history(self) -> bool:
         """Whether this shape's drafts read the history of earlier replies
@@ -305,7 +332,7 @@ class SpecConfig:
     @property
     def max_depth(self) -> int:
         """The longest draft path: most draft tokens one round can accept."""
-        return self.draft_depth + self.lookup
+        return max(self.draft_depth + self.lookup, self.long_lookup)
 
     @property
     def draft_depth(self) -> int:
@@ -338,6 +365,12 @@ class SpecConfig:
             head = len(self.paths) + 1
         return head + (0 if self.lookup_replaces else self.lookup)
 
+    @property
+    def most_nodes(self) -> int:
+        """Tokens the target verifies in this shape's largest round (a long copy's, if
+        larger): the cache rows a round needs beyond the kept tokens."""
+        return max(self.num_nodes, self.long_lookup + 1)
+
     def describe(self) -> str:
         if self.is_chain:
             shape = f"{self.method} K={self.num_draft_tokens}"
@@ -350,6 +383,8 @@ class SpecConfig:
             replacing = ", replacing" if self.lookup_replaces else ""
             history = ", history" if self.lookup_history else ""
             shape += f" + lookup {self.lookup} (ngram {self.lookup_ngram}{replacing}{history})"
+        if self.long_lookup:
+            shape += f", long copy {self.long_lookup} at matches of {self.long_ngram}+"
         if self.min_match:
             shape += f", matches of {self.min_match}+"
         return shape

@@ -19,7 +19,8 @@ x_{n+1}, `drafters.head_state`). One round:
      children).
 With `spec.lookup`, the loop also keeps each row's context x_0..x_n and grafts a branch
 copied from it (and with `spec.lookup_history`, from the replies decoded before, an input
-of the round like the weights) onto every round's tree (`decoding.lookup`).
+of the round like the weights) onto every round's tree (`decoding.lookup`); with
+`spec.long_lookup`, rounds where the context matched long verify a longer copy alone.
 """
 
 from __future__ import annotations
@@ -31,16 +32,16 @@ import jax.numpy as jnp
 
 from eaglejax.config import ModelConfig
 from eaglejax.decoding import lookup
-from eaglejax.decoding.acceptance import verify
+from eaglejax.decoding.acceptance import tree_greedy_accept, tree_sample_accept, verify
 from eaglejax.decoding.drafters import Head, drafter
 from eaglejax.decoding.drafters.draft_model import ModelHead
-from eaglejax.decoding.drafting import Drafted, draft_round
+from eaglejax.decoding.drafting import Drafted, context_match, draft_round
 from eaglejax.decoding.output import Output, empty_output, record, row_step_keys
 from eaglejax.decoding.prefill import PREFILL_CHUNK, Prefilled, prefill_target
 from eaglejax.decoding.sampling import SamplingParams, sample_tokens
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import StopCriteria, StopTable
-from eaglejax.decoding.tree import Tree, tree_from_parents
+from eaglejax.decoding.tree import Tree, chain_tree, tree_from_parents
 from eaglejax.draft.config import DraftConfig
 from eaglejax.draft.head import to_target_ids
 from eaglejax.models import kv_cache
@@ -181,12 +182,17 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params | N
     remaining phases would have changed (as far as the phase run changes it).
     With `spec.min_match` a round whose longest suffix match is too short is a plain step:
     one branch drafts, verifies and accepts, the other runs the target at the root alone
-    (its "draft" phase is the match's length, its "verify" phase the whole branch)."""
+    (its "draft" phase is the match's length, its "verify" phase the whole branch).
+    With `spec.long_lookup` a round where some running row's context match is long verifies
+    the root and that many copied tokens as a chain instead of the shape's own round; each
+    branch commits and catches up at its own width (the "draft" phase is the search and the
+    own round's draft, the "verify" phase the whole branch taken)."""
     if through not in PHASES:
         raise ValueError(f"through={through!r}: expected one of {PHASES}")
     depth = spec.max_depth
     head = bind_head(params, draft_params, draft_config, d2t, attn_impl, history)
     method = drafter(spec.method)
+    own = spec.without_long_lookup()  # the shape's own rounds (no long copy)
     in_place = spec.is_chain and not spec.lookup  # accepted rows need no commit
     spec.check_sampling(greedy)
 
@@ -199,9 +205,10 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params | N
         if through == "loop":
             return _counted(s, keys), None
 
-        def drafted_round() -> Drafted:
-            return draft_round(head, s.drafter, s.last_token, spec, greedy, sampling, keys,
-                               config.vocab_size, s.context, s.target_cache.lengths, history)
+        def drafted_round(searched: tuple | None = None) -> Drafted:
+            return draft_round(head, s.drafter, s.last_token, own, greedy, sampling, keys,
+                               config.vocab_size, s.context, s.target_cache.lengths, history,
+                               searched)
 
         def verify_forward(tree: Tree, nodes: int) -> tuple[ForwardOutput, jax.Array]:
             """The target over the tree's first `nodes` nodes, its outputs padded to all."""
@@ -211,10 +218,10 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params | N
                           tap_layers=tap_layers(draft_config), attn_impl=attn_impl)
             return _pad_nodes((out, lm_head(params, out.hidden)), tree.tokens.shape[1])
 
-        def speculative() -> tuple:
-            drafted = drafted_round()
+        def speculative(searched: tuple | None = None) -> tuple:
+            drafted = drafted_round(searched)
             verified, logits = verify_forward(drafted.tree, drafted.tree.tokens.shape[1])
-            return drafted, verified, logits, verify(drafted.tree, logits, drafted.probs, spec,
+            return drafted, verified, logits, verify(drafted.tree, logits, drafted.probs, own,
                                                      greedy, sampling, keys[:, depth])
 
         def plain_step() -> tuple:
@@ -231,6 +238,67 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params | N
                         sample_tokens(logits[:, 0], sampling, keys[:, depth], greedy))
             return Drafted(tree, None, None), verified, logits, accepted
 
+        def finish(node_tokens: jax.Array, verified: ForwardOutput, logits: jax.Array,
+                   accepted: tuple[jax.Array, jax.Array, jax.Array]) -> SpecState:
+            """Commit what a verified round accepted (paths [B,W+1] of W + 1 nodes, W draft
+            tokens at most), record it, catch the drafter up (stopping after `through`)."""
+            if through == "verify":  # the K/V rows written, the cache's lengths unchanged
+                return _counted(s._replace(target_cache=verified.cache), logits,
+                                target_features(verified, draft_config))
+            path, n_accepted, bonus = accepted
+            # Emitted this round: the accepted draft tokens, then the bonus; one at a time so
+            # EOS, stop sequences and max_new_tokens cut exactly.
+            path_tokens = jnp.take_along_axis(node_tokens, path, axis=1)
+            emitted = jnp.where(jnp.arange(path.shape[1])[None, :] < n_accepted[:, None],
+                                jnp.roll(path_tokens, -1, axis=1), bonus[:, None])
+            out = s.out
+            # Emitted token j was drawn from the target's distribution at path node j.
+            at_path = None if out.logprobs is None else jnp.take_along_axis(
+                logits, path[:, :, None], axis=1)
+            for j in range(path.shape[1]):
+                out = record(out, emitted[:, j], j <= n_accepted, stop, max_new_tokens,
+                             None if at_path is None else at_path[:, j])
+            advance = jnp.where(running, n_accepted + 1, 0)
+            features = target_features(verified, draft_config)
+            target_cache = verified.cache
+            if not in_place:
+                target_cache = kv_cache.write_rows(target_cache, verified.k_new,
+                                                   verified.v_new, path)
+                features = jnp.take_along_axis(features, path[:, :, None], axis=1)
+            target_cache = target_cache._replace(lengths=s.target_cache.lengths + advance)
+            last_token = jnp.where(running, bonus, s.last_token)
+            if through == "accept":
+                return _counted(s._replace(target_cache=target_cache, out=out,
+                                           last_token=last_token), features, emitted)
+            # Rows that were already done keep the drafter's state.
+            caught_up = method.catch_up(head, own, s.drafter, emitted, features, advance,
+                                        running)
+            context = s.context
+            if spec.lookup:
+                context = lookup.write_context(context, emitted, s.target_cache.lengths + 1)
+            hist = s.accept_hist.at[rows, n_accepted].add(running.astype(jnp.int32))
+            return SpecState(target_cache, last_token, out, s.row_keys, hist, s.forwards + 1,
+                             context, caught_up)
+
+        def own_round(searched: tuple) -> SpecState:
+            drafted, verified, logits, accepted = speculative(searched)
+            return finish(drafted.tree.tokens, verified, logits, accepted)
+
+        def long_copy(searched: tuple) -> SpecState:
+            """The root and `spec.long_lookup` copied tokens, verified as one chain."""
+            tree = chain_tree(s.last_token, searched[0][:, :spec.long_lookup])
+            verified, logits = verify_forward(tree, spec.long_lookup + 1)
+            accepted = (tree_greedy_accept(tree, logits, spec.long_lookup) if greedy else
+                        tree_sample_accept(tree, logits, sampling, keys[:, depth],
+                                           spec.long_lookup, 1))
+            return finish(tree.tokens, verified, logits, accepted)
+
+        if spec.long_lookup:  # a long copy where some running row's match is long enough
+            searched = context_match(spec, s.context, s.target_cache.lengths, history)
+            if through == "draft":
+                return _counted(s, searched, drafted_round(searched)), None
+            copying = jnp.any(running & (searched[1] >= spec.long_ngram))
+            return jax.lax.cond(copying, long_copy, own_round, searched), None
         if spec.min_match:  # a plain step unless some running row's match is long enough
             if through == "draft":
                 return _counted(s, method.longest_match(s.drafter)), None
@@ -241,45 +309,8 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params | N
             if through == "draft":
                 return _counted(s, drafted_round()), None
             drafted, verified, logits, accepted = speculative()
-        tree = drafted.tree
-        if through == "verify":  # the K/V rows written, the cache's lengths unchanged
-            return _counted(s._replace(target_cache=verified.cache), logits,
-                            target_features(verified, draft_config)), None
-        path, n_accepted, bonus = accepted
-        # Emitted this round: the accepted draft tokens, then the bonus; one at a time so
-        # EOS, stop sequences and max_new_tokens cut exactly.
-        path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)
-        emitted = jnp.where(jnp.arange(depth + 1)[None, :] < n_accepted[:, None],
-                            jnp.roll(path_tokens, -1, axis=1), bonus[:, None])
-        out = s.out
-        # Emitted token j was drawn from the target's distribution at path node j.
-        at_path = None if out.logprobs is None else jnp.take_along_axis(
-            logits, path[:, :, None], axis=1)
-        for j in range(depth + 1):
-            out = record(out, emitted[:, j], j <= n_accepted, stop, max_new_tokens,
-                         None if at_path is None else at_path[:, j])
-        advance = jnp.where(running, n_accepted + 1, 0)
-        features = target_features(verified, draft_config)
-        target_cache = verified.cache
-        if not in_place:
-            target_cache = kv_cache.write_rows(target_cache, verified.k_new, verified.v_new,
-                                                  path)
-            features = jnp.take_along_axis(features, path[:, :, None], axis=1)
-        target_cache = target_cache._replace(lengths=s.target_cache.lengths + advance)
-        if through == "accept":
-            return _counted(s._replace(target_cache=target_cache, out=out,
-                                       last_token=jnp.where(running, bonus, s.last_token)),
-                            features, emitted), None
-        # Rows that were already done keep the drafter's state.
-        caught_up = method.catch_up(head, spec, s.drafter, emitted, features, advance,
-                                    running)
-        context = s.context
-        if spec.lookup:
-            context = lookup.write_context(context, emitted, s.target_cache.lengths + 1)
-        hist = s.accept_hist.at[rows, n_accepted].add(running.astype(jnp.int32))
-        state = SpecState(target_cache, jnp.where(running, bonus, s.last_token), out,
-                          s.row_keys, hist, s.forwards + 1, context, caught_up)
-        return state, Round(drafted, logits, running)
+        state = finish(drafted.tree.tokens, verified, logits, accepted)
+        return state, None if through != "catch_up" else Round(drafted, logits, running)
 
     return step
 
