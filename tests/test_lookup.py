@@ -149,7 +149,10 @@ def _prompts(seed, n):
     SpecConfig.static_tree([(0,), (1,), (0, 0)]).with_lookup(2, 1),
     SpecConfig.chain(4).with_lookup(3, 2, replaces=True),
     SpecConfig.tree(3, 3, 8).with_lookup(4, 1, replaces=True),
-], ids=["chain", "tree", "static", "chain-replacing", "tree-replacing"])
+    SpecConfig.chain(3).with_lookup(2).with_long_lookup(6, 3),
+    SpecConfig.static_tree([(0,), (1,), (0, 0)]).with_lookup(2, 1).with_long_lookup(5, 2),
+], ids=["chain", "tree", "static", "chain-replacing", "tree-replacing", "chain-long",
+        "static-long"])
 def test_greedy_with_lookup_matches_plain(spec, selfdraft_target):
     prompts = _prompts(5, 6) + [[4, 9, 4, 9, 4, 9, 4, 9]]
     plain = eaglejax.generate(prompts, target=selfdraft_target, max_new_tokens=40,
