@@ -49,12 +49,11 @@ def draft_round(head: Head, state: Any, token: jax.Array, spec: SpecConfig, gree
         return Drafted(tree, probs, None)
     copied, matched = searched or context_match(spec, context, context_lengths, history)
     matched = matched >= spec.lookup_ngram
-    count = spec.lookup
     if spec.lookup_replaces:
-        tree = lookup.fit(tree, copied, matched, spec.draft_depth, count)
+        tree = lookup.fit(tree, copied, matched, spec.draft_depth, spec.lookup)
     else:
-        tree = lookup.graft(tree, copied, spec.draft_depth, count)
-    return Drafted(tree, probs, (copied[:, :spec.draft_depth + count], matched))
+        tree = lookup.graft(tree, copied, spec.draft_depth, spec.lookup)
+    return Drafted(tree, probs, (copied[:, :spec.draft_depth + spec.lookup], matched))
 
 
 def context_match(spec: SpecConfig, context: jax.Array, context_lengths: jax.Array,
