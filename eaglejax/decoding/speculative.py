@@ -186,7 +186,8 @@ def verified_round(params: Params, config: ModelConfig, draft_params: Params | N
     With `spec.long_lookup` a round where some running row's context match is long verifies
     the root and that many copied tokens as a chain instead of the shape's own round; each
     branch commits and catches up at its own width (the "draft" phase is the search and the
-    own round's draft, the "verify" phase the whole branch taken)."""
+    own round's draft, the "verify" phase the whole branch taken); its rounds return no
+    Round (their trees differ in size: `calibration` refuses such shapes)."""
     if through not in PHASES:
         raise ValueError(f"through={through!r}: expected one of {PHASES}")
     depth = spec.max_depth
