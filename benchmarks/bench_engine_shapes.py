@@ -7,8 +7,9 @@ costs against a step, without the HTTP server around the engine (`load_test.py` 
     python benchmarks/bench_engine_shapes.py [--rows 1] [--prompts 8] [--max-new-tokens 64]
         [--shapes one-token auto] [--step-rounds 16] [--repeats 4] [--json]
 
-`--shapes`: "one-token" (the head's best token or the context's next), "two-token" (its best
-two, or its best and the context's next: `auto`'s cheapest mode on a CPU), "tree:K,D,N",
+`--shapes`: "one-token" (the head's best token or the context's next), "depth-one" (`auto`'s
+cheapest mode on a CPU, `AutoPlan`'s depth-1 tree: the head's best two, or the context's next
+two, or where the context matched long a copied chain), "tree:K,D,N",
 "chain:K", "auto" (with `--step-rounds` rounds per speculative engine step).
 SmolLM2-135M-Instruct in the storage `auto` picks, its shipped EAGLE-3 head, MT-bench first
 turns (categories interleaved), greedy, EOS ignored; as many slots as `--rows` (a power of
@@ -26,6 +27,7 @@ import numpy as np
 
 import eaglejax
 from eaglejax.datasets import interleave_categories, mt_bench_questions
+from eaglejax.decoding.autotune import AutoPlan
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.hardware import machine_report
 from eaglejax.serving import shape_policy
@@ -37,11 +39,12 @@ os.environ["EAGLEJAX_REPLY_HISTORY"] = "0"
 
 HEAD = "checkpoints/smollm2-135m-instruct-eagle3"
 ONE_TOKEN = SpecConfig(method="tree", top_k=4, depth=1, total_tokens=2).with_lookup(1, 3, True)
-TWO_TOKENS = SpecConfig(method="tree", top_k=4, depth=1, total_tokens=3).with_lookup(1, 3, True)
+DEPTH_ONE = next(spec for spec in AutoPlan.for_device("cpu", depth_one=True).modes[1:]
+                 if spec.depth == 1)
 
 
 def shape(name: str) -> SpecConfig | str:
-    named = {"auto": "auto", "one-token": ONE_TOKEN, "two-token": TWO_TOKENS}
+    named = {"auto": "auto", "one-token": ONE_TOKEN, "depth-one": DEPTH_ONE}
     if name in named:
         return named[name]
     kind, _, numbers = name.partition(":")

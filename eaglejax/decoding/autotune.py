@@ -225,6 +225,16 @@ class AutoPlan:
         return cls.for_device(platform, probe_nodes=cpu_probe_nodes(target.weight_dtype),
                               method=method, depth_one=platform == "cpu" and method == "tree")
 
+    def restricted(self, modes: tuple[int, ...]) -> "AutoPlan":
+        """The plan over `modes` (indices, plain decoding first): where the probe is left
+        out, the last of them stands for it (runs when its acceptance is unknown, and again
+        every probe interval while plain decoding is the choice), counting only itself."""
+        if modes == tuple(range(len(self.modes))):
+            return self
+        if modes[0] != 0 or len(modes) < 2 or list(modes) != sorted(set(modes)):
+            raise ValueError(f"modes {modes}: plain decoding (0) first, then increasing modes")
+        return AutoPlan(tuple(self.modes[m] for m in modes), self.sizes)
+
     def name(self, mode: int) -> str:
         spec = self.modes[mode]
         return "plain" if spec is None else spec.describe()

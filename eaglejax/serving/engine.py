@@ -434,7 +434,7 @@ class Engine:
                 self._resume_row(rows - 1, np.zeros(1, np.int32))  # a preempted request's
             self.cancel(request.key)
             if (rows == row_counts[0] and self.policy is not None
-                    and self.policy.max_speculative_rows is not None):
+                    and self.policy.on_cpu):
                 self._fill(rows - 1, request, target_only=True, cache=False)  # rows left
                 self.cancel(request.key)  # behind
             if rows == row_counts[0] and self.prefix is not None:  # prefix-cache hits
@@ -459,7 +459,7 @@ class Engine:
             return [None]
         modes = self.policy.modes(rows)
         warm = list(modes) if len(modes) > 1 else []
-        return warm + ([TARGET_ONLY] if self.policy.max_speculative_rows is not None else [])
+        return warm + ([TARGET_ONLY] if self.policy.on_cpu else [])
 
     def _empty_state(self) -> State:
         """A batch of free slots (all finished), shaped as a prefill of `num_slots` rows."""
