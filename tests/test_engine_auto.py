@@ -90,7 +90,11 @@ def test_two_cpu_rows_weigh_the_depth_one_tree_alone(monkeypatch):
         policy.requests[key] = Knowledge({names[depth_one]: accepted, names[probe]: 3.0},
                                          {names[depth_one]: 1.0, names[probe]: 1.0})
     two = policy.policy(2)
-    assert two.plan.modes == (None, plan.modes[depth_one])
+    assert two.plan.modes == (None, plan.modes[depth_one]) and not two.plan.counting
+    # untimed, it runs as many rounds as any tree's (2, a probe's, timed the call's
+    # dispatch more than the rounds: 2.3 plain steps a round where 16 cost 1.5)
+    two.knowledge.round_s = {names[PLAIN]: [0.010]}
+    assert policy.choose(["a", "b"], 2) == (depth_one, STEP_ROUNDS)
     two.knowledge.round_s = {names[PLAIN]: [0.010], names[depth_one]: [0.014]}
     assert policy.choose(["a", "b"], 2) == (depth_one, STEP_ROUNDS)  # 1.8 / 1.4 steps
     policy.observe(depth_one, 2, 0.016 * STEP_ROUNDS, STEP_ROUNDS,

@@ -154,10 +154,12 @@ def cpu_probe_nodes(weight_dtype: jnp.dtype | str) -> int:
 class AutoPlan:
     """The modes `auto` switches between (static: one compiled program each): `modes[0]` is
     plain decoding (None), then the candidate trees, the last is the probe; `sizes` are the
-    tree sizes the probe counts."""
+    tree sizes the probe counts; not `counting`: the last mode stands for the probe but
+    counts nothing for the others (`restricted`)."""
 
     modes: tuple[SpecConfig | None, ...]
     sizes: tuple[int, ...]
+    counting: bool = True
 
     @property
     def probe(self) -> SpecConfig:
@@ -228,12 +230,13 @@ class AutoPlan:
     def restricted(self, modes: tuple[int, ...]) -> "AutoPlan":
         """The plan over `modes` (indices, plain decoding first): where the probe is left
         out, the last of them stands for it (runs when its acceptance is unknown, and again
-        every probe interval while plain decoding is the choice), counting only itself."""
+        every probe interval while plain decoding is the choice, in segments as long as
+        any tree's), counting only itself."""
         if modes == tuple(range(len(self.modes))):
             return self
         if modes[0] != 0 or len(modes) < 2 or list(modes) != sorted(set(modes)):
             raise ValueError(f"modes {modes}: plain decoding (0) first, then increasing modes")
-        return AutoPlan(tuple(self.modes[m] for m in modes), self.sizes)
+        return AutoPlan(tuple(self.modes[m] for m in modes), self.sizes, counting=False)
 
     def name(self, mode: int) -> str:
         spec = self.modes[mode]
@@ -402,12 +405,13 @@ class AutoPolicy:
         return self.best
 
     def segment_rounds(self, mode: int) -> int:
-        """Target forwards the next segment of `mode` may run: a probe runs `PROBE_ROUNDS`
-        unless it is the choice, with its cost known; a timed tree at least `spec_rounds`,
-        up to 4x that to fill `segment_s`."""
+        """Target forwards the next segment of `mode` may run: a (counting) probe runs
+        `PROBE_ROUNDS` unless it is the choice, with its cost known; a timed tree at least
+        `spec_rounds`, up to 4x that to fill `segment_s`."""
         if mode == 0:
             return PLAIN_WIDTH if self.timed(0) else PLAIN_TIMING_STEPS
-        if mode == self.probe and (self.best != self.probe or not self.timed(mode)):
+        if mode == self.probe and self.plan.counting and (self.best != self.probe
+                                                          or not self.timed(mode)):
             return PROBE_ROUNDS
         if not self.timed(mode):
             return self.spec_rounds

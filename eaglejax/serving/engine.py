@@ -57,6 +57,10 @@ if TYPE_CHECKING:
 # `auto`'s mode for steps that leave the head behind (more rows than may speculate, or a row
 # whose head was left behind): the target's plain steps alone, at plain decoding's cost.
 TARGET_ONLY = -1
+# Fewest target forwards a step must run (of those it was given) for its time to count as
+# its mode's cost: a step a finishing row cut to a round or two measures mostly the call's
+# dispatch.
+MIN_TIMED_FORWARDS = 4
 MIN_PROMPT_BUCKET = 16
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit on stop strings
 MAX_STOP_TOKENS = 16  # longer stop sequences end replies on the host side only
@@ -768,7 +772,8 @@ class Engine:
                            self.state.out.counts)
         before = self.models.fetch(watched())
         start = time.perf_counter()
-        counts = self._run(mode, np.int32(min(int(max_rounds), budget)), greedy, rows)
+        given = min(int(max_rounds), budget)
+        counts = self._run(mode, np.int32(given), greedy, rows)
         after = self.models.fetch((*watched(), counts))
         seconds = time.perf_counter() - start
         rounds = after[1] - before[1]  # [S, depth + 1]: this step's rounds by accepted tokens
@@ -780,8 +785,10 @@ class Engine:
         per_request = {self.slots[i].request.key: (
             float((rounds[i] * np.arange(rounds.shape[1])).sum()), int(rounds[i].sum()),
             None if after[3] is None else after[3][i]) for i in np.flatnonzero(live)}
-        self.policy.observe(mode, rows, None if first else seconds,
-                            int(after[0] - before[0]), per_request)
+        forwards = int(after[0] - before[0])  # a step cut short by a row's end times its
+        # call's dispatch more than its rounds
+        timed = not first and forwards >= min(MIN_TIMED_FORWARDS, given)
+        self.policy.observe(mode, rows, seconds if timed else None, forwards, per_request)
 
     def _run(self, mode: int | None, max_rounds: np.int32, greedy: bool, rows: int
              ) -> np.ndarray | None:
