@@ -141,7 +141,7 @@ def test_the_depth_one_tree_is_timed_right_after_plain_and_the_probe():
     assert AutoPlan.for_device("cpu", probe_nodes=12).timed_early == ()
     assert AutoPlan.for_device("cpu", probe_nodes=12, method="suffix").timed_early == ()
     policy = AutoPolicy(plan, Knowledge())
-    counts = np.zeros(len(plan.sizes) * 5)
+    counts = np.zeros(len(plan.sizes) * 5 + 1)  # and the long copies' column
     counts[plan.count_column(depth_one)] = 0.2 * 2  # AL 1.2 over the probe's 2 rounds
     assert policy.next_mode() == len(plan.modes) - 1
     policy.observe(len(plan.modes) - 1, 2 * 0.012, 2, 2 * 1.0, 2, counts)  # 12 ms a round

@@ -141,3 +141,49 @@ def test_on_copied_path_marks_one_node_per_depth():
     assert marked.tolist() == [[True, True, False, True, True]]
     marked = calibration.on_copied_path(tree, jnp.asarray([[1, 2, 3, 0]]), 3)
     assert marked.tolist() == [[True, True, False, False, False]]
+
+
+def test_a_long_copy_column_counts_the_copied_tokens_the_target_agrees_with():
+    """`auto`'s depth-1 mode verifies a long copy instead of its tree where some running
+    row matched long: its column counts the copied tokens the target agrees with along the
+    probe's grafted branch (exact below the branch's end, a lower bound at it), and where no
+    row matched long, its own tree's column."""
+    from eaglejax.decoding.drafting import Drafted
+    from eaglejax.decoding.spec_config import SpecConfig
+    from eaglejax.decoding.speculative import Round
+    from eaglejax.decoding.tree import chain_tree
+
+    rng = np.random.default_rng(7)
+    batch, draft_depth, n_lookup, largest = 16, 4, 4, 8
+    sizes = (3, 6, 8)
+    probe = SpecConfig.tree(4, draft_depth, largest).with_lookup(n_lookup, 3)
+    mode = SpecConfig.tree(4, 1, 3).with_lookup(2, 3, True).with_long_lookup(6, 5)
+    tokens, parents = _head_trees(rng, batch, largest, draft_depth)
+    ranks = jnp.broadcast_to(jnp.arange(largest), (batch, largest))
+    head = tree_from_parents(jnp.asarray(tokens), jnp.asarray(parents), draft_depth, ranks)
+    truth = rng.integers(VOCAB, size=(batch, draft_depth + n_lookup + 1))
+    agree = rng.integers(0, draft_depth + n_lookup + 1, size=batch)
+    copied = jnp.asarray(np.where(np.arange(draft_depth + n_lookup)[None] < agree[:, None],
+                                  truth[:, :-1], VOCAB - 1 - truth[:, :-1]), jnp.int32)
+    grafted = lookup.graft(head, copied, draft_depth, n_lookup)
+    logits = _target_logits(grafted, truth)
+    reach = np.max(np.where(calibration.on_copied_path(grafted, copied, probe.max_depth),
+                            np.asarray(grafted.depths), 0), axis=1)
+    chain = _accepted(chain_tree(jnp.asarray(truth[:, 0] * 0 + 9), copied[:, :6]), truth)
+    running = jnp.ones(batch, bool)
+    for lengths, copying in ((np.full(batch, 3), False), (np.r_[5, np.full(batch - 1, 2)], True)):
+        done = Round(Drafted(grafted, None, (copied, jnp.asarray(lengths >= 3),
+                                             jnp.asarray(lengths))), logits, running)
+        counts = np.asarray(calibration.round_counts(done, probe, sizes, mode))
+        assert counts.shape == (batch, calibration.count_columns(probe, sizes, mode))
+        column = counts[:, -1]
+        own = counts[:, 2 * len(sizes) + sizes.index(3)]  # depth-1 size 3, 2-token branch
+        if not copying:
+            np.testing.assert_array_equal(column, own)
+            continue
+        assert np.all(column <= chain)  # a lower bound...
+        exact = chain < reach
+        assert exact.sum() >= batch // 2 and np.any(column > own)
+        np.testing.assert_array_equal(column[exact], chain[exact])  # ...exact below its end
+    with pytest.raises(ValueError, match="cannot count"):
+        calibration.check_long_copy(probe, (6, 8), mode)

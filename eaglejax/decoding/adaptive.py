@@ -122,7 +122,7 @@ def _adaptive_decode(target, draft, encoded, seeds, sampling, max_new_tokens, cr
                                                     stop=criteria)
         if mode == policy.probe:
             return calibration_loop, probe, args, dict(sizes=plan.sizes, greedy=greedy,
-                                                       stop=criteria)
+                                                       stop=criteria, long_copy=plan.long_copy)
         return loops.decode_loop, probe.with_spec(spec), args, dict(greedy=greedy,
                                                                     stop=criteria)
 

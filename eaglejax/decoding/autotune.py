@@ -108,8 +108,8 @@ DEPTH_ONE_NODES, DEPTH_ONE_LOOKUP = DEPTH_ONE_SIZES, 2
 # ... whose rounds verify the root and 6 copied tokens alone where the context matched 5
 # tokens or more (`SpecConfig.long_lookup`: quoted text, lists, loops). On a 2-core Zen 5, 12
 # prompts interleaved: MT-bench 1.37x -> 1.44x plain, the mix 1.38x -> 1.48x (8 tokens at
-# matches of 8+: 1.34x and 1.44x; BENCHMARKS.md, session 48). The probe counts the depth-1
-# tree without them; the mode's own segments count what its long copies accept.
+# matches of 8+: 1.34x and 1.44x; BENCHMARKS.md, session 48). The probe counts its long
+# copies along its own grafted branch (`AutoPlan.long_copy`).
 DEPTH_ONE_LONG_COPY = (6, 5)
 # On a CPU, verify blocks of up to 16 tokens run the native kernels and larger ones XLA's
 # dot at several times the cost per row: the probe (largest tree + LOOKUP) stays within 16.
@@ -246,11 +246,19 @@ class AutoPlan:
         spec = self.modes[mode]
         return 1 if spec is None else spec.num_nodes
 
+    @property
+    def long_copy(self) -> SpecConfig | None:
+        """The candidate whose rounds verify long copies, which the probe counts in a column
+        of its own (`calibration.round_counts`), if any."""
+        return next((spec for spec in self.modes[1:-1] if spec.long_lookup), None)
+
     def count_column(self, mode: int) -> int | None:
         """The probe's counter that stands for candidate `mode` (None: plain, the probe)."""
         spec = self.modes[mode]
         if spec is None or mode == len(self.modes) - 1:
             return None
+        if spec.long_lookup:
+            return len(self.sizes) * (1 + self.probe.lookup)
         return spec.lookup * len(self.sizes) + self.sizes.index(spec.total_tokens)
 
 

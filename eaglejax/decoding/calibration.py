@@ -16,6 +16,11 @@ Sizes up to `DEPTH_ONE_SIZES` stand for depth-1 trees, the root and its s - 1 be
 (`auto`'s two-token rounds on a CPU): counted exactly where the largest tree kept
 those children (its depth-1 nodes are the root's best), from fewer where it kept fewer (a
 lower bound: the largest tree spent its nodes deeper, below a confident first child).
+With `long_copy` (a candidate whose rounds verify a long copy where the context matched
+long: `SpecConfig.long_lookup`), one more column counts that candidate: in rounds where some
+running row matched `long_ngram` tokens or more, the copied tokens the target agrees with
+along the grafted branch (at most `long_lookup`: a lower bound where the branch, shorter than
+the copy, was agreed to its end), elsewhere its own tree's column.
 `calibration_loop` is the speculative loop with these counters beside its state: `auto`
 runs it as its probe (`decoding.adaptive`); the loop that decodes a fixed shape
 (`loops.decode_loop`) carries none of them.
@@ -101,43 +106,73 @@ def lookup_subtree_acceptance(tree: Tree, target_logits: jax.Array, max_depth: i
     return jnp.stack(counts, axis=1)
 
 
-def round_counts(done: Round, spec: SpecConfig, sizes: tuple[int, ...]) -> jax.Array:
+def count_columns(spec: SpecConfig, sizes: tuple[int, ...],
+                  long_copy: SpecConfig | None = None) -> int:
+    """Columns of `round_counts`: S per lookup length 0..L, and one for `long_copy`."""
+    return len(sizes) * (1 + spec.lookup) + (long_copy is not None)
+
+
+def round_counts(done: Round, spec: SpecConfig, sizes: tuple[int, ...],
+                 long_copy: SpecConfig | None = None) -> jax.Array:
     """[B,S*(1+L)] for one round: per size s, the draft tokens the best s-node subtree
     accepted; with a lookup branch of L tokens, L more blocks of S columns for a branch of
-    1..L of those tokens in place of the weakest nodes (zero for rows already done)."""
+    1..L of those tokens in place of the weakest nodes (zero for rows already done); with
+    `long_copy`, one more column: that candidate's (see the module docstring)."""
     tree, logits, depth = done.drafted.tree, done.target_logits, spec.max_depth
     head_nodes = spec.total_tokens
     counts = [subtree_acceptance(tree, logits, depth, sizes, head_nodes)]
     if spec.lookup:
-        copied, matched = done.drafted.branch
+        copied, matched, length = done.drafted.branch
         counts += [lookup_subtree_acceptance(tree, logits, depth, sizes, copied, matched, n,
                                              head_nodes)
                    for n in range(1, spec.lookup + 1)]
+    if long_copy is not None:
+        own = counts[long_copy.lookup][:, sizes.index(long_copy.total_tokens)]
+        accepted = greedy_accepted_nodes(tree, logits, depth)
+        agreed = _deepest(tree, accepted & on_copied_path(tree, copied, depth))
+        copying = jnp.any(done.running & (length >= long_copy.long_ngram))
+        counts.append(jnp.where(copying, jnp.minimum(agreed, long_copy.long_lookup),
+                                own)[:, None])
     return done.running[:, None] * jnp.concatenate(counts, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("loop", "greedy", "stop", "sizes"),
+@functools.partial(jax.jit, static_argnames=("loop", "greedy", "stop", "sizes", "long_copy"),
                    donate_argnames=("state",))
 def calibration_loop(loop: SpecLoop, weights: Weights, state: SpecState,
                      sampling: SamplingParams, max_new_tokens: jax.Array,
                      until: jax.Array | None = None, *, stop: StopCriteria,
-                     sizes: tuple[int, ...], greedy: bool = True
-                     ) -> tuple[SpecState, jax.Array]:
+                     sizes: tuple[int, ...], greedy: bool = True,
+                     long_copy: SpecConfig | None = None) -> tuple[SpecState, jax.Array]:
     """Speculative decoding with the largest dynamic tree `loop.spec` (a lookup branch, if
     any, grafted) until every row finishes (or the state has run `until` target forwards),
-    and the summed `round_counts` [B,S*(1+L)]: exact for greedy rounds; for sampled ones,
-    what each smaller tree would have accepted had the target's choice been its argmax."""
+    and the summed `round_counts` [B,C]: exact for greedy rounds (a long copy's: a lower
+    bound); for sampled ones, what each smaller tree would have accepted had the target's
+    choice been its argmax."""
     spec = loop.spec
     if not spec.is_dynamic_tree or spec.lookup_replaces or spec.long_lookup:
         raise ValueError(f"calibration counts need a dynamic tree whose lookup branch (if any) "
                          f"is grafted, not {spec.describe()}")
+    check_long_copy(spec, sizes, long_copy)
     play = loop.verified_step(weights, sampling, max_new_tokens, greedy=greedy, stop=stop)
 
     def step(carry: tuple[SpecState, jax.Array]) -> tuple[SpecState, jax.Array]:
         s, counts = carry
         s, done = play(s)
-        return s, counts + round_counts(done, spec, sizes)
+        return s, counts + round_counts(done, spec, sizes, long_copy)
 
     batch = state.last_token.shape[0]
-    counts = jnp.zeros((batch, len(sizes) * (1 + spec.lookup)), jnp.int32)
+    counts = jnp.zeros((batch, count_columns(spec, sizes, long_copy)), jnp.int32)
     return jax.lax.while_loop(lambda carry: goes_on(carry[0], until), step, (state, counts))
+
+
+def check_long_copy(spec: SpecConfig, sizes: tuple[int, ...],
+                    long_copy: SpecConfig | None) -> None:
+    """ValueError unless the probe `spec` can count `long_copy` (None: nothing to count): a
+    candidate with a long copy, its size among `sizes`, its branch no longer than the
+    probe's, whose copied tokens the probe's search holds."""
+    if long_copy is None:
+        return
+    if not long_copy.long_lookup or long_copy.total_tokens not in sizes \
+            or not 0 < long_copy.lookup <= spec.lookup:
+        raise ValueError(f"the probe {spec.describe()} with sizes {sizes} cannot count "
+                         f"{long_copy.describe()}")

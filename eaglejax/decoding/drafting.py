@@ -27,11 +27,12 @@ from eaglejax.decoding.tree import Tree
 class Drafted(NamedTuple):
     """One round's draft: the tree to verify, the draft distributions [B,K,V] of a sampled
     chain (None otherwise), and the lookup branch (None without one): the copied tokens
-    [B,L] and the rows [B] where their match held `lookup_ngram` tokens or more."""
+    [B,L], the rows [B] where their match held `lookup_ngram` tokens or more, and each row's
+    match length [B]."""
 
     tree: Tree
     probs: jax.Array | None
-    branch: tuple[jax.Array, jax.Array] | None
+    branch: tuple[jax.Array, jax.Array, jax.Array] | None
 
 
 def draft_round(head: Head, state: Any, token: jax.Array, spec: SpecConfig, greedy: bool,
@@ -47,13 +48,13 @@ def draft_round(head: Head, state: Any, token: jax.Array, spec: SpecConfig, gree
                                              vocab)
     if not spec.lookup:
         return Drafted(tree, probs, None)
-    copied, matched = searched or context_match(spec, context, context_lengths, history)
-    matched = matched >= spec.lookup_ngram
+    copied, length = searched or context_match(spec, context, context_lengths, history)
+    matched = length >= spec.lookup_ngram
     if spec.lookup_replaces:
         tree = lookup.fit(tree, copied, matched, spec.draft_depth, spec.lookup)
     else:
         tree = lookup.graft(tree, copied, spec.draft_depth, spec.lookup)
-    return Drafted(tree, probs, (copied[:, :spec.draft_depth + spec.lookup], matched))
+    return Drafted(tree, probs, (copied[:, :spec.draft_depth + spec.lookup], matched, length))
 
 
 def context_match(spec: SpecConfig, context: jax.Array, context_lengths: jax.Array,

@@ -24,12 +24,13 @@ import jax.numpy as jnp
 
 from eaglejax import native
 from eaglejax.decoding import plain, speculative
-from eaglejax.decoding.calibration import round_counts
+from eaglejax.decoding.calibration import check_long_copy, count_columns, round_counts
 from eaglejax.decoding.loops import Loop, SpecLoop, Weights, map_caches
 from eaglejax.decoding.output import Output
 from eaglejax.decoding.plain_segment import plain_steps
 from eaglejax.decoding.prefix_pool import PrefixPool, load_rows
 from eaglejax.decoding.sampling import SamplingParams
+from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.stopping import FINISH_LENGTH, FINISH_NONE, StopTable
 from eaglejax.models import kv_cache
 from eaglejax.native import cache_attention
@@ -303,23 +304,25 @@ def advance_plain_segment(loop: SpecLoop, weights: Weights, state: speculative.S
     return _put_back(state, part, rows)
 
 
-@functools.partial(jax.jit, static_argnames=("loop", "sizes", "greedy", "rows"),
+@functools.partial(jax.jit, static_argnames=("loop", "sizes", "greedy", "rows", "long_copy"),
                    donate_argnames=("state",))
 def advance_probe(loop: SpecLoop, weights: Weights, state: speculative.SpecState,
                   sampling: SamplingParams, max_new_tokens: jax.Array, stop: StopTable,
-                  max_rounds: jax.Array, *, sizes: tuple[int, ...], greedy: bool, rows: int
+                  max_rounds: jax.Array, *, sizes: tuple[int, ...], greedy: bool, rows: int,
+                  long_copy: SpecConfig | None = None
                   ) -> tuple[speculative.SpecState, jax.Array]:
     """`advance` with the largest tree `loop.spec`, also counting per slot what each smaller
-    tree would have accepted (`decoding.calibration.round_counts`, summed: [S,C], zero for
-    the slots past `rows`)."""
+    tree (and `long_copy`, if any) would have accepted (`decoding.calibration.round_counts`,
+    summed: [S,C], zero for the slots past `rows`)."""
+    check_long_copy(loop.spec, sizes, long_copy)
     sampling, max_new_tokens, stop = _first_settings(rows, sampling, max_new_tokens, stop)
     play = loop.verified_step(weights, sampling, max_new_tokens, greedy=greedy, stop=stop)
 
     def step(s, counts):
         s, done = play(s)
-        return s, counts + round_counts(done, loop.spec, sizes)
+        return s, counts + round_counts(done, loop.spec, sizes, long_copy)
 
-    counts = jnp.zeros((rows, len(sizes) * (1 + loop.spec.lookup)), jnp.int32)
+    counts = jnp.zeros((rows, count_columns(loop.spec, sizes, long_copy)), jnp.int32)
     state, counts = _counting_until_a_row_ends(step, state, counts, max_rounds, rows)
     return state, jnp.pad(counts, ((0, state.out.finish.shape[0] - rows), (0, 0)))
 

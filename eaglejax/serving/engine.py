@@ -824,6 +824,7 @@ class Engine:
             return slots.advance_plain_segment, self.models, dict(width=PLAIN_WIDTH, **static)
         if mode == len(self.policy.plan.modes) - 1:
             return slots.advance_probe, self.models, dict(sizes=self.policy.plan.sizes,
+                                                          long_copy=self.policy.plan.long_copy,
                                                           **static)
         return slots.advance, self.models.with_spec(spec), static
 
