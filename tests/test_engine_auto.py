@@ -84,6 +84,15 @@ def test_two_cpu_rows_weigh_the_depth_one_tree_alone(monkeypatch):
     policy = ShapePolicy(model, model, plan, "cpu")
     assert policy.modes(1) == tuple(range(len(plan.modes)))
     assert policy.modes(2) == (PLAIN, depth_one) and policy.modes(4) == (PLAIN,)
+    # the engine's plan: a one-token tree for steps of 2 rows, never for one row
+    served = AutoPlan.for_device("cpu", depth_one=True, several_rows=True)
+    one_token = served.several_rows_only[0]
+    assert served.modes[one_token].num_nodes == 2 and served.modes[one_token].depth == 1
+    assert served.modes[:2] == plan.modes[:2] and served.sizes == (2, *plan.sizes)
+    engine = ShapePolicy(model, model, served, "cpu")
+    assert one_token not in engine.modes(1) and len(engine.modes(1)) == len(plan.modes)
+    assert engine.modes(2) == (PLAIN, depth_one, one_token) and engine.modes(4) == (PLAIN,)
+    assert engine.policy(1).plan.counting and not engine.policy(2).plan.counting
     names = [plan.name(m) for m in range(len(plan.modes))]
     for key, accepted in (("a", 0.9), ("b", 0.7)):  # what their probes at one row counted
         policy.admit(key)

@@ -206,7 +206,8 @@ class Engine:
         self.policy: ShapePolicy | None = None
         if speculative == AUTO:
             platform = jax.default_backend()
-            self.policy = ShapePolicy(target, draft, AutoPlan.for_target(target, draft),
+            self.policy = ShapePolicy(target, draft,
+                                      AutoPlan.for_target(target, draft, several_rows=True),
                                       platform)
             speculative = self.policy.plan.probe  # the state every mode runs on
         self.target, self.draft, self.spec = target, draft, speculative

@@ -16,9 +16,10 @@ the cost of a round, and speculation must beat plain decoding by the margin. Wha
   tree (rows are padded to it), so a row given a smaller tree or none would save nothing.
 - On a CPU, a step runs a mode only while its verify block (active rows x the mode's most
   nodes) fits the native kernels' `few_row_matmul.MAX_ROWS` (16: one row with the 16-node
-  probe, two with the depth-1 tree and its 7-token long copies), and a step of several rows
-  only the plan's depth-1 trees (a deeper tree's round over 2 rows costs twice a step
-  there, more than its acceptance returns); steps of more rows than any mode fits run the
+  probe, two with the depth-1 tree and its 7-token long copies), and a step of 2 rows only
+  the plan's depth-1 trees (a deeper tree's round over 2 rows costs twice a step there,
+  more than its acceptance returns), the one-token one among them (`AutoPlan.for_target`
+  with `several_rows`: 4 verify rows); steps of more rows than any mode fits run the
   target alone (`Engine`: not even the head's catch-up), and the requests in them decode
   plainly to their end. Past that block XLA's dot verifies at several times the cost per
   row (the probe's round at 4 rows measured 7.2 plain steps of 4 rows, BENCHMARKS.md), and
@@ -74,6 +75,10 @@ REMEMBER_EVERY_S = 10.0  # at most one write of what was learnt to disk per this
 # plain steps each and it decoded plainly at 0.79x the plain engine; with 16, 1.0 and 1.04x
 # (one client, SmolLM2's blocks and shipped head, one process; BENCHMARKS.md, session 34).
 STEP_ROUNDS = 16
+# On a CPU, the most active rows a step speculates over: at 2 rows a one-token round decoded
+# 1.075x the plain engine (BENCHMARKS.md, session 49); at 4 it verifies 8 tokens against a
+# 4-token step, about its acceptance's worth, and each row count compiles its programs.
+MAX_SPECULATIVE_ROWS = 2
 
 
 class ShapePolicy:
@@ -110,13 +115,16 @@ class ShapePolicy:
 
     def modes(self, rows: int) -> tuple[int, ...]:
         """The modes (indices into `plan.modes`) a step of `rows` active rows may run: every
-        mode off a CPU; on one, those whose verify block fits the native kernels (depth-1
-        trees only over several rows), and plain decoding alone where none does."""
+        mode off a CPU; on one, those whose verify block fits the native kernels (over
+        several rows, up to `MAX_SPECULATIVE_ROWS`, the depth-1 trees only; over one, not
+        `plan.several_rows_only`), and plain decoding alone where none does."""
         if not self.on_cpu:
             return tuple(range(len(self.plan.modes)))
+        several = self.plan.several_rows_only
         fits = tuple(m for m, spec in enumerate(self.plan.modes) if spec is not None
                      and spec.most_nodes * rows <= few_row_matmul.MAX_ROWS
-                     and (rows == 1 or spec.depth == 1))
+                     and (m not in several if rows == 1 else
+                          spec.depth == 1 and rows <= MAX_SPECULATIVE_ROWS))
         return (0, *fits) if fits else (0,)
 
     def policy(self, rows: int) -> AutoPolicy:
