@@ -18,7 +18,7 @@ from eaglejax.decoding.autotune import (
     AutoPlan,
     Knowledge,
 )
-from eaglejax.serving.shape_policy import STEP_ROUNDS, ShapePolicy
+from eaglejax.serving.shape_policy import MIN_STEP_ROUNDS, STEP_ROUNDS, ShapePolicy
 
 PLAN = AutoPlan.for_device("cpu")
 PLAIN, SMALL, LARGE, PROBE = range(4)
@@ -105,7 +105,13 @@ def test_two_cpu_rows_weigh_the_depth_one_tree_alone(monkeypatch):
     two.knowledge.round_s = {names[PLAIN]: [0.010]}
     assert policy.choose(["a", "b"], 2) == (depth_one, STEP_ROUNDS)
     two.knowledge.round_s = {names[PLAIN]: [0.010], names[depth_one]: [0.014]}
-    assert policy.choose(["a", "b"], 2) == (depth_one, STEP_ROUNDS)  # 1.8 / 1.4 steps
+    # 1.8 tokens in 1.4 steps pays; its step lasts about 16 plain steps: 11 rounds
+    assert policy.choose(["a", "b"], 2) == (depth_one, int(16 * 0.010 / 0.014))
+    two.knowledge.round_s[names[depth_one]] = [0.025]
+    policy.admit("c")  # a request that accepts 3 tokens a round: 4 tokens in 2.5 steps
+    policy.requests["c"] = Knowledge({names[depth_one]: 3.0}, {names[depth_one]: 1.0})
+    assert policy.choose(["c"], 2) == (depth_one, MIN_STEP_ROUNDS)  # 6 rounds: no fewer
+    two.knowledge.round_s[names[depth_one]] = [0.014]
     policy.observe(depth_one, 2, 0.016 * STEP_ROUNDS, STEP_ROUNDS,
                    {"a": (0.0, STEP_ROUNDS, None), "b": (0.0, STEP_ROUNDS, None)})
     assert policy.round_seconds()[(names[depth_one], 2)] == pytest.approx(0.015)

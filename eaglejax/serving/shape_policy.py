@@ -75,6 +75,7 @@ REMEMBER_EVERY_S = 10.0  # at most one write of what was learnt to disk per this
 # plain steps each and it decoded plainly at 0.79x the plain engine; with 16, 1.0 and 1.04x
 # (one client, SmolLM2's blocks and shipped head, one process; BENCHMARKS.md, session 34).
 STEP_ROUNDS = 16
+MIN_STEP_ROUNDS = 8  # ... and no fewer rounds than this (each call's dispatch costs ~2 ms)
 # On a CPU, the most active rows a step speculates over: at 2 rows a one-token round decoded
 # 1.075x the plain engine (BENCHMARKS.md, session 49); at 4 it verifies 8 tokens against a
 # 4-token step, about its acceptance's worth, and each row count compiles its programs.
@@ -144,13 +145,19 @@ class ShapePolicy:
 
     def choose(self, keys: list[Hashable], rows: int) -> tuple[int, int]:
         """The mode (index into `plan.modes`) of the next step over the requests `keys` in
-        `rows` active rows, and the target forwards it may run."""
+        `rows` active rows, and the target forwards it may run: over several rows, a
+        speculative step lasts about as long as a plain one (`PLAIN_WIDTH` steps), so that a
+        request arriving meanwhile waits no longer for its prefill."""
         modes, policy = self._by_rows(rows)
         if len(modes) == 1:
             return 0, PLAIN_WIDTH  # nothing to compare plain decoding with
         policy.use_acceptance(*self._mean_acceptance(keys))
         mode = policy.next_mode()
-        return modes[mode], policy.segment_rounds(mode)
+        rounds = policy.segment_rounds(mode)
+        plain, cost = policy.round_seconds(0), policy.round_seconds(mode)
+        if rows > 1 and mode and plain and cost and policy.timed(mode):
+            rounds = max(MIN_STEP_ROUNDS, min(rounds, int(PLAIN_WIDTH * plain / cost)))
+        return modes[mode], rounds
 
     def _mean_acceptance(self, keys: list[Hashable]) -> tuple[dict[str, float],
                                                                dict[str, float]]:
