@@ -18,7 +18,7 @@ from eaglejax.decoding.autotune import (
     AutoPlan,
     Knowledge,
 )
-from eaglejax.serving.shape_policy import MIN_STEP_ROUNDS, STEP_ROUNDS, ShapePolicy
+from eaglejax.serving.shape_policy import STEP_ROUNDS, ShapePolicy
 
 PLAN = AutoPlan.for_device("cpu")
 PLAIN, SMALL, LARGE, PROBE = range(4)
@@ -65,59 +65,10 @@ def test_load_decides_between_speculation_and_plain(gpu_policy):
 def test_a_cpu_step_past_the_native_kernels_rows_decodes_plainly(policy):
     _knows(policy, "a", {SMALL: 3.0, LARGE: 3.0, PROBE: 3.0})
     _costs(policy, 2, {PLAIN: 0.030, SMALL: 0.031, LARGE: 0.032, PROBE: 0.033})
-    assert PLAN.probe.num_nodes == 16 and policy.modes(1) == (PLAIN, SMALL, LARGE, PROBE)
-    assert policy.modes(2) == (PLAIN,) and policy.choose(["a"], 2) == (PLAIN, 16)
+    assert PLAN.probe.num_nodes == 16 and policy.modes(1) == range(4)
+    assert policy.modes(2) == range(1) and policy.choose(["a"], 2) == (PLAIN, 16)
     model = SimpleNamespace(source="test")
-    assert ShapePolicy(model, model, PLAN, "gpu").modes(32) == (PLAIN, SMALL, LARGE, PROBE)
-
-
-def test_two_cpu_rows_weigh_the_depth_one_tree_alone(monkeypatch):
-    """On a CPU two rows may run the depth-1 tree (2 x its 7-token long copy fits the native
-    kernels' 16 rows) and nothing deeper; four rows none. The choice at two rows is between
-    plain decoding and that tree, from the requests' acceptance of it and its 2-row cost,
-    and never the probe (its block would not fit)."""
-    monkeypatch.setenv("EAGLEJAX_AUTOTUNE_CACHE", "0")
-    plan = AutoPlan.for_device("cpu", depth_one=True)
-    depth_one, probe = 1, len(plan.modes) - 1
-    assert plan.modes[depth_one].depth == 1 and plan.modes[depth_one].most_nodes == 7
-    model = SimpleNamespace(source="test")
-    policy = ShapePolicy(model, model, plan, "cpu")
-    assert policy.modes(1) == tuple(range(len(plan.modes)))
-    assert policy.modes(2) == (PLAIN, depth_one) and policy.modes(4) == (PLAIN,)
-    # the engine's plan: a one-token tree for steps of 2 rows, never for one row
-    served = AutoPlan.for_device("cpu", depth_one=True, several_rows=True)
-    one_token = served.several_rows_only[0]
-    assert served.modes[one_token].num_nodes == 2 and served.modes[one_token].depth == 1
-    assert served.modes[:2] == plan.modes[:2] and served.sizes == (2, *plan.sizes)
-    engine = ShapePolicy(model, model, served, "cpu")
-    assert one_token not in engine.modes(1) and len(engine.modes(1)) == len(plan.modes)
-    assert engine.modes(2) == (PLAIN, depth_one, one_token) and engine.modes(4) == (PLAIN,)
-    assert engine.policy(1).plan.counting and not engine.policy(2).plan.counting
-    names = [plan.name(m) for m in range(len(plan.modes))]
-    for key, accepted in (("a", 0.9), ("b", 0.7)):  # what their probes at one row counted
-        policy.admit(key)
-        policy.requests[key] = Knowledge({names[depth_one]: accepted, names[probe]: 3.0},
-                                         {names[depth_one]: 1.0, names[probe]: 1.0})
-    two = policy.policy(2)
-    assert two.plan.modes == (None, plan.modes[depth_one]) and not two.plan.counting
-    # untimed, it runs as many rounds as any tree's (2, a probe's, timed the call's
-    # dispatch more than the rounds: 2.3 plain steps a round where 16 cost 1.5)
-    two.knowledge.round_s = {names[PLAIN]: [0.010]}
-    assert policy.choose(["a", "b"], 2) == (depth_one, STEP_ROUNDS)
-    two.knowledge.round_s = {names[PLAIN]: [0.010], names[depth_one]: [0.014]}
-    # 1.8 tokens in 1.4 steps pays; its step lasts about 16 plain steps: 11 rounds
-    assert policy.choose(["a", "b"], 2) == (depth_one, int(16 * 0.010 / 0.014))
-    two.knowledge.round_s[names[depth_one]] = [0.025]
-    policy.admit("c")  # a request that accepts 3 tokens a round: 4 tokens in 2.5 steps
-    policy.requests["c"] = Knowledge({names[depth_one]: 3.0}, {names[depth_one]: 1.0})
-    assert policy.choose(["c"], 2) == (depth_one, MIN_STEP_ROUNDS)  # 6 rounds: no fewer
-    two.knowledge.round_s[names[depth_one]] = [0.014]
-    policy.observe(depth_one, 2, 0.016 * STEP_ROUNDS, STEP_ROUNDS,
-                   {"a": (0.0, STEP_ROUNDS, None), "b": (0.0, STEP_ROUNDS, None)})
-    assert policy.round_seconds()[(names[depth_one], 2)] == pytest.approx(0.015)
-    assert policy.choose(["a", "b"], 2)[0] == PLAIN  # they stopped accepting
-    with pytest.raises(ValueError, match="plain decoding"):
-        plan.restricted((1, 2))
+    assert ShapePolicy(model, model, PLAN, "gpu").modes(32) == range(4)
 
 
 def test_the_live_requests_acceptance_decides(policy):
@@ -125,9 +76,9 @@ def test_the_live_requests_acceptance_decides(policy):
     the mean of their acceptance lengths is weighed against the cost."""
     _knows(policy, "code", {SMALL: 1.5, LARGE: 1.6, PROBE: 1.7})
     _knows(policy, "chat", {SMALL: 0.1, LARGE: 0.1, PROBE: 0.1})
-    policy.on_cpu = False  # as on an accelerator: 2 rows may speculate any tree
     for rows in (1, 2):
         _costs(policy, rows, {PLAIN: 0.020, SMALL: 0.030, LARGE: 0.031, PROBE: 0.040})
+    policy.max_speculative_rows = None  # as on an accelerator: 2 rows may speculate
     assert policy.choose(["code"], 1)[0] == LARGE  # 2.6 / 0.031 beats 2.5 / 0.030
     assert policy.choose(["chat"], 1)[0] == PLAIN
     mean = 1 + (1.5 + 0.1) / 2  # SMALL over both: 1.8 tokens in 1.5 steps
@@ -204,7 +155,7 @@ def check_engine(target):
     from eaglejax.decoding.loops import SpecLoop
 
     draft = self_draft(target)
-    shared = Engine(target, draft, num_slots=4, capacity=96, rounds_per_call=8)
+    shared = Engine(target, draft, num_slots=2, capacity=96, rounds_per_call=8)
     fills = []
     for name in ("fill", "fill_target"):  # count the prefills of each kind
         fill = getattr(slots, name)
@@ -212,14 +163,13 @@ def check_engine(target):
             "fill_spec" if _name == "fill" and isinstance(a[0], SpecLoop) else _name),
             _fill(*a, **k))[1])
     got = shared.run([Request(i, p, n, ignore_eos=True) for i, (p, n) in
-                      enumerate(zip(prompts, limits))])  # 4 rows: the target alone
+                      enumerate(zip(prompts, limits))])  # rows that share a step: target alone
     assert [got[i].token_ids for i in range(len(plain))] == plain
     # each request's own rounds (a slot's last request's are not the next one's)
     assert all(1 <= got[i].rounds <= limits[i] - 1 for i in range(len(plain)) if limits[i] > 1)
     assert shared._stale.any() and set(shared.policy.forwards_by_mode) >= {"plain"}
-    # two rows may speculate (the depth-1 tree); a request that makes them 4, or joins a
-    # row left behind, decodes plainly: its head is never prefilled
-    assert fills[:2] == ["fill_spec"] * 2 and fills.count("fill_target") >= 3, fills
+    # a request that joins a row left behind decodes plainly: its head is never prefilled
+    assert fills[0] == "fill_spec" and fills.count("fill_target") >= 3, fills
     for scripted in (True, False):
         engine = Engine(target, draft, num_slots=2, capacity=96, rounds_per_call=8)
         assert engine.speculation == "auto"

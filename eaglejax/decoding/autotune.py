@@ -111,11 +111,6 @@ DEPTH_ONE_NODES, DEPTH_ONE_LOOKUP = DEPTH_ONE_SIZES, 2
 # matches of 8+: 1.34x and 1.44x; BENCHMARKS.md, session 48). The probe counts its long
 # copies along its own grafted branch (`AutoPlan.long_copy`).
 DEPTH_ONE_LONG_COPY = (6, 5)
-# The serving engine's steps of several rows weigh a one-token depth-1 tree too (the head's
-# best token, or the context's next): over 2 rows on a 2-core Zen 5 it decoded 1.075x the
-# plain engine where the 3-node tree with its copies decoded 0.93-1.06x (4 verify rows
-# against 6-14; BENCHMARKS.md, session 49). A single row does not run it (session 44).
-SEVERAL_ROWS_NODES = 2
 # On a CPU, verify blocks of up to 16 tokens run the native kernels and larger ones XLA's
 # dot at several times the cost per row: the probe (largest tree + LOOKUP) stays within 16.
 CPU_PROBE_NODES = 16
@@ -159,14 +154,10 @@ def cpu_probe_nodes(weight_dtype: jnp.dtype | str) -> int:
 class AutoPlan:
     """The modes `auto` switches between (static: one compiled program each): `modes[0]` is
     plain decoding (None), then the candidate trees, the last is the probe; `sizes` are the
-    tree sizes the probe counts; not `counting`: the last mode stands for the probe but
-    counts nothing for the others (`restricted`); `several_rows_only`: modes for the serving
-    engine's steps of several rows alone (`serving.shape_policy`)."""
+    tree sizes the probe counts."""
 
     modes: tuple[SpecConfig | None, ...]
     sizes: tuple[int, ...]
-    counting: bool = True
-    several_rows_only: tuple[int, ...] = ()  # modes only steps of several rows run
 
     @property
     def probe(self) -> SpecConfig:
@@ -183,8 +174,7 @@ class AutoPlan:
     @classmethod
     def for_device(cls, platform: str, top_k: int | None = None, depth: int | None = None,
                    *, probe_nodes: int = CPU_PROBE_NODES, method: str = "tree",
-                   depth_one: bool = False, lookup_history: bool = True,
-                   several_rows: bool = False) -> "AutoPlan":
+                   depth_one: bool = False, lookup_history: bool = True) -> "AutoPlan":
         """The probe is the largest tree of the batch-1 preset (within `probe_nodes` with its
         branch on a CPU), the candidates the two sizes below it (a tree of 8 nodes or fewer:
         the one below and its own size, with the branch in place of its weakest nodes);
@@ -197,9 +187,7 @@ class AutoPlan:
         matched long, a copied chain alone (`DEPTH_ONE_LONG_COPY`; the probe counts the
         tree from its root's best children or its branch: `calibration.DEPTH_ONE_SIZES`). Every
         branch searches the replies decoded before too unless not `lookup_history`
-        (`SpecConfig.lookup_history`: the probe counts the branch as it drafts it). With
-        `several_rows` too (the serving engine), a one-token depth-1 tree follows it for
-        steps of several rows alone (`SEVERAL_ROWS_NODES`)."""
+        (`SpecConfig.lookup_history`: the probe counts the branch as it drafts it)."""
         preset = SpecConfig.suffix() if method == "suffix" else SpecConfig.preset(platform, 1)
         top_k, depth = top_k or preset.top_k, depth or preset.depth
         lookup = 0 if method == "suffix" else LOOKUP
@@ -221,43 +209,21 @@ class AutoPlan:
                           .with_long_lookup(*DEPTH_ONE_LONG_COPY),
                           *candidates)
             sizes = (DEPTH_ONE_NODES, *sizes)
-        several = ()
-        if depth_one and lookup and several_rows:
-            candidates = (candidates[0], SpecConfig(
-                method=method, top_k=top_k, depth=1, total_tokens=SEVERAL_ROWS_NODES)
-                .with_lookup(1, LOOKUP_NGRAM, True, lookup_history), *candidates[1:])
-            sizes, several = (SEVERAL_ROWS_NODES, *sizes), (2,)
-        return cls((None, *candidates, tree(sizes[-1], replaces=False)), sizes,
-                   several_rows_only=several)
+        return cls((None, *candidates, tree(sizes[-1], replaces=False)), sizes)
 
     @classmethod
-    def for_target(cls, target: Target, draft: object, *, several_rows: bool = False
-                   ) -> "AutoPlan":
+    def for_target(cls, target: Target, draft: object) -> "AutoPlan":
         """The plan for `target` and its `draft` (a head, a DFlash head or a `DraftModel`:
         their trees; None: suffix drafting's) on the default device: on a CPU, the probe's
         size follows what bounds a verify of its matrices (`cpu_probe_nodes`), and a head's
-        plan weighs a depth-1 tree too (a 3-token verify costs about one step there), and for
-        `several_rows` (the serving engine's) a one-token one."""
+        plan weighs a depth-1 tree too (a 3-token verify costs about one step there)."""
         kind = draft_kind(draft)
         method = {"model": "draft_model_tree",
                   "head": "dflash_tree" if kind and draft.dflash else "tree",
                   None: "suffix"}[kind]
         platform = jax.default_backend()
         return cls.for_device(platform, probe_nodes=cpu_probe_nodes(target.weight_dtype),
-                              method=method, depth_one=platform == "cpu" and method == "tree",
-                              several_rows=several_rows)
-
-    def restricted(self, modes: tuple[int, ...]) -> "AutoPlan":
-        """The plan over `modes` (indices, plain decoding first): where the probe is left
-        out, the last of them stands for it (runs when its acceptance is unknown, and again
-        every probe interval while plain decoding is the choice, in segments as long as
-        any tree's), counting only itself."""
-        if modes == tuple(range(len(self.modes))):
-            return self
-        if modes[0] != 0 or len(modes) < 2 or list(modes) != sorted(set(modes)):
-            raise ValueError(f"modes {modes}: plain decoding (0) first, then increasing modes")
-        return AutoPlan(tuple(self.modes[m] for m in modes), self.sizes,
-                        counting=modes[-1] == len(self.modes) - 1)
+                              method=method, depth_one=platform == "cpu" and method == "tree")
 
     def name(self, mode: int) -> str:
         spec = self.modes[mode]
@@ -434,13 +400,12 @@ class AutoPolicy:
         return self.best
 
     def segment_rounds(self, mode: int) -> int:
-        """Target forwards the next segment of `mode` may run: a (counting) probe runs
-        `PROBE_ROUNDS` unless it is the choice, with its cost known; a timed tree at least
-        `spec_rounds`, up to 4x that to fill `segment_s`."""
+        """Target forwards the next segment of `mode` may run: a probe runs `PROBE_ROUNDS`
+        unless it is the choice, with its cost known; a timed tree at least `spec_rounds`,
+        up to 4x that to fill `segment_s`."""
         if mode == 0:
             return PLAIN_WIDTH if self.timed(0) else PLAIN_TIMING_STEPS
-        if mode == self.probe and self.plan.counting and (self.best != self.probe
-                                                          or not self.timed(mode)):
+        if mode == self.probe and (self.best != self.probe or not self.timed(mode)):
             return PROBE_ROUNDS
         if not self.timed(mode):
             return self.spec_rounds

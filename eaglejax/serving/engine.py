@@ -206,8 +206,7 @@ class Engine:
         self.policy: ShapePolicy | None = None
         if speculative == AUTO:
             platform = jax.default_backend()
-            self.policy = ShapePolicy(target, draft,
-                                      AutoPlan.for_target(target, draft, several_rows=True),
+            self.policy = ShapePolicy(target, draft, AutoPlan.for_target(target, draft),
                                       platform)
             speculative = self.policy.plan.probe  # the state every mode runs on
         self.target, self.draft, self.spec = target, draft, speculative
@@ -439,7 +438,7 @@ class Engine:
                 self._resume_row(rows - 1, np.zeros(1, np.int32))  # a preempted request's
             self.cancel(request.key)
             if (rows == row_counts[0] and self.policy is not None
-                    and self.policy.on_cpu):
+                    and self.policy.max_speculative_rows is not None):
                 self._fill(rows - 1, request, target_only=True, cache=False)  # rows left
                 self.cancel(request.key)  # behind
             if rows == row_counts[0] and self.prefix is not None:  # prefix-cache hits
@@ -464,7 +463,7 @@ class Engine:
             return [None]
         modes = self.policy.modes(rows)
         warm = list(modes) if len(modes) > 1 else []
-        return warm + ([TARGET_ONLY] if self.policy.on_cpu else [])
+        return warm + ([TARGET_ONLY] if self.policy.max_speculative_rows is not None else [])
 
     def _empty_state(self) -> State:
         """A batch of free slots (all finished), shaped as a prefill of `num_slots` rows."""

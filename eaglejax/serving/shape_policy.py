@@ -14,20 +14,14 @@ the cost of a round, and speculation must beat plain decoding by the margin. Wha
   requests decode plainly at high load and speculate at low load.
 - Rows of one step share its mode: the verify forward's cost is set by the batch's widest
   tree (rows are padded to it), so a row given a smaller tree or none would save nothing.
-- On a CPU, a step runs a mode only while its verify block (active rows x the mode's most
-  nodes) fits the native kernels' `few_row_matmul.MAX_ROWS` (16: one row with the 16-node
-  probe, two with the depth-1 tree and its 7-token long copies), and a step of 2 rows only
-  the plan's depth-1 trees (a deeper tree's round over 2 rows costs twice a step there,
-  more than its acceptance returns), the one-token one among them (`AutoPlan.for_target`
-  with `several_rows`: 4 verify rows); steps of more rows than any mode fits run the
-  target alone (`Engine`: not even the head's catch-up), and the requests in them decode
-  plainly to their end. Past that block XLA's dot verifies at several times the cost per
-  row (the probe's round at 4 rows measured 7.2 plain steps of 4 rows, BENCHMARKS.md), and
-  each (mode, rows, greedy) program costs compile time and memory maps (a 32-slot server
-  compiling every mode for every row count ran out of them in LLVM). A step whose modes
-  leave the probe out chooses among them as `AutoPolicy` does over `AutoPlan.restricted`:
-  its largest mode stands for the probe (what a request's probes at one row counted for
-  it is what its choice weighs).
+- On a CPU, a step speculates only while its verify block (active rows x probe nodes)
+  fits the native kernels' `few_row_matmul.MAX_ROWS` (16: one row with the 16-node probe);
+  larger steps run the target alone (`Engine`: not even the head's catch-up), and the
+  requests in them decode plainly to their end. Past that block XLA's dot verifies at
+  several times the cost per row (the probe's round at 4 rows measured 7.2 plain steps
+  of 4 rows, BENCHMARKS.md), and each (mode, rows, greedy) program costs compile time and
+  memory maps (a 32-slot server compiling every mode for every row count ran out of them
+  in LLVM).
 
 Measured (BENCHMARKS.md, 2-core Intel Xeon, SmolLM2 with its shipped EAGLE-3 head, 32
 slots, MT-bench): as served, the head's acceptance never beat plain decoding by the margin,
@@ -75,11 +69,6 @@ REMEMBER_EVERY_S = 10.0  # at most one write of what was learnt to disk per this
 # plain steps each and it decoded plainly at 0.79x the plain engine; with 16, 1.0 and 1.04x
 # (one client, SmolLM2's blocks and shipped head, one process; BENCHMARKS.md, session 34).
 STEP_ROUNDS = 16
-MIN_STEP_ROUNDS = 8  # ... and no fewer rounds than this (each call's dispatch costs ~2 ms)
-# On a CPU, the most active rows a step speculates over: at 2 rows a one-token round decoded
-# 1.075x the plain engine (BENCHMARKS.md, session 49); at 4 it verifies 8 tokens against a
-# 4-token step, about its acceptance's worth, and each row count compiles its programs.
-MAX_SPECULATIVE_ROWS = 2
 
 
 class ShapePolicy:
@@ -88,8 +77,9 @@ class ShapePolicy:
 
     def __init__(self, target: Target, draft: "Draft", plan: AutoPlan, platform: str):
         self.target, self.draft, self.plan = target, draft, plan
-        self.on_cpu = platform == "cpu"
-        self.by_rows: dict[int, tuple[tuple[int, ...], AutoPolicy]] = {}
+        self.max_speculative_rows = max(1, few_row_matmul.MAX_ROWS // plan.probe.num_nodes) \
+            if platform == "cpu" else None
+        self.by_rows: dict[int, AutoPolicy] = {}
         first = recall(target, draft, 1, plan)  # what generate() or an earlier server learnt
         self.prior = Knowledge(first.accepted, first.rounds)
         _limit(self.prior, PRIOR_ROUNDS)
@@ -114,50 +104,30 @@ class ShapePolicy:
         if time.monotonic() - self._remembered >= REMEMBER_EVERY_S:
             self.remember()
 
-    def modes(self, rows: int) -> tuple[int, ...]:
-        """The modes (indices into `plan.modes`) a step of `rows` active rows may run: every
-        mode off a CPU; on one, those whose verify block fits the native kernels (over
-        several rows, up to `MAX_SPECULATIVE_ROWS`, the depth-1 trees only; over one, not
-        `plan.several_rows_only`), and plain decoding alone where none does."""
-        if not self.on_cpu:
-            return tuple(range(len(self.plan.modes)))
-        several = self.plan.several_rows_only
-        fits = tuple(m for m, spec in enumerate(self.plan.modes) if spec is not None
-                     and spec.most_nodes * rows <= few_row_matmul.MAX_ROWS
-                     and (m not in several if rows == 1 else
-                          spec.depth == 1 and rows <= MAX_SPECULATIVE_ROWS))
-        return (0, *fits) if fits else (0,)
-
     def policy(self, rows: int) -> AutoPolicy:
-        """The cost model and probe schedule of batches of `rows` active rows (over the modes
-        they may run: `AutoPlan.restricted`)."""
-        return self._by_rows(rows)[1]
-
-    def _by_rows(self, rows: int) -> tuple[tuple[int, ...], AutoPolicy]:
+        """The cost model and probe schedule of batches of `rows` active rows."""
         if rows not in self.by_rows:
-            modes = self.modes(rows)
-            plan = self.plan.restricted(modes) if len(modes) > 1 else self.plan
-            self.by_rows[rows] = modes, AutoPolicy(  # each new request probes (`choose`),
-                plan, recall(self.target, self.draft, rows, plan),  # not a batch size
+            self.by_rows[rows] = AutoPolicy(  # each new request probes (`choose`), not
+                self.plan, recall(self.target, self.draft, rows, self.plan),  # a batch size
                 opening_probe=False, spec_rounds=STEP_ROUNDS, segment_s=0,
                 evidence_rounds=0)  # its acceptance: a mean over requests, one each
         return self.by_rows[rows]
 
+    def modes(self, rows: int) -> range:
+        """The modes a step of `rows` active rows may run (plain decoding only past
+        `max_speculative_rows`)."""
+        limit = self.max_speculative_rows
+        return range(1 if limit is not None and rows > limit else len(self.plan.modes))
+
     def choose(self, keys: list[Hashable], rows: int) -> tuple[int, int]:
         """The mode (index into `plan.modes`) of the next step over the requests `keys` in
-        `rows` active rows, and the target forwards it may run: over several rows, a
-        speculative step lasts about as long as a plain one (`PLAIN_WIDTH` steps), so that a
-        request arriving meanwhile waits no longer for its prefill."""
-        modes, policy = self._by_rows(rows)
-        if len(modes) == 1:
+        `rows` active rows, and the target forwards it may run."""
+        policy = self.policy(rows)
+        if len(self.modes(rows)) == 1:
             return 0, PLAIN_WIDTH  # nothing to compare plain decoding with
         policy.use_acceptance(*self._mean_acceptance(keys))
         mode = policy.next_mode()
-        rounds = policy.segment_rounds(mode)
-        plain, cost = policy.round_seconds(0), policy.round_seconds(mode)
-        if rows > 1 and mode and plain and cost and policy.timed(mode):
-            rounds = max(MIN_STEP_ROUNDS, min(rounds, int(PLAIN_WIDTH * plain / cost)))
-        return modes[mode], rounds
+        return mode, policy.segment_rounds(mode)
 
     def _mean_acceptance(self, keys: list[Hashable]) -> tuple[dict[str, float],
                                                                dict[str, float]]:
@@ -183,21 +153,20 @@ class ShapePolicy:
         self.forwards_by_mode[self.plan.name(mode)] += forwards
         for key, (accepted, row_rounds, counts) in per_request.items():
             learn(self.requests[key], self.plan, mode, forwards, accepted, row_rounds, counts)
-        modes, policy = self._by_rows(rows)
+        policy = self.policy(rows)
         policy.use_acceptance(*self._mean_acceptance(list(per_request)))
-        policy.observe(modes.index(mode), seconds, forwards, 0.0, 0)  # its cost; acceptance
-        # is per request
+        policy.observe(mode, seconds, forwards, 0.0, 0)  # its cost; acceptance is per request
 
     def round_seconds(self) -> dict[tuple[str, int], float]:
         """(mode name, active rows) -> a round's measured cost (median of the recent ones)."""
         return {(name, rows): float(np.median(list(times)))  # copies: the engine's
-                for rows, (_, policy) in list(self.by_rows.items())  # thread may write
+                for rows, policy in list(self.by_rows.items())  # thread may be writing
                 for name, times in list(policy.knowledge.round_s.items()) if times}
 
     def remember(self) -> None:
         """Keep what each batch size learnt for the next server or `generate` call."""
-        for rows, (_, policy) in self.by_rows.items():
-            remember(self.target, self.draft, rows, policy.plan, policy.knowledge)
+        for rows, policy in self.by_rows.items():
+            remember(self.target, self.draft, rows, self.plan, policy.knowledge)
         self._remembered = time.monotonic()
 
 
