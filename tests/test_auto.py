@@ -285,6 +285,23 @@ def test_a_call_that_inherits_a_tree_with_its_costs_starts_with_the_tree():
         plain_choice.knowledge.to_json())).next_mode() == PROBE
 
 
+def test_a_call_starts_from_the_tree_earlier_calls_ran_not_a_probes_estimate():
+    """Earlier calls ran SMALL for 200 rounds, then a probe's 2 rounds counted LARGE at a
+    higher estimated rate (untimed: its cost interpolated). A new call weighs each mode's
+    acceptance as PRIOR_ROUNDS rounds (both: a tie of weights), yet starts with SMALL: the
+    estimate alone would choose LARGE, and once a tree runs the evidence rule keeps it."""
+    earlier = _learnt(plain_s=0.05, probe_s=0.075, al_small=2.0, al_large=2.6)
+    earlier.observe(SMALL, 200 * 0.055, 200, 200 * 1.0, 200)  # AL 2.0 at 55 ms a round
+    earlier.observe(PROBE, 2 * 0.075, 2, 2 * 2.0, 2, _counts(2.0, 3.2, 2))
+    rates = earlier.expected_rates()
+    assert rates[LARGE] > rates[SMALL] and earlier.best == SMALL
+    call = AutoPolicy(PLAN, Knowledge.from_json(earlier.knowledge.to_json()))
+    assert call.knowledge.rounds[PLAN.name(SMALL)] == pytest.approx(PRIOR_ROUNDS)
+    assert call.best == SMALL and call.next_mode() == SMALL and not call.opening
+    call.observe(SMALL, 16 * 0.055, 16, 16 * 1.0, 16)
+    assert call.next_mode() == SMALL  # its own rounds now weigh most
+
+
 def test_plain_is_first_timed_briefly_and_never_costed_from_the_trees():
     """Once the probe is timed, plain decoding's cost is still unknown (a round's time says
     nothing of a step's), so plain is tried next; its first segment is short, the later ones

@@ -293,11 +293,16 @@ class AutoPolicy:
         self.spec_rounds = spec_rounds
         self.segment_s = segment_s
         self.evidence_rounds = evidence_rounds
+        # The call starts from what earlier calls chose with all their evidence: a tree
+        # counted over a few probe rounds only does not displace the one they ran (weighed
+        # as `PRIOR_ROUNDS` each, the estimates alone chose, and a call locked into a tree
+        # that then ran at 0.87x plain where the one before it ran 1.33x: the evidence rule
+        # keeps whatever runs first; BENCHMARKS.md, session 49).
+        self.best = self._best()
         for name in knowledge.rounds:  # inherited acceptance weighs PRIOR_ROUNDS at most
             scale = min(1.0, PRIOR_ROUNDS / max(knowledge.rounds[name], 1e-9))
             knowledge.rounds[name] *= scale
             knowledge.accepted[name] *= scale
-        self.best = self._best()
         # A call's first segment probes its own text (acceptance varies from prompt to
         # prompt far more than costs vary between calls), without counting for the interval,
         # unless what it inherited chose a tree with every cost known: that tree's own
