@@ -72,7 +72,7 @@ import numpy as np
 
 from eaglejax import hardware, native
 from eaglejax.compilation_cache import cache_root, switched_on
-from eaglejax.decoding.calibration import DEPTH_ONE_SIZES
+from eaglejax.decoding.calibration import DEPTH_ONE_SIZES, count_columns
 from eaglejax.decoding.spec_config import SpecConfig
 from eaglejax.decoding.speculation import draft_kind
 from eaglejax.decoding.tree import max_nodes
@@ -244,8 +244,8 @@ class AutoPlan:
         spec = self.modes[mode]
         if spec is None or mode == len(self.modes) - 1:
             return None
-        if spec.long_lookup:
-            return len(self.sizes) * (1 + self.probe.lookup)
+        if spec.long_lookup:  # the column after the sizes' (`calibration.round_counts`)
+            return count_columns(self.probe, self.sizes)
         return spec.lookup * len(self.sizes) + self.sizes.index(spec.total_tokens)
 
 

@@ -169,7 +169,7 @@ def check_long_copy(spec: SpecConfig, sizes: tuple[int, ...],
                     long_copy: SpecConfig | None) -> None:
     """ValueError unless the probe `spec` can count `long_copy` (None: nothing to count): a
     candidate with a long copy, its size among `sizes`, its branch no longer than the
-    probe's, whose copied tokens the probe's search holds."""
+    probe's (whose column it then counts from)."""
     if long_copy is None:
         return
     if not long_copy.long_lookup or long_copy.total_tokens not in sizes \
