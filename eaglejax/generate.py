@@ -50,7 +50,7 @@ class GenerationMetrics:
     names the shape that ran when a draft head was given; with `speculative="auto"` the
     modes and their shares of the target forwards (`auto: plain 80%, tree ... 20%`), the
     acceptance counts its speculative rounds only, and `plain_step_s` is a plain decoding
-    step's time as `auto` measured it in this process (or remembered), so
+    step's time as `auto` timed it apart in this process (`decoding.adaptive`), so
     `speedup_over_plain` (decode tokens/s x that step time) is the measured speed over
     plain decoding.
     """
