@@ -13,6 +13,7 @@ from eaglejax.decoding import lookup
 from eaglejax.decoding.suffix_history import SEPARATOR
 from eaglejax.decoding.tree import chain_tree, tree_from_parents
 from eaglejax.errors import InputError
+from eaglejax.native import build
 from spec_helpers import random_eagle3, self_draft
 
 
@@ -66,6 +67,34 @@ def test_continuation_follows_the_rule(seed):
     assert np.asarray(matched).tolist() == [length for _, length in want]
     if vocab == 3:  # matches longer than the default n-gram occur
         assert max(length for _, length in want) > 3
+
+
+@pytest.mark.skipif(build.compiler() is None or not build.enabled(),
+                    reason="no C++ compiler here (or EAGLEJAX_NATIVE=0): XLA's search is used")
+@pytest.mark.parametrize("vocab", [2, 4, 50])
+def test_the_native_search_agrees_with_xlas(vocab):
+    """On CPU the search is one native pass per row (`native.lookup_match`): the same
+    tokens and lengths as XLA's operations, separators and out-of-range ends included;
+    exports for accelerators keep XLA's."""
+    import jax
+
+    from eaglejax import native
+    from eaglejax.native import lookup_match
+
+    rs = np.random.RandomState(vocab)
+    context = np.where(rs.rand(7, 300) < 0.05, SEPARATOR, rs.randint(0, vocab, (7, 300)))
+    last = np.array([0, 1, 5, 150, 298, 299, 299], np.int32)
+    context[6, 290:] = SEPARATOR  # a row ending in separators
+    args = (jnp.asarray(context, jnp.int32), jnp.asarray(last))
+    search = lambda c, n: lookup.continuation(c, n, 11)  # noqa: E731
+    assert lookup_match.TARGET in jax.jit(search).lower(*args).as_text()
+    with native.xla_only():
+        want = jax.jit(lambda c, n: lookup.continuation(c, n, 11))(*args)
+    got = jax.jit(search)(*args)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    text = jax.export.export(jax.jit(search), platforms=["cuda"])(*args).mlir_module()
+    assert lookup_match.TARGET not in text
 
 
 def test_continuation_over_the_history_of_earlier_replies():

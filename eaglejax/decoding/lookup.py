@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from eaglejax.decoding.suffix_history import SEPARATOR
 from eaglejax.decoding.tree import Tree, tree_from_parents
+from eaglejax.native import lookup_match
 
 MAX_MATCH = 8  # the longest suffix a match is ranked by (with history, requests repeating an
 # earlier one accepted 4.80 tokens a round where ranking by 3 gave 4.36; BENCHMARKS.md, session 43)
@@ -68,7 +69,17 @@ def continuation(context: jax.Array, last: jax.Array, count: int
     context [B,C] (valid through index last [B]; `match_lengths`), that match's length
     [B]); a row with no match at all proposes its last token again. The context may hold
     separators (`with_history`): they match nothing, no match ends right before one, and a
-    continuation reaching one proposes the last token from there on."""
+    continuation reaching one proposes the last token from there on. On CPU one native pass
+    per row (`native.lookup_match`)."""
+    if lookup_match.applies(context):
+        return lookup_match.continuation(context, last, count,
+                                         lambda c, n: _continuation(c, n, count))
+    return _continuation(context, last, count)
+
+
+def _continuation(context: jax.Array, last: jax.Array, count: int
+                  ) -> tuple[jax.Array, jax.Array]:
+    """`continuation` with XLA's operations."""
     width = context.shape[1]
     rows = jnp.arange(context.shape[0])[:, None]
     ends = jnp.arange(width)[None, :]  # candidate position i of the occurrence's last token

@@ -1,6 +1,6 @@
 """Native CPU kernels that XLA:CPU lacks, built from C++ on first use and called through
 the XLA FFI (`few_row_matmul`, `int8_matmul`, `block_matmul`, `cache_attention`,
-`cache_rows`, `row_argmax`, `embedding_rows`). Without a C++ compiler, with
+`cache_rows`, `row_argmax`, `embedding_rows`, `lookup_match`). Without a C++ compiler, with
 `EAGLEJAX_NATIVE=0`, or inside `xla_only()` the XLA paths are used; `on_cpu` pairs a kernel
 with its XLA reference."""
 
