@@ -6,13 +6,14 @@
 Runs `--rounds` rounds of one of `auto`'s modes (`--mode`: an index into the plan
 `AutoPlan.for_target` gives the target and head, printed first; 1 is the depth-1 tree on a
 CPU) and as many plain steps, both in the compiled loop, timed interleaved (median of 5),
-then once more each under `jax.profiler.trace`. Every event XLA's thunk executor recorded is
-named by its operation in the compiled program: native kernels by their FFI target (products
-by their input and output widths), beside where the operation was traced (the target's decoder layers or the rest of the
-round: the head, the output head, tree building, acceptance); XLA's own operations by the
-function they were traced in. Per target forward (a plain step, a round), the microseconds
-each takes in the plain loop and in the round: the difference is what the round costs beyond a
-plain step. The thunks of 2 cores overlap, so the events add up to more than the wall time.
+then once more each under `jax.profiler.trace`. Every event XLA's thunk executor
+recorded is named by its operation in the compiled program: native kernels by their FFI
+target (products by their input and output widths), beside where the operation was traced
+(the target's decoder layers or the rest of the step: the head, the output head, tree
+building, acceptance); XLA's own operations by the function they were traced in. Per target
+forward (a plain step, a round), the microseconds each takes in the plain loop and in the
+round: the difference is what the round costs beyond a plain step. The thunks of 2 cores
+overlap, so the events add up to more than the wall time.
 """
 
 from __future__ import annotations
@@ -33,13 +34,11 @@ import numpy as np
 import eaglejax
 from eaglejax.decoding import loops
 from eaglejax.decoding.autotune import AutoPlan
-from eaglejax.decoding.batch import batch_inputs, cache_capacity
-from eaglejax.decoding.buckets import bucket
-from eaglejax.decoding.bundle import Bundle
 from eaglejax.decoding.sampling import SamplingParams
 from eaglejax.decoding.stopping import StopCriteria
 from eaglejax.hardware import machine_report
 from eaglejax.prompting import encode_prompts
+from eaglejax.round_split import side_by_side
 
 PROMPT = "Write a short story about a robot who learns to paint, with a twist ending."
 PLUMBING = ("ThunkExecutor", "$", "Pjit", "Common", "while", "cond", "end:", "Parse",
@@ -98,21 +97,7 @@ def main() -> None:
         print(f"mode {m}: {plan.name(m)}")
     spec = plan.modes[args.mode]
     prompt = encode_prompts([args.prompt], target, True)[0]
-    sampling, rounds = SamplingParams.make(), args.rounds
-    max_new = rounds * (spec.max_depth + 1) + 1
-    capacity = cache_capacity(len(prompt), max_new, spec.most_nodes)
-    speculating, plainly = Bundle.of(target, draft, spec), Bundle.of(target)
-    inputs = batch_inputs(speculating, [prompt], [0], sampling, max_new)
-    sized = dict(capacity=capacity, max_tokens=bucket(max_new, 16), greedy=True,
-                 stop=StopCriteria())
-    spec_state = speculating.run(loops.prefill, *inputs, **sized)
-    plain_inputs = inputs._replace(max_new=plainly.put(np.int32(rounds + 1)))
-    plain_state = plainly.run(loops.prefill, *plain_inputs, **sized)
-    calls = {
-        "plain": (plainly, (plain_state, inputs.sampling, plain_inputs.max_new)),
-        "round": (speculating, (spec_state, inputs.sampling, inputs.max_new,
-                                speculating.put(np.int32(rounds)))),
-    }
+    calls = side_by_side(target, draft, spec, prompt, args.rounds, SamplingParams.make())
     static = dict(greedy=True, stop=StopCriteria())
     copy = lambda state: jax.tree.map(jnp.copy, state)  # noqa: E731  (the loop donates it)
     run = {name: (lambda b=b, a=a: b.run(loops.decode_loop, copy(a[0]), *a[1:], **static))
@@ -135,7 +120,7 @@ def main() -> None:
             profiles[name] = events_per_forward(Path(folder), labels[name], forwards[name])
     wall = {name: 1e3 * float(np.median(s)) for name, s in seconds.items()}
     print(json.dumps({"machine": machine_report(), "storage": target.storage,
-                      "mode": plan.name(args.mode), "rounds": rounds,
+                      "mode": plan.name(args.mode), "rounds": args.rounds,
                       "ms_per_forward": wall,
                       "round_in_plain_steps": wall["round"] / wall["plain"]}, indent=1))
     print(f"{'plain us':>9} {'round us':>9} {'extra':>7}  what (per target forward)")

@@ -1,11 +1,13 @@
 """Where a speculative round's time goes, measured in the compiled loop itself.
 
 The speculative loop is compiled five ways, each running a fixed number of rounds: whole,
-and truncated after each phase (`decoding.speculative.PHASES`: loop bookkeeping only, + drafting, + the verify
-forward, + acceptance and commit); the differences between neighbours are the phases'
-costs. The plain loop runs as many steps beside them, interleaved, so every phase is also
-given in plain steps. Truncation changes what XLA can fuse across a phase's border, so a
-phase's figure is its marginal cost in this loop, not a kernel's time in isolation.
+and truncated after each phase (`decoding.speculative.PHASES`: loop bookkeeping only,
++ drafting, + the verify forward, + acceptance and commit); the differences between
+neighbours are the phases' costs. The plain loop runs as many steps beside them,
+interleaved, so every phase is also given in plain steps. Truncation changes what XLA can
+fuse across a phase's border, so a phase's figure is its marginal cost in this loop, not a
+kernel's time in isolation (it can come out negative); `benchmarks/profile_round.py` times
+each kernel in the round from XLA's profiler instead.
 """
 
 from __future__ import annotations
@@ -50,15 +52,11 @@ def _timed_runs(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, f
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def round_split(target: Target, draft: "Draft", spec: SpecConfig, prompt: list[int], *,
-                rounds: int = 32, repeats: int = 5, sampling: SamplingParams | None = None,
-                split: bool = True) -> dict[str, Any]:
-    """Time `rounds` speculative rounds of `spec` on token-id `prompt` (batch 1), whole and
-    truncated after each phase, beside `rounds` plain steps: the round's cost per phase in
-    ms and in plain steps. Greedy unless `sampling` (temperature > 0) is given. With
-    `split=False` only whole rounds are timed (two compiled loops instead of six) and the
-    result has no "phases_ms"."""
-    sampling = sampling or SamplingParams.make()
+def side_by_side(target: Target, draft: "Draft", spec: SpecConfig, prompt: list[int],
+                 rounds: int, sampling: SamplingParams) -> dict[str, tuple[Bundle, tuple]]:
+    """`rounds` plain steps ("plain") and `rounds` speculative rounds of `spec` ("round")
+    on token-id `prompt` (batch 1): each one's bundle and its `loops.decode_loop` arguments
+    after the loop and weights, from a prefilled state (which the loop donates: copy it)."""
     greedy = bool(sampling.temperature == 0)
     spec.check_sampling(greedy)
     max_new = rounds * (spec.max_depth + 1) + 1
@@ -70,15 +68,31 @@ def round_split(target: Target, draft: "Draft", spec: SpecConfig, prompt: list[i
     spec_state = speculating.run(loops.prefill, *inputs, **sized)
     plain_inputs = inputs._replace(max_new=plainly.put(np.int32(rounds + 1)))
     plain_state = plainly.run(loops.prefill, *plain_inputs, **sized)
+    return {"plain": (plainly, (plain_state, inputs.sampling, plain_inputs.max_new)),
+            "round": (speculating, (spec_state, inputs.sampling, inputs.max_new,
+                                    speculating.put(np.int32(rounds))))}
+
+
+def round_split(target: Target, draft: "Draft", spec: SpecConfig, prompt: list[int], *,
+                rounds: int = 32, repeats: int = 5, sampling: SamplingParams | None = None,
+                split: bool = True) -> dict[str, Any]:
+    """Time `rounds` speculative rounds of `spec` on token-id `prompt` (batch 1), whole and
+    truncated after each phase, beside `rounds` plain steps: the round's cost per phase in
+    ms and in plain steps. Greedy unless `sampling` (temperature > 0) is given. With
+    `split=False` only whole rounds are timed (two compiled loops instead of six) and the
+    result has no "phases_ms"."""
+    sampling = sampling or SamplingParams.make()
+    greedy = bool(sampling.temperature == 0)
+    calls = side_by_side(target, draft, spec, prompt, rounds, sampling)
+    (plainly, plain_args), (speculating, spec_args) = calls["plain"], calls["round"]
     copy = lambda state: jax.tree.map(jnp.copy, state)  # noqa: E731  (loops donate it)
-    runs = {"plain": lambda: plainly.run(loops.decode_loop, copy(plain_state), inputs.sampling,
-                                         plain_inputs.max_new, greedy=greedy,
-                                         stop=StopCriteria())}
+    runs = {"plain": lambda: plainly.run(loops.decode_loop, copy(plain_args[0]),
+                                         *plain_args[1:], greedy=greedy, stop=StopCriteria())}
     for phase in PHASES if split else PHASES[-1:]:
         truncated = speculating.with_loop(dataclasses.replace(speculating.loop, through=phase))
         runs[phase] = lambda truncated=truncated: truncated.run(
-            loops.decode_loop, copy(spec_state), inputs.sampling, inputs.max_new,
-            truncated.put(np.int32(rounds)), greedy=greedy, stop=StopCriteria())
+            loops.decode_loop, copy(spec_args[0]), *spec_args[1:], greedy=greedy,
+            stop=StopCriteria())
     seconds = _timed_runs(runs, repeats)
     plain_ms = 1e3 * seconds["plain"]
     round_ms = 1e3 * seconds[PHASES[-1]]
