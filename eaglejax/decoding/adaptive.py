@@ -80,7 +80,7 @@ IDLE_RUNS = 3  # segments of no round timed per program; the least is its overhe
 # (`speedup_over_plain`). The policy's own plain cost, from its segments, runs high (a first
 # 4-step segment timed 7.4 ms where plain decoding ran 5.5-5.9, a 2-core Zen 4; the printed
 # speed-up 1.28-1.82x beside `--no-draft`'s 0.95-1.45x); given this figure instead, it chose
-# plain decoding for the README's prompt and decoded at 0.84-0.92x `--no-draft`
+# plain decoding for the README's prompt and decoded at 0.82-0.92x `--no-draft`
 # (BENCHMARKS.md, session 50), so it keeps its own.
 _PLAIN_STEP_S: dict[tuple, float] = {}
 PLAIN_CHECKS = 2
