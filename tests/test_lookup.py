@@ -74,7 +74,8 @@ def test_continuation_follows_the_rule(seed):
 @pytest.mark.parametrize("vocab", [2, 4, 50])
 def test_the_native_search_agrees_with_xlas(vocab):
     """On CPU the search is one native pass per row (`native.lookup_match`): the same
-    tokens and lengths as XLA's operations, separators and out-of-range ends included;
+    tokens and lengths as XLA's operations, separators, a row ending at 0 and one ending in
+    separators included;
     exports for accelerators keep XLA's."""
     import jax
 
