@@ -75,8 +75,7 @@ def test_continuation_follows_the_rule(seed):
 def test_the_native_search_agrees_with_xlas(vocab):
     """On CPU the search is one native pass per row (`native.lookup_match`): the same
     tokens and lengths as XLA's operations, separators, a row ending at 0 and one ending in
-    separators included;
-    exports for accelerators keep XLA's."""
+    separators included; exports for accelerators keep XLA's."""
     import jax
 
     from eaglejax import native
