@@ -88,10 +88,12 @@ def main() -> None:
     parser.add_argument("--mode", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=48)
     parser.add_argument("--prompt", default=PROMPT)
+    parser.add_argument("--draft-weight-dtype", default=None,
+                        help="the head's storage (default: as `load_draft` stores it)")
     args = parser.parse_args()
 
     target = eaglejax.load_target(args.model, weight_dtype="auto")
-    draft = eaglejax.load_draft(args.draft, target=target)
+    draft = eaglejax.load_draft(args.draft, target=target, weight_dtype=args.draft_weight_dtype)
     plan = AutoPlan.for_target(target, draft)
     for m in range(len(plan.modes)):
         print(f"mode {m}: {plan.name(m)}")
@@ -120,6 +122,7 @@ def main() -> None:
             profiles[name] = events_per_forward(Path(folder), labels[name], forwards[name])
     wall = {name: 1e3 * float(np.median(s)) for name, s in seconds.items()}
     print(json.dumps({"machine": machine_report(), "storage": target.storage,
+                      "head_storage": str(args.draft_weight_dtype or "as loaded"),
                       "mode": plan.name(args.mode), "rounds": args.rounds,
                       "ms_per_forward": wall,
                       "round_in_plain_steps": wall["round"] / wall["plain"]}, indent=1))
