@@ -78,9 +78,12 @@ inline QuantizedX quantize_rows(const float* x, int64_t M, int64_t K) {
   return q;
 }
 
-// Threads take the tiles in two long runs each (as few_row_matmul.cc: warm streams).
+// Threads take the tiles in one long run each: a run's first tiles are the ones no earlier
+// tile prefetched, and two runs a thread (as few_row_matmul.cc) made the 121 products of a
+// SmolLM2 step 2-5% slower at 2-8 rows, the same at one (GGUF blocks; int8 1-3%; a 2-core
+// Zen 4, `benchmarks/bench_kernel_variants.py`, BENCHMARKS.md, session 52).
 inline int64_t tiles_per_run(int64_t tiles, int64_t threads) {
-  const int64_t runs = 2 * std::max<int64_t>(threads, 1);
+  const int64_t runs = std::max<int64_t>(threads, 1);
   return std::max<int64_t>(1, (tiles + runs - 1) / runs);
 }
 
