@@ -229,6 +229,32 @@ def test_a_tree_timed_dear_once_is_timed_again_after_a_probe():
     assert policy.next_mode() == SMALL
 
 
+def test_the_depth_one_tree_is_timed_again_after_every_probe_that_leaves_plain():
+    """The depth-1 tree timed once at a busy moment (7 ms: AL 1.2 loses to a 4 ms step) is
+    timed again after the next probe that leaves plain the choice, although the cost its
+    node count gives (interpolated between the step and the 12 ms probe, 5.5 ms: 218 tok/s
+    against 0.9 x 250) would not have it run again; timed at 4.5 ms it wins."""
+    plan = AutoPlan.for_device("cpu", probe_nodes=12, depth_one=True)
+    depth_one, probe = 1, len(plan.modes) - 1
+    counts = np.zeros(len(plan.sizes) * 5 + 1)  # and the long copies' column
+    counts[plan.count_column(depth_one)] = 0.2 * 2  # AL 1.2 over the probe's 2 rounds
+    policy = AutoPolicy(plan, Knowledge())
+    policy.observe(probe, 2 * 0.012, 2, 2 * 1.0, 2, counts)
+    policy.observe(PLAIN, 4 * 0.004, 4, 0, 0)
+    assert policy.next_mode() == depth_one
+    policy.observe(depth_one, 8 * 0.007, 8, 8 * 0.2, 8)  # a busy moment
+    assert policy.best == PLAIN
+    while policy.next_mode() == PLAIN:
+        policy.observe(PLAIN, 16 * 0.004, 16, 0, 0)
+    assert policy.next_mode() == probe
+    policy.observe(probe, 2 * 0.012, 2, 2 * 1.0, 2, counts)
+    assert policy.best == PLAIN and not policy.timed(depth_one)
+    assert policy.expected_rates()[depth_one] < EXPLORE * policy.expected_rates()[PLAIN]
+    assert policy.next_mode() == depth_one
+    policy.observe(depth_one, 8 * 0.0045, 8, 8 * 0.5, 8)
+    assert policy.best == depth_one and policy.next_mode() == depth_one
+
+
 def test_the_probe_interval_doubles_while_the_choice_holds_and_resets_when_it_changes():
     policy = _learnt(plain_s=0.01, probe_s=0.075)
     assert policy.knowledge.probe_every == MIN_PROBE_EVERY  # the first probe changed nothing

@@ -452,8 +452,9 @@ class AutoPolicy:
 
     def _doubt_costs(self) -> None:
         """A probe left plain decoding the choice: a tree whose acceptance would pay at the
-        cost its node count gives (interpolated between the modes timed) forgets its measured
-        cost, so that `next_mode` times it again. A cost measured once, on a busy moment or
+        cost its node count gives (interpolated between the modes timed), and the plan's
+        `timed_early` trees whatever their acceptance, forget their measured cost, so that
+        `next_mode` times them again. A cost measured once, on a busy moment or
         another context length, would otherwise keep a tree from ever running again (the
         serving engine, its one-token rounds once measured at 1.6-2.0 plain steps and kept on
         disk: plain decoding for every later request; BENCHMARKS.md, session 34)."""
@@ -463,7 +464,11 @@ class AutoPolicy:
         for mode in range(1, self.probe):
             name = self.plan.name(mode)
             times = self.knowledge.round_s.pop(name, None)
-            if not times:
+            if not times or mode in self.plan.timed_early:
+                # the cheapest round is always timed again: interpolated between a plain
+                # step and the deep probe its cost runs high (7.6 ms where it took 5.1-5.4
+                # against plain's 4.7; one busy first timing at 7.0 kept a first call plain
+                # for 83% of its forwards, BENCHMARKS.md, session 52)
                 continue
             al, guess = self.acceptance_length(mode), self.round_seconds(mode)
             if al is None or not guess or al / guess < EXPLORE * plain:
