@@ -232,8 +232,8 @@ def test_a_tree_timed_dear_once_is_timed_again_after_a_probe():
 def test_the_depth_one_tree_is_timed_again_after_every_probe_that_leaves_plain():
     """The depth-1 tree timed once at a busy moment (7 ms: AL 1.2 loses to a 4 ms step) is
     timed again after the next probe that leaves plain the choice, although the cost its
-    node count gives (interpolated between the step and the 12 ms probe, 5.5 ms: 218 tok/s
-    against 0.9 x 250) would not have it run again; timed at 4.5 ms it wins."""
+    node count gives (interpolated between the step and the 12 ms probe, 5.5 ms: about 220
+    tok/s against 0.9 x 250) would not have it run again; timed at 4.5 ms it wins."""
     plan = AutoPlan.for_device("cpu", probe_nodes=12, depth_one=True)
     depth_one, probe = 1, len(plan.modes) - 1
     counts = np.zeros(len(plan.sizes) * 5 + 1)  # and the long copies' column

@@ -39,8 +39,8 @@ time a probe leaves the choice as it was and falls back to `MIN_PROBE_EVERY` whe
 it, so text that turns predictable (code, quotes, repetition) brings speculation back while
 a head that never pays costs little. A probe that
 leaves plain decoding the choice also has each tree whose acceptance would pay at the cost
-its node count gives forget its measured cost and run again: a cost measured once, at a
-busy moment, never keeps a tree out for good.
+its node count gives, and the depth-1 tree always, forget its measured cost and run again: a
+cost measured once, at a busy moment, never keeps a tree out for good.
 
 What was learnt (costs, acceptance, the probe interval) is carried to the next call with
 the same target, head and batch size in the process, and on disk (`<eaglejax cache>/
