@@ -30,6 +30,7 @@ from eaglejax.decoding.autotune import (
     AutoPolicy,
     Knowledge,
 )
+from eaglejax.decoding.calibration import count_columns
 
 PLAN = AutoPlan.for_device("cpu")
 PLAIN, SMALL, LARGE, PROBE = range(4)
@@ -130,6 +131,14 @@ def test_costs_are_interpolated_in_node_count_and_the_best_rate_wins():
     assert policy.next_mode() == PROBE
 
 
+def _depth_one_counts(plan: AutoPlan, accepted: float) -> np.ndarray:
+    """A probe segment's summed counts (`calibration.round_counts`' columns) in which the
+    depth-1 candidate accepted `accepted` draft tokens and every other column none."""
+    counts = np.zeros(count_columns(plan.probe, plan.sizes, plan.long_copy))
+    counts[plan.count_column(1)] = accepted
+    return counts
+
+
 def test_the_depth_one_tree_is_timed_right_after_plain_and_the_probe():
     """A head's CPU plan times its depth-1 tree as soon as plain decoding and the probe are
     timed, even where the cost interpolated between them and the probe's few rounds make
@@ -141,8 +150,7 @@ def test_the_depth_one_tree_is_timed_right_after_plain_and_the_probe():
     assert AutoPlan.for_device("cpu", probe_nodes=12).timed_early == ()
     assert AutoPlan.for_device("cpu", probe_nodes=12, method="suffix").timed_early == ()
     policy = AutoPolicy(plan, Knowledge())
-    counts = np.zeros(len(plan.sizes) * 5 + 1)  # and the long copies' column
-    counts[plan.count_column(depth_one)] = 0.2 * 2  # AL 1.2 over the probe's 2 rounds
+    counts = _depth_one_counts(plan, 0.2 * 2)  # AL 1.2 over the probe's 2 rounds
     assert policy.next_mode() == len(plan.modes) - 1
     policy.observe(len(plan.modes) - 1, 2 * 0.012, 2, 2 * 1.0, 2, counts)  # 12 ms a round
     assert policy.next_mode() == PLAIN
@@ -236,8 +244,7 @@ def test_the_depth_one_tree_is_timed_again_after_every_probe_that_leaves_plain()
     tok/s against 0.9 x 250) would not have it run again; timed at 4.5 ms it wins."""
     plan = AutoPlan.for_device("cpu", probe_nodes=12, depth_one=True)
     depth_one, probe = 1, len(plan.modes) - 1
-    counts = np.zeros(len(plan.sizes) * 5 + 1)  # and the long copies' column
-    counts[plan.count_column(depth_one)] = 0.2 * 2  # AL 1.2 over the probe's 2 rounds
+    counts = _depth_one_counts(plan, 0.2 * 2)  # AL 1.2 over the probe's 2 rounds
     policy = AutoPolicy(plan, Knowledge())
     policy.observe(probe, 2 * 0.012, 2, 2 * 1.0, 2, counts)
     policy.observe(PLAIN, 4 * 0.004, 4, 0, 0)
