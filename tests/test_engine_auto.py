@@ -168,8 +168,14 @@ def check_engine(target):
     # each request's own rounds (a slot's last request's are not the next one's)
     assert all(1 <= got[i].rounds <= limits[i] - 1 for i in range(len(plain)) if limits[i] > 1)
     assert shared._stale.any() and set(shared.policy.forwards_by_mode) >= {"plain"}
-    # a request that joins a row left behind decodes plainly: its head is never prefilled
-    assert fills[0] == "fill_spec" and fills.count("fill_target") >= 3, fills
+    # requests that arrive together share steps, and a request that joins a row left behind
+    # decodes plainly: no head is ever prefilled (the first of the five arrived with the rest)
+    assert fills == ["fill_target"] * len(prompts), fills
+    fills.clear()  # ... while one arriving alone may speculate: its head is prefilled
+    lone = rng.integers(0, 97, 13).tolist()
+    want = eaglejax.generate([lone], target=target, max_new_tokens=9, ignore_eos=True)[0]
+    got = shared.run([Request("alone", lone, 9, ignore_eos=True)])
+    assert got["alone"].token_ids == want.token_ids and fills == ["fill_spec"], fills
     for scripted in (True, False):
         engine = Engine(target, draft, num_slots=2, capacity=96, rounds_per_call=8)
         assert engine.speculation == "auto"

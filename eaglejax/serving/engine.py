@@ -513,7 +513,7 @@ class Engine:
         if target_only is None:
             self._stale[slot] = False  # the slot's last request's, not this one's
             live = self._filled()
-            live[slot] = True
+            live[[slot, *self._joining(slot)]] = True
             target_only = self.policy is not None and self._target_alone(live)
         if hit is not None:
             cache = False
@@ -724,6 +724,16 @@ class Engine:
         """The batch's EAGLE-head cache (whose rows the prefix cache keeps), if it has one."""
         drafter = getattr(self.state, "drafter", None)
         return drafter.cache if isinstance(drafter, HeadState) else None
+
+    def _joining(self, slot: int) -> list[int]:
+        """The free slots but `slot` that queued requests fill before `slot`'s first round
+        (a step that fills runs none, and the next fills on): a request arriving with others
+        is prefilled by the target alone where they will share its steps, since its head
+        would never be used (two clients' requests arrive in pairs; the first of each pair
+        prefilled the head for nothing, BENCHMARKS.md, session 53). A paged engine short of
+        blocks may keep some queued: the row then decodes plainly though it could speculate."""
+        free = [i for i, live in enumerate(self.slots) if live is None and i != slot]
+        return free[:len(self.queue)]
 
     def _target_alone(self, live: np.ndarray) -> bool:
         """Whether `auto` runs a step over the `live` slots with the target alone: a row
